@@ -1,0 +1,207 @@
+"""The adapter side of a training rank: numbers bubbles and emits events.
+
+Framework adapters (DeepSpeed, Megatron, the simulator) call a
+:class:`BackendSession` from inside the training step. Every method is cheap,
+synchronous and never raises: a missing or dead manager costs the training job
+one failed non-blocking send per event.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from freeride import protocol as p
+from freeride.transport import Endpoints, EventEmitter, default_runtime_dir
+
+__all__ = ["ENV_EVENTS", "HELLO_EVERY_NS", "BackendConfig", "BackendSession", "events_endpoint_from_env"]
+
+logger = logging.getLogger(__name__)
+
+HELLO_EVERY_NS = 5_000_000_000
+"""How often a rank repeats its Hello (a manager may start after the job)."""
+
+ENV_EVENTS = "FREERIDE_EVENTS"
+"""Environment variable `freeride launch` sets to the manager's events endpoint."""
+
+
+def events_endpoint_from_env(environ: dict[str, str] | None = None) -> str:
+    """The endpoint set by the launcher, else the default runtime dir's socket."""
+    env = os.environ if environ is None else environ
+    endpoint = env.get(ENV_EVENTS)
+    if endpoint:
+        return endpoint
+    return Endpoints.ipc(default_runtime_dir()).events
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BackendConfig:
+    """Who a training rank is."""
+
+    endpoint: str
+    """Events endpoint of the manager (``ipc://...`` or ``tcp://...``)."""
+    rank: int
+    """Global rank of the process."""
+    stage: int
+    """Pipeline stage of the rank."""
+    num_stages: int
+    device: str
+    """Device name, e.g. ``cuda:0``; on CPU ``cpu:<core>``."""
+    framework: str
+    spare_memory: int = -1
+    """Device memory the stage leaves free, in bytes (-1 unknown)."""
+    device_memory: int = -1
+    min_bubble_ns: int = 1_000_000
+    """Bubbles expected to be shorter than this are not announced."""
+
+    def __post_init__(self) -> None:
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        if not 0 <= self.stage < self.num_stages:
+            raise ValueError(f"stage must be in [0, {self.num_stages}), got {self.stage}")
+        if self.rank < 0:
+            raise ValueError(f"rank must be >= 0, got {self.rank}")
+        if self.min_bubble_ns < 0:
+            raise ValueError(f"min_bubble_ns must be >= 0, got {self.min_bubble_ns}")
+
+
+class BackendSession:
+    """Emits the events of one training rank.
+
+    Call :meth:`bubble_started` right before the rank waits and
+    :meth:`bubble_ended` right after; :meth:`step_finished` at the end of each
+    training step. :meth:`close` (also run at exit) sends ``Goodbye``.
+    """
+
+    def __init__(self, config: BackendConfig, *, emitter: EventEmitter | None = None) -> None:
+        self.config = config
+        self._emitter = emitter if emitter is not None else EventEmitter(config.endpoint)
+        self._open: p.BubbleStarted | None = None
+        self._step = -1
+        self._index = 0
+        self._step_bubble_ns = 0
+        self._closed = False
+        self.bubbles = 0
+        self._hello_sent_ns = 0
+        self._hello = p.Hello(
+                protocol_version=p.PROTOCOL_VERSION,
+                rank=config.rank,
+                stage=config.stage,
+                num_stages=config.num_stages,
+                device=config.device,
+                framework=config.framework,
+                pid=os.getpid(),
+                cpu_affinity=sorted(os.sched_getaffinity(0)),
+                device_memory=config.device_memory,
+                t_ns=time.monotonic_ns(),
+            )
+        self._maybe_hello(time.monotonic_ns())
+        atexit.register(self.close)
+
+    def _maybe_hello(self, now: int) -> None:
+        # With nothing queued for absent peers, a Hello sent before the connection
+        # is up is dropped: retry until one goes out, then repeat now and then so
+        # a manager started (or restarted) after the training job learns who we are.
+        if self._hello_sent_ns == 0 or now - self._hello_sent_ns > HELLO_EVERY_NS:
+            if self._emitter.emit(self._hello):
+                self._hello_sent_ns = now
+
+    @property
+    def dropped(self) -> int:
+        """Events the emitter could not deliver."""
+        return self._emitter.dropped
+
+    @property
+    def sent(self) -> int:
+        return self._emitter.sent
+
+    @property
+    def open_since_ns(self) -> int:
+        """Start (monotonic ns) of the bubble announced and not yet ended, else 0."""
+        return self._open.t_ns if self._open is not None else 0
+
+    def bubble_started(self, step: int, expected_ns: int, *, spare_memory: int | None = None) -> bool:
+        """Announce a bubble of ``expected_ns`` starting now.
+
+        Returns:
+            Whether the bubble was announced (long enough, none open).
+        """
+        if self._open is not None or expected_ns < self.config.min_bubble_ns:
+            return False
+        self._maybe_hello(time.monotonic_ns())
+        if step != self._step:
+            self._step, self._index, self._step_bubble_ns = step, 0, 0
+        event = p.BubbleStarted(
+            rank=self.config.rank,
+            stage=self.config.stage,
+            device=self.config.device,
+            step=step,
+            index=self._index,
+            t_ns=time.monotonic_ns(),
+            expected_ns=expected_ns,
+            spare_memory=self.config.spare_memory if spare_memory is None else spare_memory,
+        )
+        self._open = event
+        self._index += 1
+        self._emitter.emit(event)
+        return True
+
+    def bubble_ended(self) -> int:
+        """Close the open bubble, if any.
+
+        Returns:
+            Its measured duration in ns (0 if none was open).
+        """
+        start = self._open
+        if start is None:
+            return 0
+        self._open = None
+        now = time.monotonic_ns()
+        duration = now - start.t_ns
+        self._step_bubble_ns += duration
+        self.bubbles += 1
+        self._emitter.emit(
+            p.BubbleEnded(
+                rank=start.rank,
+                stage=start.stage,
+                device=start.device,
+                step=start.step,
+                index=start.index,
+                t_ns=now,
+                duration_ns=duration,
+            )
+        )
+        return duration
+
+    def step_finished(self, step: int, duration_ns: int) -> None:
+        """Report the end of training step ``step``."""
+        self.bubble_ended()
+        self._maybe_hello(time.monotonic_ns())
+        bubble_ns = self._step_bubble_ns if step == self._step else 0
+        self._emitter.emit(
+            p.StepFinished(
+                rank=self.config.rank,
+                stage=self.config.stage,
+                step=step,
+                t_ns=time.monotonic_ns(),
+                duration_ns=duration_ns,
+                bubble_ns=bubble_ns,
+            )
+        )
+
+    def heartbeat(self) -> None:
+        self._maybe_hello(time.monotonic_ns())
+        self._emitter.emit(p.Heartbeat(rank=self.config.rank, t_ns=time.monotonic_ns()))
+
+    def close(self) -> None:
+        """Send ``Goodbye`` and release the socket (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        self.bubble_ended()
+        goodbye = p.Goodbye(rank=self.config.rank, t_ns=time.monotonic_ns(), dropped=self._emitter.dropped)
+        self._emitter.close(goodbye)

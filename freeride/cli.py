@@ -1,0 +1,404 @@
+"""The ``freeride`` command: builds configuration once and hands it down."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from freeride import protocol as p
+from freeride.config import ServeConfig
+from freeride.transport import ControlClient, Endpoints, ManagerUnreachable, default_runtime_dir
+from freeride.units import format_ns, parse_bytes, parse_duration_ns
+
+__all__ = ["build_parser", "main"]
+
+logger = logging.getLogger("freeride")
+
+_EPILOG = """\
+typical use:
+  freeride serve &                                   # one per node, beside the training job
+  freeride launch -- torchrun --nproc_per_node 4 train.py ...   # unmodified training script
+  freeride submit freeride.sidetasks.pagerank:PageRank --opt nodes=200000
+  freeride status
+try it without a training job: freeride demo
+"""
+
+
+def _runtime_dir(args: argparse.Namespace) -> Path:
+    return Path(args.runtime_dir) if args.runtime_dir else default_runtime_dir()
+
+
+def _endpoints(args: argparse.Namespace) -> Endpoints:
+    runtime_dir = _runtime_dir(args)
+    if getattr(args, "tcp", None):
+        host, _, port = args.tcp.rpartition(":")
+        return Endpoints.tcp(host or "127.0.0.1", int(port), runtime_dir)
+    return Endpoints.ipc(runtime_dir)
+
+
+def _add_runtime(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument(
+        "--runtime-dir",
+        metavar="DIR",
+        help=f"where the manager's sockets live (default {default_runtime_dir()}); must match `freeride serve`",
+    )
+    sub.add_argument(
+        "--tcp", metavar="HOST:PORT", help="use tcp:// (events on PORT, control on PORT+1) instead of ipc"
+    )
+
+
+def _control(args: argparse.Namespace) -> ControlClient:
+    return ControlClient(_endpoints(args).control, timeout_s=args.timeout)
+
+
+# -- serve ---------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from freeride.manager import Manager
+
+    runtime_dir = _runtime_dir(args)
+    config = ServeConfig(
+        endpoints=_endpoints(args),
+        state_dir=Path(args.state_dir) if args.state_dir else runtime_dir / "state",
+        margin_ns=parse_duration_ns(args.margin),
+        checkpoint_every_s=parse_duration_ns(args.checkpoint_every) / 1e9,
+        backend_timeout_s=parse_duration_ns(args.backend_timeout) / 1e9,
+        profile=Path(args.profile) if args.profile else None,
+        mps=args.mps,
+        trace=Path(args.trace) if args.trace else None,
+    )
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        async with Manager(config) as manager:
+            print(f"freeride: serving; backends send to {config.endpoints.events}", flush=True)
+            await manager.run(stop)
+
+    uvloop.run(serve())
+    return 0
+
+
+# -- control commands ------------------------------------------------------------
+
+
+def _parse_opts(pairs: Sequence[str]) -> dict[str, str | int | float | bool]:
+    opts: dict[str, str | int | float | bool] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"freeride: --opt expects key=value, got {pair!r}")
+        value: str | int | float | bool = raw
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        else:
+            for conv in (int, float):
+                try:
+                    value = conv(raw)
+                    break
+                except ValueError:
+                    continue
+        opts[key.replace("-", "_")] = value
+    return opts
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    if args.list:
+        from freeride.sidetasks import CATALOG, describe
+
+        for name, target in CATALOG.items():
+            print(f"{name:22} {target:52} {describe(name)}")
+        return 0
+    if args.imperative:
+        if not args.command:
+            raise SystemExit(
+                "freeride: give the program after --, e.g. freeride submit --imperative -- python x.py"
+            )
+        spec = p.TaskSpec(kind="imperative", argv=list(args.command), name=args.name or "")
+    else:
+        if not args.target:
+            raise SystemExit("freeride: give a side task as module:Class (see freeride submit --list)")
+        target = args.target
+        if ":" not in target:
+            from freeride.sidetasks import CATALOG
+
+            target = CATALOG.get(target, target)
+        spec = p.TaskSpec(
+            kind="iterative",
+            target=target,
+            name=args.name or "",
+            options=_parse_opts(args.opt),
+            step_time_ns=parse_duration_ns(args.step_time) if args.step_time else -1,
+        )
+    spec = msgspec.structs.replace(
+        spec,
+        peak_memory=parse_bytes(args.peak_memory) if args.peak_memory else -1,
+        device=args.device or "",
+        max_restarts=args.max_restarts,
+    )
+    with _control(args) as client:
+        reply = client.request(p.Submit(spec=spec))
+    match reply:
+        case p.Submitted(task_id=tid, device=device):
+            print(f"task {tid} submitted; " + (f"placed on {device}" if device else "waiting for a device"))
+            return 0
+        case p.Rejected(reason=reason):
+            print(f"freeride: rejected: {reason}", file=sys.stderr)
+            return 2
+        case _:
+            print(f"freeride: unexpected reply {reply!r}", file=sys.stderr)
+            return 1
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with _control(args) as client:
+        reply = client.request(p.Cancel(task_id=args.task_id))
+    if isinstance(reply, p.Cancelled):
+        print(f"task {reply.task_id} cancelled (its checkpoint is kept; submit it again to resume)")
+        return 0
+    print(f"freeride: {getattr(reply, 'reason', reply)}", file=sys.stderr)
+    return 2
+
+
+def format_status(status: p.StatusReply) -> str:
+    lines = [
+        f"{'device':10} {'stage':>5} {'alive':>5} {'bubbles':>8} {'bubble time':>12} {'used':>7} {'overruns':>8}"
+    ]
+    for d in status.devices:
+        share = d.used_ns / d.bubble_ns if d.bubble_ns else 0.0
+        lines.append(
+            f"{d.device:10} {d.stage:>5} {'yes' if d.alive else 'no':>5} {d.bubbles:>8} "
+            f"{format_ns(d.bubble_ns):>12} {share:>6.1%} {d.overruns:>8}"
+        )
+    lines.append("")
+    lines.append(f"{'task':>4} {'name':28} {'state':10} {'device':10} {'steps':>8} {'busy':>10}  metrics")
+    for t in status.tasks:
+        metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(t.metrics.items()))
+        lines.append(
+            f"{t.task_id:>4} {t.name[:28]:28} {t.state:10} {t.device or '-':10} {t.steps:>8} "
+            f"{format_ns(t.busy_ns):>10}  {metrics}{('  error: ' + t.error) if t.error else ''}"
+        )
+    lat = status.latency
+    lines.append("")
+    lines.append(
+        f"bubble start -> side-task step: p50 {format_ns(lat.p50_ns)}, p99 {format_ns(lat.p99_ns)} "
+        f"over {lat.count} grants; {status.events} events, {status.rejected_frames} rejected frames"
+    )
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _control(args) as client:
+        reply = client.request(p.StatusRequest())
+    if not isinstance(reply, p.StatusReply):
+        print(f"freeride: unexpected reply {reply!r}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(msgspec.json.encode(reply).decode())
+    else:
+        print(format_status(reply))
+    return 0
+
+
+# -- launch / profile / sim / demo ------------------------------------------------
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from freeride.backends.launch import launch_env
+
+    if not args.command:
+        raise SystemExit("freeride: give the training command after --, e.g. freeride launch -- torchrun ...")
+    env = launch_env(os.environ, events=_endpoints(args).events)
+    os.execvpe(args.command[0], list(args.command), env)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from freeride.backends.launch import launch_env
+    from freeride.profile import build_profile, load_observations, write_profile
+
+    if not args.command:
+        raise SystemExit("freeride: give the training command after --")
+    with tempfile.TemporaryDirectory(prefix="freeride-profile-") as tmp:
+        env = launch_env(os.environ, events=_endpoints(args).events, mode="profile", profile_dir=Path(tmp))
+        code = subprocess.call(list(args.command), env=env)
+        if code != 0:
+            print(f"freeride: training command exited with {code}; no profile written", file=sys.stderr)
+            return code
+        profile = build_profile(load_observations(Path(tmp)))
+    write_profile(profile, Path(args.out))
+    print(f"freeride: profile of {len(profile.stages)} stage(s) written to {args.out}")
+    return 0
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from freeride.backends.sim import SimConfig, SimPipeline
+
+    config = SimConfig(
+        endpoint=_endpoints(args).events,
+        schedule=args.schedule,
+        num_stages=args.stages,
+        num_microbatches=args.microbatches,
+        num_chunks=args.chunks,
+        forward_s=parse_duration_ns(args.forward) / 1e9,
+        backward_s=parse_duration_ns(args.backward) / 1e9,
+        steps=args.steps,
+        compute=args.compute,
+    )
+    with SimPipeline(config) as sim:
+        results = sim.join()
+    for r in results:
+        med = sorted(r.step_ns)[len(r.step_ns) // 2] if r.step_ns else 0
+        print(f"stage {r.stage}: {len(r.step_ns)} steps, median {format_ns(med)}, {r.dropped} events dropped")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from freeride.demo import DemoOptions, run_demo
+
+    options = DemoOptions(
+        schedule=args.schedule,
+        num_stages=args.stages,
+        num_microbatches=args.microbatches,
+        steps=args.steps,
+        forward_s=parse_duration_ns(args.forward) / 1e9,
+        backward_s=parse_duration_ns(args.backward) / 1e9,
+        compute=args.compute,
+        task=args.task,
+    )
+    report = run_demo(options)
+    print(report.text())
+    return 0 if report.ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="freeride",
+        description="Run side tasks inside the pipeline bubbles of DeepSpeed and Megatron training jobs.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    subs = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    s = subs.add_parser("serve", help="run the manager (one per node, beside the training job)")
+    _add_runtime(s)
+    s.add_argument("--state-dir", metavar="DIR", help="logs and checkpoints (default RUNTIME_DIR/state)")
+    s.add_argument(
+        "--margin", default="0.3ms", help="time kept free before a bubble's expected end (default 0.3ms)"
+    )
+    s.add_argument(
+        "--checkpoint-every", default="30s", help="how often running tasks checkpoint (default 30s)"
+    )
+    s.add_argument("--backend-timeout", default="30s", help="silence after which an unwatchable rank is dead")
+    s.add_argument("--profile", metavar="FILE", help="bubble profile from `freeride profile`")
+    s.add_argument("--mps", action="store_true", help="cap side tasks' GPU memory with NVIDIA MPS (GPU only)")
+    s.add_argument(
+        "--trace", metavar="FILE", help="write a Chrome/Perfetto trace of bubbles and side-task work"
+    )
+    s.set_defaults(fn=cmd_serve)
+
+    s = subs.add_parser(
+        "submit", help="submit a side task", description="Submit a side task to a running manager."
+    )
+    _add_runtime(s)
+    s.add_argument("target", nargs="?", help="module:Class of an iterative task, or a name from --list")
+    s.add_argument("--list", action="store_true", help="list the packaged sample side tasks")
+    s.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="task option (repeatable)")
+    s.add_argument(
+        "--name", help="task name; a task submitted again under its name resumes from its checkpoint"
+    )
+    s.add_argument(
+        "--peak-memory", metavar="SIZE", help="peak device memory, e.g. 2G (placement only fits it)"
+    )
+    s.add_argument("--step-time", metavar="DURATION", help="expected step time, e.g. 5ms, until measured")
+    s.add_argument("--device", help="pin to a device, e.g. cuda:1")
+    s.add_argument("--max-restarts", type=int, default=3, help="restarts from checkpoint after a crash")
+    s.add_argument("--imperative", action="store_true", help="run an unmodified program (give it after --)")
+    s.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    s.add_argument("--timeout", type=float, default=5.0, help=argparse.SUPPRESS)
+    s.set_defaults(fn=cmd_submit)
+
+    s = subs.add_parser("status", help="show devices, bubbles and side tasks")
+    _add_runtime(s)
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the manager")
+    s.set_defaults(fn=cmd_status)
+
+    s = subs.add_parser("cancel", help="cancel a side task (it checkpoints first)")
+    _add_runtime(s)
+    s.add_argument("task_id", type=int)
+    s.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the manager")
+    s.set_defaults(fn=cmd_cancel)
+
+    s = subs.add_parser("launch", help="run a training command with FreeRide's hooks in every rank")
+    _add_runtime(s)
+    s.add_argument("command", nargs=argparse.REMAINDER, help="the training command, after --")
+    s.set_defaults(fn=cmd_launch)
+
+    s = subs.add_parser("profile", help="run a few training steps and write a bubble profile")
+    _add_runtime(s)
+    s.add_argument("--out", required=True, metavar="FILE")
+    s.add_argument("command", nargs=argparse.REMAINDER, help="the training command, after --")
+    s.set_defaults(fn=cmd_profile)
+
+    for name, helptext in (
+        ("sim", "run a simulated pipeline job against a running manager"),
+        ("demo", "serve + simulated pipeline + sample side tasks, then a report"),
+    ):
+        s = subs.add_parser(name, help=helptext)
+        if name == "sim":
+            _add_runtime(s)
+        s.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+        s.add_argument("--stages", type=int, default=2)
+        s.add_argument("--microbatches", type=int, default=4)
+        s.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved)")
+        s.add_argument("--steps", type=int, default=40 if name == "demo" else 100)
+        s.add_argument("--forward", default="10ms", help="forward time per micro-batch and stage")
+        s.add_argument("--backward", default="20ms", help="backward time per micro-batch and stage")
+        s.add_argument(
+            "--compute", default="sleep", choices=["sleep", "spin"], help="spin burns the stage's core"
+        )
+        if name == "demo":
+            s.add_argument(
+                "--task", default="pagerank", help="sample side task per stage (see submit --list)"
+            )
+        s.set_defaults(fn=cmd_sim if name == "sim" else cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "command", None) and args.command[0] == "--":
+        args.command = args.command[1:]
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.fn(args))
+    except ManagerUnreachable as exc:
+        print(f"freeride: {exc}", file=sys.stderr)
+        return 3
+    except ValueError as exc:
+        print(f"freeride: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Configuration of ``freeride serve``: built once by the CLI, read-only after."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from freeride.transport import Endpoints
+
+__all__ = ["ServeConfig"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServeConfig:
+    """Everything the manager needs to know, validated at construction."""
+
+    endpoints: Endpoints
+    """Where backends, control clients and side-task workers connect."""
+    state_dir: Path
+    """Logs and checkpoints of side tasks live here."""
+    margin_ns: int = 300_000
+    """Time kept free before a bubble's expected end; a step must fit before it."""
+    checkpoint_every_s: float = 30.0
+    """How often a running iterative task saves its state (between steps, inside bubbles)."""
+    backend_timeout_s: float = 30.0
+    """A rank whose process cannot be watched is taken for dead after this much silence."""
+    stop_timeout_s: float = 10.0
+    """How long a side task gets to checkpoint and exit before it is terminated."""
+    profile: Path | None = None
+    """Bubble profile written by ``freeride profile``: spare memory per stage before ranks report."""
+    python: str = field(default=sys.executable)
+    """Interpreter for side-task worker processes."""
+    mps: bool = False
+    """Run side tasks as MPS clients with memory caps (GPU only)."""
+    trace: Path | None = None
+    """Write a Chrome/Perfetto trace of bubbles and side-task work here."""
+
+    def __post_init__(self) -> None:
+        if self.margin_ns < 0:
+            raise ValueError(f"margin_ns must be >= 0, got {self.margin_ns}")
+        if self.checkpoint_every_s <= 0:
+            raise ValueError(f"checkpoint_every_s must be > 0, got {self.checkpoint_every_s}")
+        if self.backend_timeout_s <= 0:
+            raise ValueError(f"backend_timeout_s must be > 0, got {self.backend_timeout_s}")
+        if self.stop_timeout_s <= 0:
+            raise ValueError(f"stop_timeout_s must be > 0, got {self.stop_timeout_s}")
+        if self.profile is not None and not self.profile.is_file():
+            raise ValueError(f"profile: no such file {self.profile}")
+
+    @property
+    def log_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.state_dir / "checkpoints"

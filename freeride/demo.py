@@ -1,0 +1,161 @@
+"""``freeride demo``: a manager, a simulated pipeline job and a side task per stage.
+
+Everything is real but the training framework: the manager serves on ipc://
+sockets in a fresh runtime directory, each pipeline stage is a process pinned
+to its own core that waits on its neighbours, and each side task is a worker
+process pinned to its stage's core that only steps inside granted bubbles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from freeride import protocol as p
+from freeride.backends.sim import SimConfig, SimPipeline, StageResult
+from freeride.config import ServeConfig
+from freeride.manager import Manager
+from freeride.transport import Endpoints
+from freeride.units import format_ns
+
+__all__ = ["DemoOptions", "DemoReport", "run_demo"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DemoOptions:
+    schedule: str = "1f1b"
+    num_stages: int = 2
+    num_microbatches: int = 4
+    steps: int = 40
+    forward_s: float = 0.010
+    backward_s: float = 0.020
+    compute: Literal["sleep", "spin"] = "sleep"
+    task: str = "pagerank"
+    """A name from ``freeride submit --list`` or ``module:Class``."""
+    setup_timeout_s: float = 120.0
+
+
+@dataclass(slots=True)
+class DemoReport:
+    options: DemoOptions
+    status: p.StatusReply
+    stages: list[StageResult] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.status.devices) and all(
+            t.state in ("running", "finished") for t in self.status.tasks
+        )
+
+    def text(self) -> str:
+        o = self.options
+        theory = (o.num_stages - 1) / (o.num_microbatches + o.num_stages - 1)
+        lines = [
+            f"FreeRide demo: {o.schedule} pipeline, {o.num_stages} stages x {o.num_microbatches} micro-batches, "
+            f"{o.steps} steps ({o.compute} compute); side task: {o.task}",
+            "",
+            f"{'stage':>5} {'device':8} {'step (median)':>13} {'bubble share':>12} {'bubble time':>11} "
+            f"{'used by side task':>17} {'overruns':>8}",
+        ]
+        by_stage = {r.stage: r for r in self.stages}
+        for d in sorted(self.status.devices, key=lambda d: d.stage):
+            r = by_stage.get(d.stage)
+            step = statistics.median(r.step_ns) if r and r.step_ns else 0
+            share = sum(r.wait_ns) / sum(r.step_ns) if r and r.step_ns else 0.0
+            used = d.used_ns / d.bubble_ns if d.bubble_ns else 0.0
+            lines.append(
+                f"{d.stage:>5} {d.device:8} {format_ns(int(step)):>13} {share:>12.1%} {format_ns(d.bubble_ns):>11} "
+                f"{used:>17.1%} {d.overruns:>8}"
+            )
+        lines.append(f"(schedule's bubble share (p-1)/(m+p-1) = {theory:.1%})")
+        lines.append("")
+        for t in self.status.tasks:
+            metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(t.metrics.items()))
+            lines.append(f"task {t.task_id} {t.name}: {t.state} on {t.device}, {t.steps} steps; {metrics}")
+            if t.error:
+                lines.append(f"  error: {t.error}")
+        lat = self.status.latency
+        lines.append("")
+        lines.append(
+            f"bubble start -> side-task step start: median {format_ns(lat.p50_ns)}, p99 {format_ns(lat.p99_ns)} "
+            f"({lat.count} grants)"
+        )
+        return "\n".join(lines)
+
+
+def _target(task: str) -> str:
+    if ":" in task:
+        return task
+    from freeride.sidetasks import CATALOG
+
+    if task not in CATALOG:
+        raise ValueError(
+            f"unknown side task {task!r}; choose one of {', '.join(CATALOG)} or give module:Class"
+        )
+    return CATALOG[task]
+
+
+async def _wait_for(predicate: object, timeout_s: float, what: str) -> None:
+    assert callable(predicate)
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not predicate():
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        raise TimeoutError(f"demo: timed out after {timeout_s:g}s waiting for {what}") from None
+
+
+async def _demo(options: DemoOptions) -> DemoReport:
+    runtime_dir = Path(tempfile.mkdtemp(prefix="freeride-demo-"))
+    config = ServeConfig(endpoints=Endpoints.ipc(runtime_dir), state_dir=runtime_dir / "state")
+    sim_config = SimConfig(
+        endpoint=config.endpoints.events,
+        schedule=options.schedule,
+        num_stages=options.num_stages,
+        num_microbatches=options.num_microbatches,
+        forward_s=options.forward_s,
+        backward_s=options.backward_s,
+        steps=options.steps,
+        compute=options.compute,
+    )
+    target = _target(options.task)
+    stop = asyncio.Event()
+    async with Manager(config) as manager, asyncio.TaskGroup() as tg:
+        tg.create_task(manager.run(stop), name="demo-manager")
+        for stage in range(options.num_stages):
+            device = sim_config.device(stage)
+            manager.declare_device(
+                device, stage=stage, spare_memory=sim_config.spare_memory, cpu_affinity=[stage]
+            )
+            reply = manager.submit(
+                p.TaskSpec(
+                    kind="iterative", target=target, device=device, name=f"demo-{options.task}-stage{stage}"
+                )
+            )
+            if isinstance(reply, p.Rejected):
+                raise ValueError(reply.reason)
+        await _wait_for(
+            lambda: all(t.state != "starting" for t in manager.tasks.values()),
+            options.setup_timeout_s,
+            "side tasks",
+        )
+        sim = SimPipeline(sim_config).start()
+        try:
+            stages = await asyncio.to_thread(sim.join)
+        finally:
+            sim.terminate()
+        await _wait_for(lambda: not manager.live_backends(), 10.0, "the simulated ranks to say goodbye")
+        status = manager.status()
+        stop.set()
+    return DemoReport(options=options, status=status, stages=stages)
+
+
+def run_demo(options: DemoOptions) -> DemoReport:
+    """Run the demo on a uvloop event loop and return its report."""
+    import uvloop
+
+    return uvloop.run(_demo(options))

@@ -1,0 +1,240 @@
+"""One scheduler per device: hands each bubble to the side tasks placed there.
+
+Side tasks of a device take turns, as kernels of several processes would on
+one GPU. When a bubble starts, the scheduler grants it to the next task (round
+robin) whose estimated step fits in the bubble; a task that gives the grant
+back early (its next step no longer fits, or it finished) passes the rest of
+the bubble on to another task whose step does fit. When the bubble ends the
+grant is revoked. All accounting of bubble time and its use lives here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from freeride import protocol as p
+from freeride.stats import LatencyRecorder
+from freeride.tasks import TaskRecord
+
+__all__ = ["DeviceInput", "DeviceScheduler", "TaskChanged"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskChanged:
+    """A task of this device became runnable, or left."""
+
+    task: TaskRecord
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReport:
+    """A worker gave a grant back."""
+
+    task: TaskRecord
+    done: p.GrantDone
+
+
+DeviceInput = p.BubbleStarted | p.BubbleEnded | TaskChanged | WorkerReport
+
+SendFn = Callable[[TaskRecord, p.ManagerToWorker], bool]
+
+
+@dataclass(slots=True)
+class _GrantState:
+    task: TaskRecord
+    bubble_end_ns: int = 0
+    """Actual end of the bubble (0 while it lasts)."""
+    last_step_end_ns: int = 0
+    returned: bool = False
+
+
+class DeviceScheduler:
+    """Grants the bubbles of one device to its side tasks."""
+
+    def __init__(self, device: str, *, send: SendFn, latency: LatencyRecorder, margin_ns: int) -> None:
+        self.device = device
+        self.inbox: asyncio.Queue[DeviceInput] = asyncio.Queue()
+        self.tasks: list[TaskRecord] = []
+        self._send = send
+        self._latency = latency
+        self._margin_ns = margin_ns
+        # who trains here
+        self.stage = -1
+        self.rank = -1
+        self.framework = ""
+        self.alive = False
+        self.spare_memory = -1
+        self.cpu_affinity: list[int] = []
+        self.dropped = 0
+        # bubble state
+        self._bubble: p.BubbleStarted | None = None
+        self._deadline_ns = 0
+        self._tried: set[int] = set()
+        self._holder: int | None = None
+        self._grants: dict[int, _GrantState] = {}
+        self._next_grant = 1
+        self._rr = 0
+        # accounting
+        self.bubbles = 0
+        self.bubble_ns = 0
+        self.used_ns = 0
+        self.overruns = 0
+        self.overrun_ns = 0
+        self.train_steps = 0
+        self.first_seen_ns = time.monotonic_ns()
+
+    # -- coroutine ------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Consume the inbox forever (cancelled at shutdown)."""
+        while True:
+            self.handle(await self.inbox.get())
+
+    def handle(self, item: DeviceInput) -> None:
+        match item:
+            case p.BubbleStarted():
+                self._on_bubble_started(item)
+            case p.BubbleEnded():
+                self._on_bubble_ended(item)
+            case WorkerReport(task=task, done=done):
+                self._on_grant_done(task, done)
+            case TaskChanged(task=task):
+                self._on_task_changed(task)
+
+    # -- public views ---------------------------------------------------------
+
+    def status(self) -> p.DeviceStatus:
+        return p.DeviceStatus(
+            device=self.device,
+            stage=self.stage,
+            rank=self.rank,
+            framework=self.framework,
+            alive=self.alive,
+            bubbles=self.bubbles,
+            bubble_ns=self.bubble_ns,
+            used_ns=self.used_ns,
+            overruns=self.overruns,
+            overrun_ns=self.overrun_ns,
+            spare_memory=self.spare_memory,
+            steps=self.train_steps,
+            dropped=self.dropped,
+        )
+
+    def bubble_share(self) -> float:
+        elapsed = time.monotonic_ns() - self.first_seen_ns
+        return self.bubble_ns / elapsed if elapsed > 0 else 0.0
+
+    def committed_memory(self) -> int:
+        return sum(max(0, t.spec.peak_memory) for t in self.tasks if t.state in ("starting", "running"))
+
+    def backend_lost(self) -> None:
+        """The rank training here is gone: stop handing out its bubble."""
+        self.alive = False
+        if self._bubble is not None:
+            self._revoke_current()
+            self._bubble = None
+
+    # -- events ---------------------------------------------------------------
+
+    def _on_bubble_started(self, ev: p.BubbleStarted) -> None:
+        if self._bubble is not None:  # the end of the previous one was lost
+            self._revoke_current()
+        self._bubble = ev
+        self._deadline_ns = ev.t_ns + ev.expected_ns
+        self._tried.clear()
+        self.bubbles += 1
+        if ev.spare_memory >= 0:
+            self.spare_memory = ev.spare_memory
+        self._grant_next(fresh=True)
+
+    def _on_bubble_ended(self, ev: p.BubbleEnded) -> None:
+        self.bubble_ns += ev.duration_ns
+        for state in self._grants.values():
+            if state.bubble_end_ns == 0:
+                state.bubble_end_ns = ev.t_ns
+                if state.returned:
+                    self._account_overrun(state)
+        self._grants = {gid: s for gid, s in self._grants.items() if not s.returned}
+        self._revoke_current()
+        self._bubble = None
+
+    def _on_task_changed(self, task: TaskRecord) -> None:
+        if task.device != self.device or task.state in ("finished", "failed", "cancelled"):
+            if task in self.tasks:
+                self.tasks.remove(task)
+            held = self._grants.get(self._holder) if self._holder is not None else None
+            if held is not None and held.task is task:
+                self._grants.pop(self._holder)  # type: ignore[arg-type]
+                self._holder = None
+                self._grant_next(fresh=False)
+            return
+        if task not in self.tasks:
+            self.tasks.append(task)
+        if task.runnable and self._holder is None and self._bubble is not None:
+            self._grant_next(fresh=False)
+
+    def _on_grant_done(self, task: TaskRecord, done: p.GrantDone) -> None:
+        task.estimate_ns = done.step_estimate_ns
+        task.steps += done.steps
+        task.busy_ns += done.busy_ns
+        self.used_ns += done.busy_ns
+        if done.first_step_delay_ns >= 0:
+            self._latency.record(done.first_step_delay_ns)
+        state = self._grants.get(done.grant_id)
+        if state is not None:
+            state.returned = True
+            state.last_step_end_ns = done.last_step_end_ns
+            if state.bubble_end_ns or done.overrun_ns:
+                self._account_overrun(state, fallback_ns=done.overrun_ns)
+                self._grants.pop(done.grant_id)
+        if self._holder == done.grant_id:
+            self._holder = None
+            if done.reason in ("no_fit", "finished") and self._bubble is not None:
+                self._grant_next(fresh=False)
+
+    # -- granting -------------------------------------------------------------
+
+    def _account_overrun(self, state: _GrantState, fallback_ns: int = 0) -> None:
+        end = state.bubble_end_ns
+        late = state.last_step_end_ns - end if end and state.last_step_end_ns else fallback_ns
+        if late > 0:
+            self.overruns += 1
+            self.overrun_ns += late
+
+    def _revoke_current(self) -> None:
+        if self._holder is not None:
+            state = self._grants.get(self._holder)
+            if state is not None:
+                self._send(state.task, p.Revoke(grant_id=self._holder))
+            self._holder = None
+
+    def _grant_next(self, *, fresh: bool) -> None:
+        if self._bubble is None or self._holder is not None or not self.tasks:
+            return
+        remaining = self._deadline_ns - time.monotonic_ns() - self._margin_ns
+        if remaining <= 0:
+            return
+        n = len(self.tasks)
+        for k in range(n):
+            task = self.tasks[(self._rr + k) % n]
+            if not task.runnable or task.task_id in self._tried:
+                continue
+            estimate = task.estimate_ns
+            # A task whose step time is unknown probes only at the start of a bubble.
+            if (estimate < 0 and not fresh) or estimate > remaining:
+                continue
+            grant_id = self._next_grant
+            self._next_grant += 1
+            self._tried.add(task.task_id)
+            self._rr = (self._rr + k + 1) % n
+            grant = p.Grant(grant_id=grant_id, bubble_t_ns=self._bubble.t_ns, deadline_ns=self._deadline_ns)
+            if self._send(task, grant):
+                self._holder = grant_id
+                self._grants[grant_id] = _GrantState(task=task)
+                return

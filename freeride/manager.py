@@ -1,0 +1,540 @@
+"""The manager behind ``freeride serve``: one event loop per node.
+
+Usage::
+
+    async with Manager(config) as manager:
+        await manager.run(stop_event)
+
+Three sockets, each owned by one object and read by one task: backend events
+(PULL), side-task workers (ROUTER) and control clients (ROUTER). Each device
+gets a :class:`~freeride.devices.DeviceScheduler` coroutine that hands its
+bubbles to the side tasks placed there. Everything runs in one TaskGroup; on
+exit every side task is asked to checkpoint and stop, then terminated if it
+does not, and every socket is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from typing import assert_never
+
+from freeride import protocol as p
+from freeride.config import ServeConfig
+from freeride.devices import DeviceScheduler, TaskChanged, WorkerReport
+from freeride.placement import DeviceView, NoFit, place
+from freeride.stats import LatencyRecorder
+from freeride.tasks import TaskRecord, spawn_worker, stop_process, task_name
+from freeride.transport import (
+    BadFrame,
+    ControlServer,
+    EventReceiver,
+    WorkerHub,
+    new_async_context,
+)
+
+__all__ = ["Manager"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Backend:
+    rank: int
+    device: str
+    pid: int
+    last_seen_ns: int
+    watched: bool = False
+    alive: bool = True
+
+
+class _Stop(Exception):
+    """Raised inside the TaskGroup to end :meth:`Manager.run`."""
+
+
+class Manager:
+    """Serves one node: backends' bubbles in, side-task grants out."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.devices: dict[str, DeviceScheduler] = {}
+        self.tasks: dict[int, TaskRecord] = {}
+        self.latency = LatencyRecorder()
+        self.events = 0
+        self.rejected_frames = 0
+        self._backends: dict[int, _Backend] = {}
+        self._next_task = 1
+        self._started_ns = time.monotonic_ns()
+        self._tg: asyncio.TaskGroup | None = None
+        self._ctx = new_async_context()
+        self._receiver: EventReceiver | None = None
+        self._hub: WorkerHub | None = None
+        self._control: ControlServer | None = None
+        self._closed = False
+
+    # -- lifetime -------------------------------------------------------------
+
+    async def __aenter__(self) -> Manager:
+        for d in (self.config.state_dir, self.config.log_dir, self.config.checkpoint_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        for addr in (
+            self.config.endpoints.events,
+            self.config.endpoints.control,
+            self.config.endpoints.workers,
+        ):
+            if addr.startswith("ipc://"):
+                path = addr[6:]
+                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)  # stale socket file of a manager that died
+        try:
+            self._receiver = EventReceiver(self._ctx, self.config.endpoints.events)
+            self._hub = WorkerHub(self._ctx, self.config.endpoints.workers)
+            self._control = ControlServer(self._ctx, self.config.endpoints.control)
+        except Exception:
+            await self.aclose()
+            raise
+        logger.info(
+            "[startup] manager: events=%s control=%s workers=%s",
+            self.config.endpoints.events,
+            self.config.endpoints.control,
+            self.config.endpoints.workers,
+        )
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop every side task and close every socket (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._stop_all_tasks()
+        for owner in (self._receiver, self._hub, self._control):
+            if owner is not None:
+                owner.close()
+        self._ctx.term()
+        logger.info("[shutdown] manager: closed")
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Serve until ``stop`` is set (forever if ``None``)."""
+        stop = stop or asyncio.Event()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                tg.create_task(self._events_loop(), name="manager-events")
+                tg.create_task(self._workers_loop(), name="manager-workers")
+                tg.create_task(self._control_loop(), name="manager-control")
+                tg.create_task(self._watchdog(), name="manager-watchdog")
+                tg.create_task(self._until(stop), name="manager-stop")
+                for device in self.devices.values():
+                    tg.create_task(device.run(), name=f"device-{device.device}")
+                for task in self.tasks.values():
+                    if task.state == "starting" and task.process is None:
+                        tg.create_task(self._supervise(task), name=f"task-{task.task_id}")
+        except* _Stop:
+            pass
+        finally:
+            self._tg = None
+
+    @staticmethod
+    async def _until(stop: asyncio.Event) -> None:
+        await stop.wait()
+        raise _Stop
+
+    # -- backend events -------------------------------------------------------
+
+    async def _events_loop(self) -> None:
+        assert self._receiver is not None
+        while True:
+            event = await self._receiver.recv()
+            self.events += 1
+            self._on_event(event)
+
+    def _on_event(self, event: p.BackendEvent | BadFrame) -> None:
+        now = time.monotonic_ns()
+        match event:
+            case BadFrame(reason=reason, size=size):
+                self.rejected_frames += 1
+                logger.warning("[events] rejected a %d-byte frame: %s", size, reason)
+                return
+            case p.Hello():
+                self._on_hello(event)
+                return
+            case (
+                p.BubbleStarted(rank=rank, device=device, stage=stage)
+                | p.BubbleEnded(rank=rank, device=device, stage=stage)
+            ):
+                if self._touch(rank, now):
+                    self._device(device, stage=stage, rank=rank).inbox.put_nowait(event)
+            case p.StepFinished(rank=rank):
+                if self._touch(rank, now):
+                    backend = self._backends.get(rank)
+                    if backend is not None:
+                        self.devices[backend.device].train_steps += 1
+            case p.Heartbeat(rank=rank):
+                self._touch(rank, now)
+            case p.Goodbye(rank=rank, dropped=dropped):
+                backend = self._backends.pop(rank, None)
+                if backend is not None:
+                    logger.info("[events] rank %d said goodbye (%d events dropped)", rank, dropped)
+                    scheduler = self.devices[backend.device]
+                    scheduler.dropped += dropped
+                    scheduler.backend_lost()
+            case _:
+                assert_never(event)
+
+    def _touch(self, rank: int, now: int) -> bool:
+        backend = self._backends.get(rank)
+        if backend is None:
+            return True  # a rank that started before this manager: serve it all the same
+        if not backend.alive:
+            return False
+        backend.last_seen_ns = now
+        return True
+
+    def _on_hello(self, hello: p.Hello) -> None:
+        if hello.protocol_version != p.PROTOCOL_VERSION:
+            self.rejected_frames += 1
+            logger.error(
+                "[events] rank %d (pid %d) speaks protocol %d but this manager speaks %d; "
+                "install the same FreeRide version in the training environment",
+                hello.rank,
+                hello.pid,
+                hello.protocol_version,
+                p.PROTOCOL_VERSION,
+            )
+            return
+        known = self._backends.get(hello.rank)
+        if known is not None and known.pid == hello.pid and known.alive:
+            known.last_seen_ns = time.monotonic_ns()  # the periodic repeat
+            return
+        device = self._device(hello.device, stage=hello.stage, rank=hello.rank)
+        device.framework = hello.framework
+        device.cpu_affinity = list(hello.cpu_affinity)
+        device.alive = True
+        backend = _Backend(
+            rank=hello.rank, device=hello.device, pid=hello.pid, last_seen_ns=time.monotonic_ns()
+        )
+        self._backends[hello.rank] = backend
+        backend.watched = self._watch_pid(backend)
+        logger.info(
+            "[events] %s rank %d (pid %d) stage %d/%d on %s",
+            hello.framework,
+            hello.rank,
+            hello.pid,
+            hello.stage,
+            hello.num_stages,
+            hello.device,
+        )
+        self._place_pending()
+
+    def _watch_pid(self, backend: _Backend) -> bool:
+        try:
+            fd = os.pidfd_open(backend.pid)
+        except OSError:
+            return False
+        loop = asyncio.get_running_loop()
+
+        def exited() -> None:
+            loop.remove_reader(fd)
+            os.close(fd)
+            if backend.alive and self._backends.get(backend.rank) is backend:
+                self._lose_backend(backend, "its process exited without saying goodbye")
+
+        loop.add_reader(fd, exited)
+        return True
+
+    def _lose_backend(self, backend: _Backend, why: str) -> None:
+        backend.alive = False
+        self._backends.pop(backend.rank, None)
+        logger.warning(
+            "[events] rank %d (pid %d) on %s lost: %s", backend.rank, backend.pid, backend.device, why
+        )
+        device = self.devices.get(backend.device)
+        if device is not None:
+            device.backend_lost()
+
+    async def _watchdog(self) -> None:
+        timeout_ns = int(self.config.backend_timeout_s * 1e9)
+        while True:
+            await asyncio.sleep(min(1.0, self.config.backend_timeout_s / 4))
+            now = time.monotonic_ns()
+            for backend in list(self._backends.values()):
+                if not backend.watched and now - backend.last_seen_ns > timeout_ns:
+                    self._lose_backend(backend, f"silent for {self.config.backend_timeout_s:g}s")
+
+    def _device(self, name: str, *, stage: int, rank: int) -> DeviceScheduler:
+        device = self.devices.get(name)
+        if device is None:
+            device = DeviceScheduler(
+                name, send=self._send, latency=self.latency, margin_ns=self.config.margin_ns
+            )
+            self.devices[name] = device
+            if self._tg is not None:  # otherwise run() starts it
+                self._tg.create_task(device.run(), name=f"device-{name}")
+        device.stage, device.rank, device.alive = stage, rank, True
+        return device
+
+    def declare_device(self, name: str, *, stage: int, spare_memory: int, cpu_affinity: list[int]) -> None:
+        """Make a device known before its rank reports (from a profile, or by a launcher).
+
+        Side tasks can then be placed on it and set up before training starts.
+        """
+        device = self._device(name, stage=stage, rank=-1)
+        device.alive = False
+        device.spare_memory = spare_memory
+        device.cpu_affinity = list(cpu_affinity)
+
+    def live_backends(self) -> list[int]:
+        """Ranks currently reporting to this manager."""
+        return [rank for rank, b in self._backends.items() if b.alive]
+
+    # -- side tasks -------------------------------------------------------------
+
+    def _send(self, task: TaskRecord, msg: p.ManagerToWorker) -> bool:
+        return self._hub is not None and self._hub.send_nowait(task.ident, msg)
+
+    def _notify(self, task: TaskRecord) -> None:
+        device = self.devices.get(task.device)
+        if device is not None:
+            device.inbox.put_nowait(TaskChanged(task))
+
+    async def _workers_loop(self) -> None:
+        assert self._hub is not None
+        while True:
+            ident, msg = await self._hub.recv()
+            self._on_worker(ident, msg)
+
+    def _on_worker(self, ident: bytes, msg: p.WorkerToManager | BadFrame) -> None:
+        if isinstance(msg, BadFrame):
+            self.rejected_frames += 1
+            logger.warning("[workers] rejected a frame from %r: %s", ident, msg.reason)
+            return
+        task = self.tasks.get(msg.task_id)
+        if task is None or task.ident != ident:
+            logger.warning("[workers] message for unknown task %d from %r", msg.task_id, ident)
+            return
+        match msg:
+            case p.WorkerReady() if not msg.set_up:
+                if msg.protocol_version != p.PROTOCOL_VERSION:
+                    task.error = f"worker speaks protocol {msg.protocol_version}, manager {p.PROTOCOL_VERSION}"
+                    self._send(task, p.Stop(reason=task.error))
+                    return
+                self._send(task, self._assignment(task))
+            case p.WorkerReady():
+                task.state, task.runnable = "running", True
+                task.estimate_ns, task.steps = msg.step_estimate_ns, msg.steps
+                self._notify(task)
+            case p.GrantDone():
+                device = self.devices.get(task.device)
+                if device is not None:
+                    device.inbox.put_nowait(WorkerReport(task, msg))
+            case p.Progress(steps=steps, metrics=metrics):
+                task.metrics.update(metrics)
+                task.steps = max(task.steps, steps)
+            case p.Checkpointed(steps=steps, path=path):
+                logger.debug("[workers] task %d checkpointed at step %d to %s", task.task_id, steps, path)
+            case p.TaskFinished(metrics=metrics):
+                task.metrics.update(metrics)
+                task.state, task.runnable = "finished", False
+                logger.info(
+                    "[workers] task %d (%s) finished after %d steps", task.task_id, task.name, task.steps
+                )
+                self._notify(task)
+            case p.TaskFailed(error=error, traceback=tb):
+                task.error, task.runnable = error, False
+                logger.error("[workers] task %d (%s) failed: %s\n%s", task.task_id, task.name, error, tb)
+                self._notify(task)
+            case _:
+                assert_never(msg)
+
+    def _assignment(self, task: TaskRecord) -> p.Assign:
+        device = self.devices[task.device]
+        workdir = self.config.state_dir / "tasks" / task.name
+        workdir.mkdir(parents=True, exist_ok=True)
+        return p.Assign(
+            task_id=task.task_id,
+            spec=task.spec,
+            device=task.device,
+            checkpoint_path=str(task.checkpoint_path),
+            margin_ns=self.config.margin_ns,
+            checkpoint_every_ns=int(self.config.checkpoint_every_s * 1e9),
+            cpu_affinity=device.cpu_affinity,
+            workdir=str(workdir),
+        )
+
+    def submit(self, spec: p.TaskSpec) -> p.Submitted | p.Rejected:
+        """Validate, record and place a side task."""
+        problem = _check_spec(spec)
+        if problem:
+            return p.Rejected(reason=problem)
+        name = task_name(spec)
+        task = TaskRecord(
+            task_id=self._next_task,
+            spec=spec,
+            name=name,
+            checkpoint_path=self.config.checkpoint_dir / f"{name}.pt",
+        )
+        where = self._placement(task)
+        if isinstance(where, NoFit):
+            return p.Rejected(reason=where.reason)
+        self._next_task += 1
+        self.tasks[task.task_id] = task
+        if where is not None:
+            self._start(task, where)
+        logger.info("[tasks] task %d (%s) submitted, device %s", task.task_id, name, where or "pending")
+        return p.Submitted(task_id=task.task_id, device=where or "")
+
+    def _placement(self, task: TaskRecord) -> str | NoFit | None:
+        views = [
+            DeviceView(
+                device=d.device,
+                spare_memory=d.spare_memory,
+                committed_memory=d.committed_memory(),
+                tasks=sum(t.state in ("starting", "running") for t in d.tasks),
+                bubble_share=d.bubble_share(),
+                alive=d.alive,
+            )
+            for d in self.devices.values()
+        ]
+        return place(task.spec.peak_memory, views, pinned=task.spec.device)
+
+    def _place_pending(self) -> None:
+        for task in self.tasks.values():
+            if task.state == "pending" and not task.device:
+                where = self._placement(task)
+                if isinstance(where, str):
+                    self._start(task, where)
+
+    def _start(self, task: TaskRecord, device: str) -> None:
+        task.device, task.state = device, "starting"
+        self.devices[device].inbox.put_nowait(TaskChanged(task))
+        if self._tg is not None:  # otherwise run() starts it
+            self._tg.create_task(self._supervise(task), name=f"task-{task.task_id}")
+
+    async def _supervise(self, task: TaskRecord) -> None:
+        """Run the task's worker; restart it from its checkpoint after a crash."""
+        while True:
+            task.process = await spawn_worker(
+                task,
+                python=self.config.python,
+                endpoint=self.config.endpoints.workers,
+                log_dir=self.config.log_dir,
+                cpu_affinity=self.devices[task.device].cpu_affinity,
+            )
+            code = await task.process.wait()
+            task.runnable = False
+            if task.state == "finished":
+                break
+            if task.stopping:
+                task.state = "cancelled"
+                break
+            task.error = task.error or f"worker exited with code {code}"
+            if task.restarts >= task.spec.max_restarts:
+                task.state = "failed"
+                logger.error("[tasks] task %d (%s) failed for good: %s", task.task_id, task.name, task.error)
+                break
+            task.restarts += 1
+            task.state = "starting"
+            logger.warning(
+                "[tasks] task %d (%s) crashed (%s); restart %d/%d from its checkpoint",
+                task.task_id,
+                task.name,
+                task.error,
+                task.restarts,
+                task.spec.max_restarts,
+            )
+            self._notify(task)
+        self._notify(task)
+        task.done.set()
+
+    async def cancel(self, task_id: int) -> p.Cancelled | p.Rejected:
+        task = self.tasks.get(task_id)
+        if task is None:
+            return p.Rejected(reason=f"no task {task_id}; `freeride status` lists them")
+        if task.state in ("finished", "failed", "cancelled"):
+            return p.Rejected(reason=f"task {task_id} is already {task.state}")
+        await self._stop_task(task, "cancelled")
+        return p.Cancelled(task_id=task_id)
+
+    async def _stop_task(self, task: TaskRecord, reason: str) -> None:
+        task.stopping = True
+        task.runnable = False
+        self._notify(task)
+        if task.process is None or task.process.returncode is not None:
+            task.state = "cancelled" if task.state not in ("finished", "failed") else task.state
+            task.done.set()
+            return
+        self._send(task, p.Stop(reason=reason))
+        await stop_process(task.process, timeout_s=self.config.stop_timeout_s)
+
+    async def _stop_all_tasks(self) -> None:
+        live = [t for t in self.tasks.values() if t.process is not None and t.process.returncode is None]
+        if live:
+            logger.info("[shutdown] stopping %d side task(s)", len(live))
+        await asyncio.gather(*(self._stop_task(t, "manager shutting down") for t in live))
+
+    # -- control --------------------------------------------------------------
+
+    async def _control_loop(self) -> None:
+        assert self._control is not None
+        while True:
+            ident, req = await self._control.recv()
+            reply = await self._on_control(req)
+            self._control.reply_nowait(ident, reply)
+
+    async def _on_control(self, req: p.ControlRequest | BadFrame) -> p.ControlReply:
+        match req:
+            case BadFrame(reason=reason):
+                self.rejected_frames += 1
+                return p.Rejected(reason=f"malformed request: {reason}")
+            case p.Submit(spec=spec):
+                return self.submit(spec)
+            case p.Cancel(task_id=task_id):
+                return await self.cancel(task_id)
+            case p.StatusRequest():
+                return self.status()
+            case _:
+                assert_never(req)
+
+    def status(self) -> p.StatusReply:
+        p50, p99, worst = self.latency.summary()
+        return p.StatusReply(
+            devices=[d.status() for d in self.devices.values()],
+            tasks=[t.status() for t in self.tasks.values()],
+            latency=p.LatencySummary(count=self.latency.count, p50_ns=p50, p99_ns=p99, max_ns=worst),
+            events=self.events,
+            rejected_frames=self.rejected_frames,
+            uptime_ns=time.monotonic_ns() - self._started_ns,
+        )
+
+
+def _check_spec(spec: p.TaskSpec) -> str:
+    """Why ``spec`` cannot run, or an empty string."""
+    if spec.kind == "iterative":
+        module, sep, cls = spec.target.partition(":")
+        if not sep or not module or not cls:
+            return f"target {spec.target!r} is not of the form module:Class"
+        try:
+            found = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            return f"cannot import module {module!r} (is it installed in the manager's environment?)"
+        return ""
+    if not spec.argv:
+        return "an imperative task needs a command"
+    if shutil.which(spec.argv[0]) is None:
+        return f"command {spec.argv[0]!r} not found on PATH"
+    return ""

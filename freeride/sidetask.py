@@ -1,0 +1,212 @@
+"""The public API for iterative side tasks.
+
+An iterative side task is async Python that does its work in steps and lets
+the runtime decide when each step may start::
+
+    class PiEstimate(IterativeTask):
+        step_time = 0.002           # seconds; a hint until steps are measured
+
+        def __init__(self, *, batch: int = 100_000) -> None:
+            self.batch, self.hits, self.total = batch, 0, 0
+
+        def step(self) -> None:
+            xy = torch.rand(self.batch, 2)
+            self.hits += int((xy.square().sum(1) <= 1).sum())
+            self.total += self.batch
+
+        def metrics(self) -> dict[str, float]:
+            return {"pi": 4 * self.hits / max(self.total, 1)}
+
+        def state_dict(self) -> dict[str, object]:
+            return {"hits": self.hits, "total": self.total}
+
+        def load_state_dict(self, state: dict[str, object]) -> None:
+            self.hits, self.total = int(state["hits"]), int(state["total"])
+
+The default :meth:`IterativeTask.run` loops ``async with gate.step(): self.step()``
+until :meth:`IterativeTask.done`. ``gate.step()`` is the cooperative yield: it
+returns only when a bubble is granted to the task *and* the task's estimated
+step time (the hint, then the slowest of the recently measured steps) fits in
+what is left of it minus a safety margin; otherwise the task is parked. Tasks
+with their own loop override :meth:`IterativeTask.run` and call ``gate.step()``
+around each unit of work.
+
+State returned by :meth:`IterativeTask.state_dict` is checkpointed (with
+``torch.save``) between steps and when the task is stopped, and handed to
+:meth:`IterativeTask.load_state_dict` when a cancelled, crashed or preempted
+task starts again.
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+__all__ = [
+    "IterativeTask",
+    "StepEstimator",
+    "StepGate",
+    "TaskContext",
+    "TaskStopped",
+    "UnboundedGate",
+    "run_alone",
+]
+
+
+class TaskStopped(BaseException):
+    """Raised out of ``gate.step()`` when the runtime stops the task.
+
+    A ``BaseException`` (like ``CancelledError``) so that a task's own
+    ``except Exception`` does not swallow it; the runtime checkpoints the task
+    after it propagates.
+    """
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TaskContext:
+    """What the runtime tells a task in :meth:`IterativeTask.setup`."""
+
+    task_id: int
+    """Manager-assigned id (0 when the task runs alone)."""
+    device: str
+    """FreeRide device name the task shares, e.g. ``cuda:1`` or ``cpu:0``."""
+    torch_device: str
+    """Device string for torch: ``cuda:N`` on a GPU, ``cpu`` otherwise."""
+    workdir: Path
+    """Directory for the task's own outputs (created by the runtime)."""
+    logger: logging.Logger = field(default_factory=lambda: logging.getLogger("freeride.task"))
+
+
+@runtime_checkable
+class StepGate(Protocol):
+    """What a task awaits between steps."""
+
+    def step(self) -> Any:
+        """An async context manager around one step; entering may park the task."""
+        ...
+
+    @property
+    def steps(self) -> int:
+        """Steps completed so far (including those restored from a checkpoint)."""
+        ...
+
+
+class IterativeTask(abc.ABC):
+    """Base class of iterative side tasks.
+
+    Subclasses take their options as keyword arguments of ``__init__`` (plain
+    scalars: they arrive from the command line or the wire) and do cheap,
+    host-side construction there; device memory is allocated in :meth:`setup`.
+    """
+
+    peak_memory: ClassVar[int] = -1
+    """Declared peak device memory in bytes; -1 means measure it."""
+    step_time: ClassVar[float] = -1.0
+    """Expected step time in seconds, used until steps have been measured."""
+
+    async def setup(self, ctx: TaskContext) -> None:  # noqa: B027 - optional hook
+        """Allocate models and data on ``ctx.torch_device``."""
+
+    @abc.abstractmethod
+    def step(self) -> Any:
+        """Do one unit of work. May be a coroutine function."""
+
+    def done(self) -> bool:
+        """Whether the task has finished its work (default: never)."""
+        return False
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers to report as progress (loss, accuracy, residual, ...)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to checkpoint; anything ``torch.save`` accepts."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """Restore what :meth:`state_dict` returned."""
+
+    async def teardown(self) -> None:  # noqa: B027 - optional hook
+        """Release resources; called once when the task stops for any reason."""
+
+    async def run(self, gate: StepGate) -> None:
+        """Run steps until :meth:`done`, each inside a granted bubble."""
+        while not self.done():
+            async with gate.step():
+                result = self.step()
+                if inspect.isawaitable(result):
+                    await result
+
+
+class StepEstimator:
+    """Conservative running estimate of the next step's duration.
+
+    Uses the slowest of the last ``window`` measured steps, which reacts to a
+    slowdown at once and forgets a one-off outlier after ``window`` steps.
+    Until a step has been measured it uses the hint (or nothing: ``-1``).
+    """
+
+    def __init__(self, hint_ns: int = -1, *, window: int = 8) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.hint_ns = hint_ns
+        self._recent: deque[int] = deque(maxlen=window)
+
+    def observe(self, duration_ns: int) -> None:
+        self._recent.append(duration_ns)
+
+    @property
+    def estimate_ns(self) -> int:
+        """The estimate, or -1 if nothing is known yet."""
+        return max(self._recent) if self._recent else self.hint_ns
+
+
+class UnboundedGate:
+    """A gate that never parks: runs a task alone and measures its steps.
+
+    Used to profile a task (step time, peak memory) before it is placed, and to
+    test tasks without a manager.
+    """
+
+    def __init__(self, *, max_steps: int | None = None) -> None:
+        self.max_steps = max_steps
+        self.durations_ns: list[int] = []
+
+    @property
+    def steps(self) -> int:
+        return len(self.durations_ns)
+
+    @asynccontextmanager
+    async def step(self) -> AsyncIterator[None]:
+        if self.max_steps is not None and self.steps >= self.max_steps:
+            raise TaskStopped(f"ran {self.max_steps} steps")
+        t0 = time.monotonic_ns()
+        yield
+        self.durations_ns.append(time.monotonic_ns() - t0)
+
+
+async def run_alone(task: IterativeTask, *, steps: int, ctx: TaskContext | None = None) -> list[int]:
+    """Set up ``task`` and run at most ``steps`` steps back to back.
+
+    Returns:
+        The measured duration of each step in nanoseconds.
+    """
+    if ctx is None:
+        ctx = TaskContext(task_id=0, device="cpu:0", torch_device="cpu", workdir=Path.cwd())
+    gate = UnboundedGate(max_steps=steps)
+    await task.setup(ctx)
+    try:
+        await task.run(gate)
+    except TaskStopped:
+        pass
+    finally:
+        await task.teardown()
+    return gate.durations_ns

@@ -1,0 +1,371 @@
+"""Sockets and addresses: the only module of FreeRide that imports ``zmq``.
+
+Each class here owns exactly one socket for its whole life and closes it in
+:meth:`close` (idempotent). Callers in other modules see typed messages, never
+frames:
+
+* :class:`EventEmitter`: synchronous PUSH in a training rank. Never blocks and
+  never raises into the training step; what it cannot send it counts.
+* :class:`EventReceiver`: the manager's PULL for backend events.
+* :class:`WorkerHub` / :class:`WorkerLink`: ROUTER (manager) and DEALER
+  (side-task worker) of the grant channel.
+* :class:`ControlServer` / :class:`ControlClient`: ROUTER (manager) and a
+  synchronous DEALER with a deadline (CLI).
+
+Frames that do not decode come back as :class:`BadFrame` with a reason, so the
+owner can log and count them and keep going.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Generic, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from freeride import protocol as p
+
+__all__ = [
+    "MAX_IPC_PATH",
+    "BadFrame",
+    "ControlClient",
+    "ControlServer",
+    "Endpoints",
+    "EventEmitter",
+    "EventReceiver",
+    "ManagerUnreachable",
+    "WorkerHub",
+    "WorkerLink",
+    "default_runtime_dir",
+    "new_async_context",
+    "worker_identity",
+]
+
+logger = logging.getLogger(__name__)
+
+MAX_IPC_PATH = 100
+"""Longest ipc:// socket path we accept (the kernel's limit is 107 bytes)."""
+
+_M = TypeVar("_M")
+
+
+class ManagerUnreachable(ConnectionError):
+    """No manager answered on the control endpoint in time."""
+
+
+@dataclass(frozen=True, slots=True)
+class BadFrame:
+    """A frame that could not be decoded, and why."""
+
+    reason: str
+    size: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Endpoints:
+    """The three addresses of one manager."""
+
+    events: str
+    """Backends push bubble events here."""
+    control: str
+    """CLI and API clients submit, cancel and query here."""
+    workers: str
+    """Side-task workers connect here (always node-local)."""
+
+    def __post_init__(self) -> None:
+        for name in ("events", "control", "workers"):
+            addr = getattr(self, name)
+            if not addr.startswith(("ipc://", "tcp://")):
+                raise ValueError(f"endpoints.{name}: expected ipc:// or tcp://, got {addr!r}")
+            if addr.startswith("ipc://") and len(addr[6:].encode()) > MAX_IPC_PATH:
+                raise ValueError(
+                    f"endpoints.{name}: ipc path {addr[6:]!r} is {len(addr[6:].encode())} bytes; "
+                    f"sockets need <= {MAX_IPC_PATH}. Choose a shorter --runtime-dir."
+                )
+
+    @classmethod
+    def ipc(cls, runtime_dir: Path) -> Endpoints:
+        """Endpoints as socket files in ``runtime_dir``."""
+        return cls(
+            events=f"ipc://{runtime_dir}/events",
+            control=f"ipc://{runtime_dir}/control",
+            workers=f"ipc://{runtime_dir}/workers",
+        )
+
+    @classmethod
+    def tcp(cls, host: str, port: int, runtime_dir: Path) -> Endpoints:
+        """Events on ``port`` and control on ``port + 1``; workers stay on ipc."""
+        return cls(
+            events=f"tcp://{host}:{port}",
+            control=f"tcp://{host}:{port + 1}",
+            workers=f"ipc://{runtime_dir}/workers",
+        )
+
+
+def default_runtime_dir() -> Path:
+    """``$XDG_RUNTIME_DIR/freeride`` if that exists, else ``<tmp>/freeride-<uid>``."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and Path(xdg).is_dir():
+        return Path(xdg) / "freeride"
+    return Path(tempfile.gettempdir()) / f"freeride-{os.getuid()}"
+
+
+def new_async_context() -> zmq.asyncio.Context:
+    """A fresh context for one process's async sockets (never the global instance)."""
+    return zmq.asyncio.Context()
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[_M], frame: bytes) -> _M | BadFrame:
+    try:
+        return decoder.decode(frame)
+    except msgspec.DecodeError as exc:  # ValidationError is a subclass
+        return BadFrame(reason=str(exc), size=len(frame))
+
+
+# --------------------------------------------------------------------------
+# backend side
+# --------------------------------------------------------------------------
+
+
+class EventEmitter:
+    """Synchronous, non-blocking sender of backend events.
+
+    Safe to call from the training step: :meth:`emit` costs about a
+    microsecond, never blocks (``NOBLOCK`` with ``IMMEDIATE``, so nothing is
+    queued for a manager that is not there) and never raises. After a fork the
+    child's copy goes silent instead of touching the parent's socket.
+    """
+
+    def __init__(self, endpoint: str, *, sndhwm: int = 1024) -> None:
+        self.endpoint = endpoint
+        self.sent = 0
+        self.dropped = 0
+        self._pid = os.getpid()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = zmq.Context(io_threads=1)
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, sndhwm)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.connect(endpoint)
+        self._sock: zmq.Socket[bytes] | None = sock
+
+    def emit(self, event: p.BackendEvent) -> bool:
+        """Send ``event`` if the manager can take it now; count a drop otherwise."""
+        sock = self._sock
+        if sock is None or os.getpid() != self._pid:
+            self.dropped += 1
+            return False
+        try:
+            sock.send(_encoder.encode(event), zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1
+            return False
+        except Exception:  # the training step must never see our errors
+            self.dropped += 1
+            logger.debug("[emit] send failed", exc_info=True)
+            return False
+        self.sent += 1
+        return True
+
+    def close(self, goodbye: p.Goodbye | None = None, *, linger_ms: int = 200) -> None:
+        """Send ``goodbye`` (waiting at most ``linger_ms``) and release the socket."""
+        sock, ctx = self._sock, self._ctx
+        self._sock = self._ctx = None
+        if sock is None or ctx is None:
+            return
+        if os.getpid() != self._pid:  # inherited across fork: not ours to close
+            return
+        try:
+            if goodbye is not None:
+                sock.setsockopt(zmq.LINGER, linger_ms)
+                try:
+                    sock.send(_encoder.encode(goodbye), zmq.NOBLOCK)
+                except zmq.Again:
+                    self.dropped += 1
+            sock.close()
+            ctx.term()
+        except Exception:
+            logger.debug("[shutdown] emitter close failed", exc_info=True)
+
+
+# --------------------------------------------------------------------------
+# manager side
+# --------------------------------------------------------------------------
+
+
+class _AsyncOwner(Generic[_M]):
+    def __init__(self, sock: zmq.asyncio.Socket, decoder: msgspec.msgpack.Decoder[_M]) -> None:
+        self._sock: zmq.asyncio.Socket | None = sock
+        self._decoder = decoder
+
+    def _live(self) -> zmq.asyncio.Socket:
+        if self._sock is None:
+            raise RuntimeError("socket already closed")
+        return self._sock
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+
+class EventReceiver(_AsyncOwner[p.BackendEvent]):
+    """The manager's PULL socket for backend events."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, rcvhwm: int = 100_000) -> None:
+        sock = ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        sock.bind(endpoint)
+        super().__init__(sock, msgspec.msgpack.Decoder(p.BackendEvent))
+
+    async def recv(self) -> p.BackendEvent | BadFrame:
+        frames = await self._live().recv_multipart()
+        if len(frames) != 1:
+            return BadFrame(reason=f"expected 1 frame, got {len(frames)}", size=sum(map(len, frames)))
+        return _decode(self._decoder, frames[0])
+
+
+class _RouterOwner(_AsyncOwner[_M]):
+    async def recv(self) -> tuple[bytes, _M | BadFrame]:
+        frames = await self._live().recv_multipart()
+        if len(frames) != 2:
+            ident = frames[0] if frames else b""
+            return ident, BadFrame(reason=f"expected 2 frames, got {len(frames)}", size=sum(map(len, frames)))
+        return frames[0], _decode(self._decoder, frames[1])
+
+    def _send_nowait(self, ident: bytes, msg: msgspec.Struct) -> bool:
+        try:
+            self._live().send_multipart([ident, _encoder.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or its queue full
+            logger.warning("[send] to %r failed: %s", ident, exc)
+            return False
+        return True
+
+
+class WorkerHub(_RouterOwner[p.WorkerToManager]):
+    """The manager's ROUTER for side-task workers; identities are task ids."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.bind(endpoint)
+        super().__init__(sock, msgspec.msgpack.Decoder(p.WorkerToManager))
+
+    def send_nowait(self, ident: bytes, msg: p.ManagerToWorker) -> bool:
+        return self._send_nowait(ident, msg)
+
+
+class ControlServer(_RouterOwner[p.ControlRequest]):
+    """The manager's ROUTER for control clients."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+        sock = ctx.socket(zmq.ROUTER)
+        sock.bind(endpoint)
+        super().__init__(sock, msgspec.msgpack.Decoder(p.ControlRequest))
+
+    def reply_nowait(self, ident: bytes, msg: p.ControlReply) -> bool:
+        return self._send_nowait(ident, msg)
+
+
+# --------------------------------------------------------------------------
+# worker side
+# --------------------------------------------------------------------------
+
+
+def worker_identity(task_id: int) -> bytes:
+    return f"task-{task_id}".encode()
+
+
+class WorkerLink(_AsyncOwner[p.ManagerToWorker]):
+    """A side-task worker's DEALER to the manager."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, task_id: int) -> None:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, worker_identity(task_id))
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(endpoint)
+        super().__init__(sock, msgspec.msgpack.Decoder(p.ManagerToWorker))
+
+    async def recv(self) -> p.ManagerToWorker | BadFrame:
+        frame = await self._live().recv()
+        return _decode(self._decoder, frame)
+
+    def recv_nowait(self) -> p.ManagerToWorker | BadFrame | None:
+        """A message that has already arrived, or ``None``.
+
+        Goes through pyzmq's own non-blocking path: reading ``ZMQ_EVENTS``
+        behind the asyncio poller's back would swallow the edge-triggered
+        wake-up of a later ``await recv()``.
+        """
+        fut = self._live().recv(zmq.NOBLOCK)
+        exc = fut.exception()
+        if isinstance(exc, zmq.Again):
+            return None
+        if exc is not None:
+            raise exc
+        return _decode(self._decoder, fut.result())
+
+    def send_nowait(self, msg: p.WorkerToManager) -> None:
+        self._live().send(_encoder.encode(msg), zmq.NOBLOCK)
+
+
+# --------------------------------------------------------------------------
+# control client (synchronous, for the CLI and scripts)
+# --------------------------------------------------------------------------
+
+
+class ControlClient:
+    """Request/reply to a manager's control endpoint, with a deadline per call."""
+
+    def __init__(self, endpoint: str, *, timeout_s: float = 5.0) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = zmq.Context()
+        self._sock: zmq.Socket[bytes] | None = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._decoder: msgspec.msgpack.Decoder[p.ControlReply] = msgspec.msgpack.Decoder(p.ControlReply)
+
+    def request(self, req: p.ControlRequest) -> p.ControlReply:
+        """Send ``req`` and wait for the reply.
+
+        Raises:
+            ManagerUnreachable: no reply within ``timeout_s``.
+            ValueError: the reply did not decode.
+        """
+        if self._sock is None:
+            raise RuntimeError("ControlClient is closed")
+        self._sock.send(_encoder.encode(req))
+        if not self._sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
+            raise ManagerUnreachable(
+                f"no FreeRide manager answered on {self.endpoint} within {self.timeout_s:g}s; "
+                "start one with `freeride serve` (same --runtime-dir) or pass --runtime-dir"
+            )
+        frame = self._sock.recv()
+        try:
+            return self._decoder.decode(frame)
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"malformed reply from manager: {exc}") from None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,75 @@
+"""Side tasks used by the ipc tests (imported by worker processes via PYTHONPATH)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from freeride.sidetask import IterativeTask, TaskContext
+
+__all__ = ["CrashOnce", "SpinSteps"]
+
+
+class SpinSteps(IterativeTask):
+    """Each step burns ``step_ms`` of CPU and records when it ran."""
+
+    step_time = -1.0
+
+    def __init__(self, *, step_ms: float = 2.0, max_steps: int = 0, log: str = "") -> None:
+        self.step_ns = int(step_ms * 1e6)
+        self.max_steps = max_steps
+        self.count = 0
+        self.log = log
+        self.intervals: list[tuple[int, int]] = []
+
+    async def setup(self, ctx: TaskContext) -> None:
+        self.ctx = ctx
+
+    def step(self) -> None:
+        t0 = time.monotonic_ns()
+        end = t0 + self.step_ns
+        while time.monotonic_ns() < end:
+            pass
+        self.count += 1
+        self.intervals.append((t0, time.monotonic_ns()))
+        if self.log and len(self.intervals) % 50 == 0:
+            self._flush()
+
+    def _flush(self) -> None:
+        tmp = self.log + ".tmp"
+        Path(tmp).write_text(json.dumps({"pid": os.getpid(), "count": self.count, "intervals": self.intervals}))
+        os.replace(tmp, self.log)
+
+    def done(self) -> bool:
+        return bool(self.max_steps) and self.count >= self.max_steps
+
+    def metrics(self) -> dict[str, float]:
+        return {"count": float(self.count)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = int(state["count"])
+
+    async def teardown(self) -> None:
+        if self.log:
+            self._flush()
+
+
+class CrashOnce(SpinSteps):
+    """Crashes the worker process (hard exit) at step ``crash_at`` unless a marker file exists."""
+
+    def __init__(self, *, crash_at: int = 20, marker: str = "", **kw: Any) -> None:
+        super().__init__(**kw)
+        self.crash_at = crash_at
+        self.marker = marker
+
+    def step(self) -> None:
+        super().step()
+        if self.count == self.crash_at and self.marker and not Path(self.marker).exists():
+            Path(self.marker).write_text("crashed")
+            os._exit(17)

@@ -1,0 +1,75 @@
+"""Manager + simulated pipeline + iterative side tasks over ipc://.
+
+The side task only runs inside bubbles, and no step starts that would overrun
+the bubble's expected end. Each stage and each side task is its own process;
+the step intervals come from the task itself and the bubbles from the stages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from conftest import wait_until
+
+from freeride import protocol as p
+from freeride.backends.sim import SimConfig, SimPipeline
+from freeride.manager import Manager
+
+MS = 1_000_000
+STEP_MS = 2.0
+
+
+async def test_side_task_steps_fit_inside_bubbles(manager: Manager, tmp_path: Path) -> None:
+    sim_config = SimConfig(
+        endpoint=manager.config.endpoints.events,
+        num_stages=2,
+        num_microbatches=4,
+        forward_s=0.010,
+        backward_s=0.020,
+        steps=15,
+    )
+    logs = {}
+    for stage in range(2):
+        device = sim_config.device(stage)
+        manager.declare_device(device, stage=stage, spare_memory=1 << 30, cpu_affinity=[sim_config.core(stage)])
+        logs[device] = tmp_path / f"steps-{stage}.json"
+        reply = manager.submit(
+            p.TaskSpec(
+                kind="iterative",
+                target="_tasks:SpinSteps",
+                device=device,
+                options={"step_ms": STEP_MS, "log": str(logs[device])},
+                step_time_ns=int(STEP_MS * MS),
+            )
+        )
+        assert isinstance(reply, p.Submitted) and reply.device == device
+    await wait_until(lambda: all(t.state == "running" for t in manager.tasks.values()), 60, "tasks set up")
+
+    sim = SimPipeline(sim_config).start()
+    try:
+        stages = await asyncio.to_thread(sim.join, 120)
+    finally:
+        sim.terminate()
+    await wait_until(lambda: not manager.live_backends(), 10, "goodbyes")
+    for task in list(manager.tasks.values()):
+        assert isinstance(await manager.cancel(task.task_id), p.Cancelled)
+
+    margin = manager.config.margin_ns
+    for result in stages:
+        device = sim_config.device(result.stage)
+        windows = [(start, start + expected) for _, _, start, expected, _ in result.announced]
+        intervals = json.loads(logs[device].read_text())["intervals"]
+        assert len(intervals) > 50, f"{device}: side task barely ran ({len(intervals)} steps)"
+        for s, e in intervals:
+            inside = [w for w in windows if w[0] <= s < w[1]]
+            assert inside, f"{device}: a step started at {s} outside every bubble"
+            (_, expected_end) = inside[0]
+            # a step starts only if its estimate (>= STEP_MS) plus the margin fits before the expected end
+            assert s + STEP_MS * MS + margin <= expected_end + 50_000, f"{device}: step started too late to fit"
+        device_status = next(d for d in manager.status().devices if d.device == device)
+        share = device_status.used_ns / device_status.bubble_ns
+        # events sent before the rank's connection is up are dropped, and counted
+        assert len(windows) - result.dropped <= device_status.bubbles <= len(windows)
+        assert share > 0.5, f"{device}: only {share:.0%} of bubble time used"

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create .venv and install FreeRide with its test tools. Safe to run again.
+#
+# Order matters: torch first (the CPU build on machines without a GPU), then
+# DeepSpeed without build isolation (its build imports torch; an isolated
+# build would download a second, multi-GB CUDA torch), then FreeRide.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip install --disable-pip-version-check -q "$@"; }
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        pip torch                 # GPU machine: the CUDA build
+    else
+        pip torch==2.13.0         # CPU build
+    fi
+fi
+if ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
+    DS_BUILD_OPS=0 pip --no-build-isolation "deepspeed>=0.19,<0.20"
+fi
+pip -e ".[test]"
+echo "freeride installed in .venv ($(.venv/bin/freeride --help >/dev/null && echo ok))"
