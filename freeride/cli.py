@@ -52,9 +52,7 @@ def _add_runtime(sub: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help=f"where the manager's sockets live (default {default_runtime_dir()}); must match `freeride serve`",
     )
-    sub.add_argument(
-        "--tcp", metavar="HOST:PORT", help="use tcp:// (events on PORT, control on PORT+1) instead of ipc"
-    )
+    sub.add_argument("--tcp", metavar="HOST:PORT", help="use tcp:// (events on PORT, control on PORT+1) instead of ipc")
 
 
 def _control(args: argparse.Namespace) -> ControlClient:
@@ -126,9 +124,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 0
     if args.imperative:
         if not args.command:
-            raise SystemExit(
-                "freeride: give the program after --, e.g. freeride submit --imperative -- python x.py"
-            )
+            raise SystemExit("freeride: give the program after --, e.g. freeride submit --imperative -- python x.py")
         spec = p.TaskSpec(kind="imperative", argv=list(args.command), name=args.name or "")
     else:
         if not args.target:
@@ -176,9 +172,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def format_status(status: p.StatusReply) -> str:
-    lines = [
-        f"{'device':10} {'stage':>5} {'alive':>5} {'bubbles':>8} {'bubble time':>12} {'used':>7} {'overruns':>8}"
-    ]
+    lines = [f"{'device':10} {'stage':>5} {'alive':>5} {'bubbles':>8} {'bubble time':>12} {'used':>7} {'overruns':>8}"]
     for d in status.devices:
         share = d.used_ns / d.bubble_ns if d.bubble_ns else 0.0
         lines.append(
@@ -229,7 +223,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from freeride.backends.launch import launch_env
-    from freeride.profile import build_profile, load_observations, write_profile
+    from freeride.profile import build_profile, read_observations, write_profile
 
     if not args.command:
         raise SystemExit("freeride: give the training command after --")
@@ -239,7 +233,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         if code != 0:
             print(f"freeride: training command exited with {code}; no profile written", file=sys.stderr)
             return code
-        profile = build_profile(load_observations(Path(tmp)))
+        profile = build_profile(read_observations(Path(tmp)))
     write_profile(profile, Path(args.out))
     print(f"freeride: profile of {len(profile.stages)} stage(s) written to {args.out}")
     return 0
@@ -298,38 +292,25 @@ def build_parser() -> argparse.ArgumentParser:
     s = subs.add_parser("serve", help="run the manager (one per node, beside the training job)")
     _add_runtime(s)
     s.add_argument("--state-dir", metavar="DIR", help="logs and checkpoints (default RUNTIME_DIR/state)")
-    s.add_argument(
-        "--margin", default="0.3ms", help="time kept free before a bubble's expected end (default 0.3ms)"
-    )
-    s.add_argument(
-        "--checkpoint-every", default="30s", help="how often running tasks checkpoint (default 30s)"
-    )
+    s.add_argument("--margin", default="0.3ms", help="time kept free before a bubble's expected end (default 0.3ms)")
+    s.add_argument("--checkpoint-every", default="30s", help="how often running tasks checkpoint (default 30s)")
     s.add_argument("--backend-timeout", default="30s", help="silence after which an unwatchable rank is dead")
     s.add_argument("--profile", metavar="FILE", help="bubble profile from `freeride profile`")
     s.add_argument("--mps", action="store_true", help="cap side tasks' GPU memory with NVIDIA MPS (GPU only)")
-    s.add_argument(
-        "--trace", metavar="FILE", help="write a Chrome/Perfetto trace of bubbles and side-task work"
-    )
+    s.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of bubbles and side-task work")
     s.set_defaults(fn=cmd_serve)
 
-    s = subs.add_parser(
-        "submit", help="submit a side task", description="Submit a side task to a running manager."
-    )
+    s = subs.add_parser("submit", help="submit a side task", description="Submit a side task to a running manager.")
     _add_runtime(s)
     s.add_argument("target", nargs="?", help="module:Class of an iterative task, or a name from --list")
     s.add_argument("--list", action="store_true", help="list the packaged sample side tasks")
     s.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="task option (repeatable)")
-    s.add_argument(
-        "--name", help="task name; a task submitted again under its name resumes from its checkpoint"
-    )
-    s.add_argument(
-        "--peak-memory", metavar="SIZE", help="peak device memory, e.g. 2G (placement only fits it)"
-    )
+    s.add_argument("--name", help="task name; a task submitted again under its name resumes from its checkpoint")
+    s.add_argument("--peak-memory", metavar="SIZE", help="peak device memory, e.g. 2G (placement only fits it)")
     s.add_argument("--step-time", metavar="DURATION", help="expected step time, e.g. 5ms, until measured")
     s.add_argument("--device", help="pin to a device, e.g. cuda:1")
     s.add_argument("--max-restarts", type=int, default=3, help="restarts from checkpoint after a crash")
     s.add_argument("--imperative", action="store_true", help="run an unmodified program (give it after --)")
-    s.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     s.add_argument("--timeout", type=float, default=5.0, help=argparse.SUPPRESS)
     s.set_defaults(fn=cmd_submit)
 
@@ -345,15 +326,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the manager")
     s.set_defaults(fn=cmd_cancel)
 
-    s = subs.add_parser("launch", help="run a training command with FreeRide's hooks in every rank")
+    s = subs.add_parser(
+        "launch",
+        help="run a training command with FreeRide's hooks in every rank",
+        usage="freeride launch [--runtime-dir DIR] -- COMMAND ...",
+    )
     _add_runtime(s)
-    s.add_argument("command", nargs=argparse.REMAINDER, help="the training command, after --")
     s.set_defaults(fn=cmd_launch)
 
-    s = subs.add_parser("profile", help="run a few training steps and write a bubble profile")
+    s = subs.add_parser(
+        "profile",
+        help="run a few training steps and write a bubble profile",
+        usage="freeride profile --out FILE [--runtime-dir DIR] -- COMMAND ...",
+    )
     _add_runtime(s)
     s.add_argument("--out", required=True, metavar="FILE")
-    s.add_argument("command", nargs=argparse.REMAINDER, help="the training command, after --")
     s.set_defaults(fn=cmd_profile)
 
     for name, helptext in (
@@ -370,22 +357,23 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--steps", type=int, default=40 if name == "demo" else 100)
         s.add_argument("--forward", default="10ms", help="forward time per micro-batch and stage")
         s.add_argument("--backward", default="20ms", help="backward time per micro-batch and stage")
-        s.add_argument(
-            "--compute", default="sleep", choices=["sleep", "spin"], help="spin burns the stage's core"
-        )
+        s.add_argument("--compute", default="sleep", choices=["sleep", "spin"], help="spin burns the stage's core")
         if name == "demo":
-            s.add_argument(
-                "--task", default="pagerank", help="sample side task per stage (see submit --list)"
-            )
+            s.add_argument("--task", default="pagerank", help="sample side task per stage (see submit --list)")
         s.set_defaults(fn=cmd_sim if name == "sim" else cmd_demo)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # everything after the first `--` is a command to run, never our options
+    command: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1 :]
     args = parser.parse_args(argv)
-    if getattr(args, "command", None) and args.command[0] == "--":
-        args.command = args.command[1:]
+    args.command = command
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

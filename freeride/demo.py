@@ -47,9 +47,7 @@ class DemoReport:
 
     @property
     def ok(self) -> bool:
-        return bool(self.status.devices) and all(
-            t.state in ("running", "finished") for t in self.status.tasks
-        )
+        return bool(self.status.devices) and all(t.state in ("running", "finished") for t in self.status.tasks)
 
     def text(self) -> str:
         o = self.options
@@ -93,9 +91,7 @@ def _target(task: str) -> str:
     from freeride.sidetasks import CATALOG
 
     if task not in CATALOG:
-        raise ValueError(
-            f"unknown side task {task!r}; choose one of {', '.join(CATALOG)} or give module:Class"
-        )
+        raise ValueError(f"unknown side task {task!r}; choose one of {', '.join(CATALOG)} or give module:Class")
     return CATALOG[task]
 
 
@@ -128,13 +124,9 @@ async def _demo(options: DemoOptions) -> DemoReport:
         tg.create_task(manager.run(stop), name="demo-manager")
         for stage in range(options.num_stages):
             device = sim_config.device(stage)
-            manager.declare_device(
-                device, stage=stage, spare_memory=sim_config.spare_memory, cpu_affinity=[stage]
-            )
+            manager.declare_device(device, stage=stage, spare_memory=sim_config.spare_memory, cpu_affinity=[stage])
             reply = manager.submit(
-                p.TaskSpec(
-                    kind="iterative", target=target, device=device, name=f"demo-{options.task}-stage{stage}"
-                )
+                p.TaskSpec(kind="iterative", target=target, device=device, name=f"demo-{options.task}-stage{stage}")
             )
             if isinstance(reply, p.Rejected):
                 raise ValueError(reply.reason)

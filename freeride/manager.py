@@ -23,6 +23,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import assert_never
 
@@ -101,6 +102,8 @@ class Manager:
         except Exception:
             await self.aclose()
             raise
+        if self.config.profile is not None:
+            self._load_profile(self.config.profile)
         logger.info(
             "[startup] manager: events=%s control=%s workers=%s",
             self.config.endpoints.events,
@@ -223,9 +226,7 @@ class Manager:
         device.framework = hello.framework
         device.cpu_affinity = list(hello.cpu_affinity)
         device.alive = True
-        backend = _Backend(
-            rank=hello.rank, device=hello.device, pid=hello.pid, last_seen_ns=time.monotonic_ns()
-        )
+        backend = _Backend(rank=hello.rank, device=hello.device, pid=hello.pid, last_seen_ns=time.monotonic_ns())
         self._backends[hello.rank] = backend
         backend.watched = self._watch_pid(backend)
         logger.info(
@@ -258,9 +259,7 @@ class Manager:
     def _lose_backend(self, backend: _Backend, why: str) -> None:
         backend.alive = False
         self._backends.pop(backend.rank, None)
-        logger.warning(
-            "[events] rank %d (pid %d) on %s lost: %s", backend.rank, backend.pid, backend.device, why
-        )
+        logger.warning("[events] rank %d (pid %d) on %s lost: %s", backend.rank, backend.pid, backend.device, why)
         device = self.devices.get(backend.device)
         if device is not None:
             device.backend_lost()
@@ -277,9 +276,7 @@ class Manager:
     def _device(self, name: str, *, stage: int, rank: int) -> DeviceScheduler:
         device = self.devices.get(name)
         if device is None:
-            device = DeviceScheduler(
-                name, send=self._send, latency=self.latency, margin_ns=self.config.margin_ns
-            )
+            device = DeviceScheduler(name, send=self._send, latency=self.latency, margin_ns=self.config.margin_ns)
             self.devices[name] = device
             if self._tg is not None:  # otherwise run() starts it
                 self._tg.create_task(device.run(), name=f"device-{name}")
@@ -295,6 +292,17 @@ class Manager:
         device.alive = False
         device.spare_memory = spare_memory
         device.cpu_affinity = list(cpu_affinity)
+
+    def _load_profile(self, path: Path) -> None:
+        """Know every profiled device and its spare memory before any rank reports."""
+        from freeride.profile import load_profile
+
+        profile = load_profile(path)
+        for stage in profile.stages:
+            kind, _, index = stage.device.partition(":")
+            cores = [int(index)] if kind == "cpu" and index.isdigit() else []
+            self.declare_device(stage.device, stage=stage.stage, spare_memory=stage.spare_memory, cpu_affinity=cores)
+        logger.info("[startup] profile %s: %d stage(s) on %s", path, len(profile.stages), ", ".join(profile.devices))
 
     def live_backends(self) -> list[int]:
         """Ranks currently reporting to this manager."""
@@ -348,9 +356,7 @@ class Manager:
             case p.TaskFinished(metrics=metrics):
                 task.metrics.update(metrics)
                 task.state, task.runnable = "finished", False
-                logger.info(
-                    "[workers] task %d (%s) finished after %d steps", task.task_id, task.name, task.steps
-                )
+                logger.info("[workers] task %d (%s) finished after %d steps", task.task_id, task.name, task.steps)
                 self._notify(task)
             case p.TaskFailed(error=error, traceback=tb):
                 task.error, task.runnable = error, False
@@ -379,7 +385,7 @@ class Manager:
         problem = _check_spec(spec)
         if problem:
             return p.Rejected(reason=problem)
-        name = task_name(spec)
+        name = self._free_name(task_name(spec))
         task = TaskRecord(
             task_id=self._next_task,
             spec=spec,
@@ -395,6 +401,15 @@ class Manager:
             self._start(task, where)
         logger.info("[tasks] task %d (%s) submitted, device %s", task.task_id, name, where or "pending")
         return p.Submitted(task_id=task.task_id, device=where or "")
+
+    def _free_name(self, name: str) -> str:
+        """``name``, or ``name-2``, ``name-3``... if a live task holds it (names key checkpoints)."""
+        live = {t.name for t in self.tasks.values() if t.state not in ("finished", "failed", "cancelled")}
+        candidate, n = name, 1
+        while candidate in live:
+            n += 1
+            candidate = f"{name}-{n}"
+        return candidate
 
     def _placement(self, task: TaskRecord) -> str | NoFit | None:
         views = [

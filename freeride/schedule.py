@@ -110,9 +110,7 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
 
     def __post_init__(self) -> None:
-        _check_sizes(
-            num_stages=self.num_stages, num_microbatches=self.num_microbatches, num_chunks=self.num_chunks
-        )
+        _check_sizes(num_stages=self.num_stages, num_microbatches=self.num_microbatches, num_chunks=self.num_chunks)
         if len(self.actions) != self.num_stages:
             raise ValueError(f"actions: {len(self.actions)} ranks listed for num_stages={self.num_stages}")
         expected = sorted(
@@ -229,9 +227,7 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks
         return interleaved(num_stages, num_microbatches, num_chunks)
     if num_chunks != 1:
         raise ValueError(f"num_chunks must be 1 for {name!r}, got {num_chunks}")
-    return (
-        gpipe(num_stages, num_microbatches) if name == "gpipe" else one_f_one_b(num_stages, num_microbatches)
-    )
+    return gpipe(num_stages, num_microbatches) if name == "gpipe" else one_f_one_b(num_stages, num_microbatches)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -32,9 +32,7 @@ def task_name(spec: p.TaskSpec) -> str:
         base = spec.name
     else:
         head = spec.target.rpartition(":")[2] if spec.kind == "iterative" else Path(spec.argv[0]).name
-        digest = hashlib.sha1(
-            repr((spec.target, spec.argv, sorted(spec.options.items()))).encode()
-        ).hexdigest()
+        digest = hashlib.sha1(repr((spec.target, spec.argv, sorted(spec.options.items()))).encode()).hexdigest()
         base = f"{head}-{digest[:8]}"
     return re.sub(r"[^A-Za-z0-9_.-]", "_", base)[:80]
 

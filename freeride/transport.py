@@ -18,6 +18,7 @@ owner can log and count them and keep going.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import tempfile
@@ -307,12 +308,15 @@ class WorkerLink(_AsyncOwner[p.ManagerToWorker]):
         wake-up of a later ``await recv()``.
         """
         fut = self._live().recv(zmq.NOBLOCK)
+        assert isinstance(fut, asyncio.Future) and fut.done()  # pyzmq answers NOBLOCK at once
         exc = fut.exception()
         if isinstance(exc, zmq.Again):
             return None
         if exc is not None:
             raise exc
-        return _decode(self._decoder, fut.result())
+        frame: bytes = fut.result()
+        msg: p.ManagerToWorker | BadFrame = _decode(self._decoder, frame)
+        return msg
 
     def send_nowait(self, msg: p.WorkerToManager) -> None:
         self._live().send(_encoder.encode(msg), zmq.NOBLOCK)

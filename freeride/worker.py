@@ -164,9 +164,7 @@ class GrantGate:
         t0 = time.monotonic_ns()
         path = Path(self._assign.checkpoint_path)
         if _save_checkpoint(self._task, path, self._steps):
-            self._link.send_nowait(
-                p.Checkpointed(task_id=self._assign.task_id, steps=self._steps, path=str(path))
-            )
+            self._link.send_nowait(p.Checkpointed(task_id=self._assign.task_id, steps=self._steps, path=str(path)))
         self._last_checkpoint = time.monotonic_ns()
         self._checkpoint_ns = self._last_checkpoint - t0
 
@@ -305,9 +303,7 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
         return 0
     except Exception as exc:
         link.send_nowait(
-            p.TaskFailed(
-                task_id=assign.task_id, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()
-            )
+            p.TaskFailed(task_id=assign.task_id, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
         )
         return 1
     finally:
@@ -316,9 +312,7 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m freeride.worker", description="FreeRide side-task worker"
-    )
+    parser = argparse.ArgumentParser(prog="python -m freeride.worker", description="FreeRide side-task worker")
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--task-id", type=int, required=True)
     args = parser.parse_args(argv)

@@ -7,16 +7,22 @@ short (ipc:// socket paths must stay under ~100 bytes).
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from freeride import protocol as p
 from freeride.config import ServeConfig
 from freeride.manager import Manager
-from freeride.transport import Endpoints
+from freeride.transport import ControlClient, Endpoints
 
 HERE = Path(__file__).resolve().parent
 
@@ -59,3 +65,44 @@ async def manager(runtime_dir: Path) -> AsyncIterator[Manager]:
         finally:
             stop.set()
             await runner
+
+
+def freeride_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "freeride.cli", *args]
+
+
+def status(runtime_dir: Path, timeout_s: float = 5.0) -> p.StatusReply:
+    with ControlClient(Endpoints.ipc(runtime_dir).control, timeout_s=timeout_s) as client:
+        reply = client.request(p.StatusRequest())
+    assert isinstance(reply, p.StatusReply), reply
+    return reply
+
+
+def poll(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Synchronous twin of :func:`wait_until`, for state in another process."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def served(runtime_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`freeride serve` as a real subprocess; reaped (and its group killed) afterwards."""
+    proc = subprocess.Popen(
+        freeride_cmd("serve", "--runtime-dir", str(runtime_dir), "--checkpoint-every", "0.2s"),
+        start_new_session=True,
+    )
+    try:
+        poll(lambda: (runtime_dir / "control").exists(), 30, "the manager's control socket")
+        status(runtime_dir, timeout_s=30)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

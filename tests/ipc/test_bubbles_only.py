@@ -62,7 +62,7 @@ async def test_side_task_steps_fit_inside_bubbles(manager: Manager, tmp_path: Pa
         windows = [(start, start + expected) for _, _, start, expected, _ in result.announced]
         intervals = json.loads(logs[device].read_text())["intervals"]
         assert len(intervals) > 50, f"{device}: side task barely ran ({len(intervals)} steps)"
-        for s, e in intervals:
+        for s, _end in intervals:
             inside = [w for w in windows if w[0] <= s < w[1]]
             assert inside, f"{device}: a step started at {s} outside every bubble"
             (_, expected_end) = inside[0]

@@ -15,7 +15,11 @@ from freeride.units import format_bytes, format_ns, parse_bytes, parse_duration_
 
 def test_ipc_endpoints_live_in_the_runtime_dir() -> None:
     ep = Endpoints.ipc(Path("/tmp/fr"))
-    assert (ep.events, ep.control, ep.workers) == ("ipc:///tmp/fr/events", "ipc:///tmp/fr/control", "ipc:///tmp/fr/workers")
+    assert (ep.events, ep.control, ep.workers) == (
+        "ipc:///tmp/fr/events",
+        "ipc:///tmp/fr/control",
+        "ipc:///tmp/fr/workers",
+    )
 
 
 def test_tcp_endpoints_keep_workers_local() -> None:
@@ -25,12 +29,12 @@ def test_tcp_endpoints_keep_workers_local() -> None:
 
 
 def test_long_ipc_paths_are_refused_with_advice() -> None:
-    with pytest.raises(ValueError, match="endpoints.events.*--runtime-dir"):
+    with pytest.raises(ValueError, match=r"endpoints\.events.*--runtime-dir"):
         Endpoints.ipc(Path("/tmp/" + "x" * 120))
 
 
 def test_bad_scheme_is_refused() -> None:
-    with pytest.raises(ValueError, match="endpoints.control"):
+    with pytest.raises(ValueError, match=r"endpoints\.control"):
         Endpoints(events="ipc:///a", control="http://x", workers="ipc:///b")
 
 
@@ -72,7 +76,9 @@ def test_parse_bytes(text: str, value: int) -> None:
     assert parse_bytes(text) == value
 
 
-@pytest.mark.parametrize(("text", "value"), [("5ms", 5_000_000), ("0.3ms", 300_000), ("2", 2_000_000_000), ("7us", 7000)])
+@pytest.mark.parametrize(
+    ("text", "value"), [("5ms", 5_000_000), ("0.3ms", 300_000), ("2", 2_000_000_000), ("7us", 7000)]
+)
 def test_parse_duration(text: str, value: int) -> None:
     assert parse_duration_ns(text) == value
 

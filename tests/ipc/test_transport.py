@@ -1,0 +1,83 @@
+"""The backend emitter and the manager's receiver over real ipc:// sockets."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from freeride import protocol as p
+from freeride.transport import BadFrame, EventEmitter, EventReceiver, new_async_context
+
+
+def beat(rank: int) -> p.Heartbeat:
+    return p.Heartbeat(rank=rank, t_ns=time.monotonic_ns())
+
+
+async def test_events_arrive_in_order_and_garbage_is_reported(runtime_dir: Path) -> None:
+    endpoint = f"ipc://{runtime_dir}/events"
+    ctx = new_async_context()
+    receiver = EventReceiver(ctx, endpoint)
+    emitter = EventEmitter(endpoint)
+    raw_ctx = zmq.Context()
+    raw = raw_ctx.socket(zmq.PUSH)
+    raw.connect(endpoint)
+    try:
+        while not emitter.emit(beat(0)):  # IMMEDIATE: nothing goes out before the connection is up
+            time.sleep(0.001)
+        first = await receiver.recv()
+        assert isinstance(first, p.Heartbeat) and first.rank == 0
+        for i in range(1, 100):
+            assert emitter.emit(beat(i))
+        got = [await receiver.recv() for _ in range(99)]
+        assert [e.rank for e in got if isinstance(e, p.Heartbeat)] == list(range(1, 100))
+
+        raw.send(b"\x00garbage")
+        raw.send(msgspec.msgpack.encode({"type": "no_such_event"}))
+        raw.send_multipart([b"a", b"b"])
+        bad = [await receiver.recv() for _ in range(3)]
+        assert all(isinstance(b, BadFrame) for b in bad)
+        assert "no_such_event" in bad[1].reason and "got 2" in bad[2].reason  # type: ignore[union-attr]
+    finally:
+        raw.close(0)
+        raw_ctx.term()
+        emitter.close()
+        receiver.close()
+        ctx.term()
+
+
+def test_emitter_without_manager_never_blocks(runtime_dir: Path) -> None:
+    emitter = EventEmitter(f"ipc://{runtime_dir}/nobody-listens")
+    worst = 0
+    t0 = time.perf_counter_ns()
+    for i in range(10_000):
+        a = time.perf_counter_ns()
+        emitter.emit(beat(i))
+        worst = max(worst, time.perf_counter_ns() - a)
+    total = time.perf_counter_ns() - t0
+    emitter.close(p.Goodbye(rank=0, t_ns=0))
+    assert emitter.dropped >= 10_000 and emitter.sent == 0
+    # 10k sends cost ~10 ms here; the bound only catches blocking, not speed
+    assert total < 2_000_000_000 and worst < 200_000_000, (total, worst)
+
+
+def test_emitter_goes_silent_in_a_forked_child(runtime_dir: Path) -> None:
+    emitter = EventEmitter(f"ipc://{runtime_dir}/events")
+    pid = os.fork()
+    if pid == 0:  # child: must not touch the parent's socket
+        ok = emitter.emit(beat(1)) is False and emitter.dropped == 1
+        emitter.close()
+        os._exit(0 if ok else 1)
+    _, code = os.waitpid(pid, 0)
+    emitter.close()
+    assert os.waitstatus_to_exitcode(code) == 0
+
+
+def test_close_is_idempotent(runtime_dir: Path) -> None:
+    emitter = EventEmitter(f"ipc://{runtime_dir}/events")
+    emitter.close()
+    emitter.close()
+    assert emitter.emit(beat(0)) is False

@@ -1,0 +1,112 @@
+"""Bubble start -> side-task step start latency, over many real bubbles.
+
+Runs a manager, a simulated 2-stage pipeline with short compute (many small
+bubbles) and one iterative side task per stage, all as real processes over
+ipc:// sockets. The time is measured from the backend's ``BubbleStarted``
+timestamp (taken right before its send) to the first step the side task
+starts inside that bubble: one emit, two socket hops and two wake-ups.
+
+    .venv/bin/python tools/latency.py --bubbles 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from freeride import protocol as p
+from freeride.backends.sim import SimConfig, SimPipeline
+from freeride.config import ServeConfig
+from freeride.manager import Manager
+from freeride.stats import quantile
+from freeride.transport import Endpoints
+
+TASK = "freeride.sidetasks.pagerank:PageRank"
+
+
+async def measure(bubbles: int, forward_ms: float, backward_ms: float, microbatches: int) -> dict[str, float]:
+    runtime_dir = Path(tempfile.mkdtemp(prefix="fr-lat-"))
+    config = ServeConfig(endpoints=Endpoints.ipc(runtime_dir), state_dir=runtime_dir / "state", checkpoint_every_s=3600)
+    # bubbles per step per stage in 1F1B with p=2: head or tail, fill, and (m-1)... count from a probe run below
+    sim = SimConfig(
+        endpoint=config.endpoints.events,
+        num_stages=2,
+        num_microbatches=microbatches,
+        forward_s=forward_ms / 1e3,
+        backward_s=backward_ms / 1e3,
+        steps=1,
+    )
+    from freeride.schedule import Durations, build_schedule, simulate
+    from freeride.schedule import bubbles as find_bubbles
+
+    timeline = simulate(build_schedule("1f1b", 2, microbatches), Durations.uniform(2, sim.forward_s, sim.backward_s))
+    per_step = sum(len(w) for w in find_bubbles(timeline, min_duration=sim.min_bubble_s))
+    steps = math.ceil(bubbles / per_step)
+    sim = SimConfig(**{**{f: getattr(sim, f) for f in sim.__dataclass_fields__}, "steps": steps})
+    stop = asyncio.Event()
+    async with Manager(config) as manager, asyncio.TaskGroup() as tg:
+        tg.create_task(manager.run(stop), name="latency-manager")
+        for stage in range(2):
+            device = sim.device(stage)
+            manager.declare_device(device, stage=stage, spare_memory=1 << 30, cpu_affinity=[sim.core(stage)])
+            manager.submit(p.TaskSpec(kind="iterative", target=TASK, device=device, options={"nodes": 2000}))
+        while any(t.state == "starting" for t in manager.tasks.values()):
+            await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        pipeline = SimPipeline(sim).start()
+        try:
+            await asyncio.to_thread(pipeline.join)
+        finally:
+            pipeline.terminate()
+        wall = time.monotonic() - t0
+        while manager.live_backends():
+            await asyncio.sleep(0.05)
+        values = sorted(manager.latency.values())
+        status = manager.status()
+        stop.set()
+    seen = sum(d.bubbles for d in status.devices)
+    used = sum(d.used_ns for d in status.devices) / max(1, sum(d.bubble_ns for d in status.devices))
+    return {
+        "bubbles": seen,
+        "grants_with_a_step": len(values),
+        "p50_us": quantile(values, 0.5) / 1e3,
+        "p90_us": quantile(values, 0.9) / 1e3,
+        "p99_us": quantile(values, 0.99) / 1e3,
+        "max_us": (values[-1] if values else 0) / 1e3,
+        "bubble_time_used": used,
+        "overruns": sum(d.overruns for d in status.devices),
+        "wall_s": wall,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bubbles", type=int, default=10_000, help="bubbles to produce over both stages")
+    parser.add_argument("--forward-ms", type=float, default=2.0)
+    parser.add_argument("--backward-ms", type=float, default=4.0)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    import uvloop
+
+    r = uvloop.run(measure(args.bubbles, args.forward_ms, args.backward_ms, args.microbatches))
+    if args.json:
+        print(json.dumps(r))
+    else:
+        print("| bubbles | grants with a step | p50 | p90 | p99 | max | bubble time used | overruns |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        print(
+            f"| {r['bubbles']} | {r['grants_with_a_step']} | {r['p50_us']:.0f} µs | {r['p90_us']:.0f} µs | "
+            f"{r['p99_us']:.0f} µs | {r['max_us']:.0f} µs | {r['bubble_time_used']:.1%} | {r['overruns']} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
