@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -274,6 +275,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         compute=args.compute,
         task=args.task,
     )
+    if args.opt:
+        options = dataclasses.replace(options, task_options=_parse_opts(args.opt))
     report = run_demo(options)
     print(report.text())
     return 0 if report.ok else 1
@@ -360,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--compute", default="sleep", choices=["sleep", "spin"], help="spin burns the stage's core")
         if name == "demo":
             s.add_argument("--task", default="pagerank", help="sample side task per stage (see submit --list)")
+            s.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="side-task option")
         s.set_defaults(fn=cmd_sim if name == "sim" else cmd_demo)
     return parser
 

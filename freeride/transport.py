@@ -244,9 +244,11 @@ class _RouterOwner(_AsyncOwner[_M]):
         return frames[0], _decode(self._decoder, frames[1])
 
     def _send_nowait(self, ident: bytes, msg: msgspec.Struct) -> bool:
-        try:
-            self._live().send_multipart([ident, _encoder.encode(msg)], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or its queue full
+        # pyzmq's asyncio socket reports a failed NOBLOCK send through the returned
+        # future, not by raising: peer gone (ROUTER_MANDATORY) or its queue full
+        fut = self._live().send_multipart([ident, _encoder.encode(msg)], zmq.NOBLOCK)
+        exc = fut.exception() if isinstance(fut, asyncio.Future) and fut.done() else None
+        if exc is not None:
             logger.warning("[send] to %r failed: %s", ident, exc)
             return False
         return True
@@ -319,7 +321,11 @@ class WorkerLink(_AsyncOwner[p.ManagerToWorker]):
         return msg
 
     def send_nowait(self, msg: p.WorkerToManager) -> None:
-        self._live().send(_encoder.encode(msg), zmq.NOBLOCK)
+        """Queue ``msg`` for the manager (a DEALER queues while the manager is away)."""
+        fut = self._live().send(_encoder.encode(msg), zmq.NOBLOCK)
+        exc = fut.exception() if isinstance(fut, asyncio.Future) and fut.done() else None
+        if exc is not None:
+            logger.warning("[send] to the manager failed: %s", exc)
 
 
 # --------------------------------------------------------------------------

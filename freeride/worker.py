@@ -295,6 +295,7 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
             await task.run(gate)
         except TaskStopped as stop:
             gate.checkpoint()
+            link.send_nowait(p.Progress(task_id=assign.task_id, steps=gate.steps, metrics=task.metrics()))
             logger.info("[worker] task %d stopped (%s) at step %d", assign.task_id, stop, gate.steps)
             return 0
         gate.finish("finished")

@@ -31,7 +31,9 @@ def make(margin_ns: int = 0) -> tuple[DeviceScheduler, Wire, LatencyRecorder]:
 
 
 def task(task_id: int, estimate_ns: int, sched: DeviceScheduler) -> TaskRecord:
-    t = TaskRecord(task_id=task_id, spec=p.TaskSpec(kind="iterative", target="m:C"), name=f"t{task_id}", checkpoint_path=Path("/x"))
+    t = TaskRecord(
+        task_id=task_id, spec=p.TaskSpec(kind="iterative", target="m:C"), name=f"t{task_id}", checkpoint_path=Path("/x")
+    )
     t.device, t.state, t.runnable, t.estimate_ns = "cpu:0", "running", True, estimate_ns
     sched.handle(TaskChanged(t))
     return t
@@ -39,17 +41,32 @@ def task(task_id: int, estimate_ns: int, sched: DeviceScheduler) -> TaskRecord:
 
 def started(expected_ns: int, *, step: int = 0, index: int = 0, spare: int = -1) -> p.BubbleStarted:
     return p.BubbleStarted(
-        rank=0, stage=0, device="cpu:0", step=step, index=index, t_ns=time.monotonic_ns(), expected_ns=expected_ns, spare_memory=spare
+        rank=0,
+        stage=0,
+        device="cpu:0",
+        step=step,
+        index=index,
+        t_ns=time.monotonic_ns(),
+        expected_ns=expected_ns,
+        spare_memory=spare,
     )
 
 
 def ended(start: p.BubbleStarted, duration_ns: int) -> p.BubbleEnded:
     return p.BubbleEnded(
-        rank=0, stage=0, device="cpu:0", step=start.step, index=start.index, t_ns=start.t_ns + duration_ns, duration_ns=duration_ns
+        rank=0,
+        stage=0,
+        device="cpu:0",
+        step=start.step,
+        index=start.index,
+        t_ns=start.t_ns + duration_ns,
+        duration_ns=duration_ns,
     )
 
 
-def done(t: TaskRecord, grant: p.Grant, *, reason: str = "no_fit", busy: int = 0, delay: int = 100, end: int = 0) -> WorkerReport:
+def done(
+    t: TaskRecord, grant: p.Grant, *, reason: str = "no_fit", busy: int = 0, delay: int = 100, end: int = 0
+) -> WorkerReport:
     return WorkerReport(
         t,
         p.GrantDone(

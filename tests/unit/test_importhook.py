@@ -55,7 +55,9 @@ def test_a_failing_patch_does_not_break_the_import(fake_pkg: str, caplog: pytest
 def test_launch_env_puts_the_hook_first_and_keeps_the_users_path() -> None:
     env = launch_env({"PYTHONPATH": "/user/lib", "X": "1"}, events="ipc:///tmp/fr/events")
     parts = env["PYTHONPATH"].split(":")
-    assert parts[0].endswith("_autoload") and parts[1] == "/user/lib" and (Path(parts[0]) / "sitecustomize.py").is_file()
+    assert (
+        parts[0].endswith("_autoload") and parts[1] == "/user/lib" and (Path(parts[0]) / "sitecustomize.py").is_file()
+    )
     assert env["FREERIDE_EVENTS"] == "ipc:///tmp/fr/events" and env["X"] == "1"
     assert read_mode(env) == ("emit", None)
 

@@ -7,8 +7,12 @@ from freeride.placement import DeviceView, NoFit, place
 G = 1 << 30
 
 
-def view(device: str, spare: int, *, committed: int = 0, tasks: int = 0, share: float = 0.2, alive: bool = True) -> DeviceView:
-    return DeviceView(device=device, spare_memory=spare, committed_memory=committed, tasks=tasks, bubble_share=share, alive=alive)
+def view(
+    device: str, spare: int, *, committed: int = 0, tasks: int = 0, share: float = 0.2, alive: bool = True
+) -> DeviceView:
+    return DeviceView(
+        device=device, spare_memory=spare, committed_memory=committed, tasks=tasks, bubble_share=share, alive=alive
+    )
 
 
 def test_no_devices_means_wait() -> None:

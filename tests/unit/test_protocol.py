@@ -31,7 +31,13 @@ SAMPLES: list[tuple[object, msgspec.Struct]] = [
     (
         p.ManagerToWorker,
         p.Assign(
-            task_id=1, spec=SPEC, device="cpu:0", checkpoint_path="/c", margin_ns=1, checkpoint_every_ns=2, cpu_affinity=[0]
+            task_id=1,
+            spec=SPEC,
+            device="cpu:0",
+            checkpoint_path="/c",
+            margin_ns=1,
+            checkpoint_every_ns=2,
+            cpu_affinity=[0],
         ),
     ),
     (p.ManagerToWorker, p.Grant(grant_id=1, bubble_t_ns=2, deadline_ns=3)),
@@ -41,7 +47,14 @@ SAMPLES: list[tuple[object, msgspec.Struct]] = [
     (
         p.WorkerToManager,
         p.GrantDone(
-            task_id=1, grant_id=2, steps=3, busy_ns=4, first_step_delay_ns=5, overrun_ns=0, reason="no_fit", step_estimate_ns=6
+            task_id=1,
+            grant_id=2,
+            steps=3,
+            busy_ns=4,
+            first_step_delay_ns=5,
+            overrun_ns=0,
+            reason="no_fit",
+            step_estimate_ns=6,
         ),
     ),
     (p.WorkerToManager, p.Progress(task_id=1, steps=2, metrics={"loss": 0.5})),
