@@ -269,6 +269,8 @@ class GrantDone(_Msg, frozen=True, tag="grant_done"):
     """What the worker now expects its next step to take."""
     last_step_end_ns: int = 0
     """When the last step inside the grant ended (0 if none ran)."""
+    first_step_ns: int = 0
+    """When the first step inside the grant started (0 if none ran)."""
 
 
 class Progress(_Msg, frozen=True, tag="progress"):

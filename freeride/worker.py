@@ -134,6 +134,7 @@ class GrantGate:
                 reason=reason,  # type: ignore[arg-type]
                 step_estimate_ns=self.estimator.estimate_ns,
                 last_step_end_ns=self._g_last_end,
+                first_step_ns=grant.bubble_t_ns + self._g_first if self._g_first >= 0 else 0,
             )
         )
         self._grant = None
@@ -280,7 +281,9 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
         )
         await task.setup(tctx)
         gate = GrantGate(link, assign, task, steps)
-        gate.checkpoint()  # before any bubble: loads the serializer and measures what a checkpoint costs
+        if task.state_dict():
+            import torch  # noqa: F401 - load the serializer before timing a checkpoint
+        gate.checkpoint()  # before any bubble: measures what a checkpoint costs
         link.send_nowait(
             p.WorkerReady(
                 protocol_version=p.PROTOCOL_VERSION,

