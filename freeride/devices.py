@@ -48,10 +48,14 @@ SendFn = Callable[[TaskRecord, p.ManagerToWorker], bool]
 @dataclass(slots=True)
 class _GrantState:
     task: TaskRecord
+    bubble_t_ns: int = 0
     bubble_end_ns: int = 0
     """Actual end of the bubble (0 while it lasts)."""
     last_step_end_ns: int = 0
     returned: bool = False
+    resumed_ns: int = 0
+    """When an imperative program was resumed for this grant."""
+    busy_before_ns: int = 0
 
 
 class DeviceScheduler:
@@ -71,6 +75,10 @@ class DeviceScheduler:
         self.alive = False
         self.spare_memory = -1
         self.cpu_affinity: list[int] = []
+        self.device_memory = -1
+        """Total memory of the device (from the rank's Hello)."""
+        self.free_memory = -1
+        """Free memory NVML last reported (-1 without NVML)."""
         self.dropped = 0
         # bubble state
         self._bubble: p.BubbleStarted | None = None
@@ -124,6 +132,7 @@ class DeviceScheduler:
             spare_memory=self.spare_memory,
             steps=self.train_steps,
             dropped=self.dropped,
+            free_memory=self.free_memory,
         )
 
     def bubble_share(self) -> float:
@@ -132,6 +141,17 @@ class DeviceScheduler:
 
     def committed_memory(self) -> int:
         return sum(max(0, t.spec.peak_memory) for t in self.tasks if t.state in ("starting", "running"))
+
+    def placeable_memory(self) -> int:
+        """Spare memory for placement: the stage's spare, bounded by what NVML sees free now.
+
+        NVML's free memory already excludes the side tasks running here, which
+        placement subtracts again, so they are added back.
+        """
+        if self.free_memory < 0:
+            return self.spare_memory
+        live = self.free_memory + self.committed_memory()
+        return live if self.spare_memory < 0 else min(self.spare_memory, live)
 
     def backend_lost(self) -> None:
         """The rank training here is gone: stop handing out its bubble."""
@@ -208,11 +228,34 @@ class DeviceScheduler:
             self.overrun_ns += late
 
     def _revoke_current(self) -> None:
-        if self._holder is not None:
-            state = self._grants.get(self._holder)
-            if state is not None:
-                self._send(state.task, p.Revoke(grant_id=self._holder))
-            self._holder = None
+        if self._holder is None:
+            return
+        grant_id, self._holder = self._holder, None
+        state = self._grants.get(grant_id)
+        if state is None:
+            return
+        program = state.task.imperative
+        if program is None:
+            self._send(state.task, p.Revoke(grant_id=grant_id))
+            return
+        # An imperative program has no say: stop it (its deadline timer may have already)
+        # and account for the grant as a worker would.
+        program.suspend()
+        busy = program.busy_ns - state.busy_before_ns
+        self._on_grant_done(
+            state.task,
+            p.GrantDone(
+                task_id=state.task.task_id,
+                grant_id=grant_id,
+                steps=1 if busy > 0 else 0,
+                busy_ns=busy,
+                first_step_delay_ns=state.resumed_ns - state.bubble_t_ns if busy > 0 else -1,
+                overrun_ns=0,
+                reason="revoked",
+                last_step_end_ns=state.resumed_ns + busy if busy > 0 else 0,
+                first_step_ns=state.resumed_ns if busy > 0 else 0,
+            ),
+        )
 
     def _grant_next(self, *, fresh: bool) -> None:
         if self._bubble is None or self._holder is not None or not self.tasks:
@@ -234,7 +277,14 @@ class DeviceScheduler:
             self._tried.add(task.task_id)
             self._rr = (self._rr + k + 1) % n
             grant = p.Grant(grant_id=grant_id, bubble_t_ns=self._bubble.t_ns, deadline_ns=self._deadline_ns)
-            if self._send(task, grant):
-                self._holder = grant_id
-                self._grants[grant_id] = _GrantState(task=task)
-                return
+            state = _GrantState(task=task, bubble_t_ns=self._bubble.t_ns)
+            program = task.imperative
+            if program is not None:
+                state.busy_before_ns = program.busy_ns
+                state.resumed_ns = time.monotonic_ns()
+                program.resume(self._deadline_ns)  # SIGCONT now, SIGSTOP at the deadline minus the margin
+            elif not self._send(task, grant):
+                continue
+            self._holder = grant_id
+            self._grants[grant_id] = state
+            return

@@ -28,6 +28,8 @@ from typing import assert_never
 from freeride import protocol as p
 from freeride.config import ServeConfig
 from freeride.devices import DeviceScheduler
+from freeride.mps import MpsDaemon
+from freeride.nvml import NvmlMonitor
 from freeride.observe import Observers
 from freeride.stats import LatencyRecorder
 from freeride.supervisor import Supervisor
@@ -76,6 +78,8 @@ class Manager:
         self._hub: WorkerHub | None = None
         self._control: ControlServer | None = None
         self._closed = False
+        self._nvml: NvmlMonitor | None = None
+        self._mps: MpsDaemon | None = None
         self.observers = Observers()
         """Trace writers and metrics exporters; see :mod:`freeride.observe`."""
         self.supervisor = Supervisor(config, devices=self.devices, send=self._send, observers=self.observers)
@@ -104,6 +108,15 @@ class Manager:
             raise
         if self.config.profile is not None:
             self._load_profile(self.config.profile)
+        self._nvml = NvmlMonitor.open()  # None on machines without NVIDIA's driver
+        if self.config.mps:
+            self._mps = MpsDaemon(self.config.state_dir / "mps", self.config.log_dir / "mps")
+            try:
+                await self._mps.start()
+            except Exception:
+                await self.aclose()
+                raise
+            self.supervisor.mps_pipe_dir = self._mps.pipe_dir
         logger.info(
             "[startup] manager: events=%s control=%s workers=%s",
             self.config.endpoints.events,
@@ -124,6 +137,10 @@ class Manager:
         self._closed = True
         self.supervisor.stop()
         await self.supervisor.stop_all()
+        if self._mps is not None:
+            await self._mps.quit()
+        if self._nvml is not None:
+            self._nvml.close()
         for owner in (self._receiver, self._hub, self._control):
             if owner is not None:
                 owner.close()
@@ -226,6 +243,7 @@ class Manager:
         device = self._device(hello.device, stage=hello.stage, rank=hello.rank)
         device.framework = hello.framework
         device.cpu_affinity = list(hello.cpu_affinity)
+        device.device_memory = hello.device_memory
         device.alive = True
         backend = _Backend(rank=hello.rank, device=hello.device, pid=hello.pid, last_seen_ns=time.monotonic_ns())
         self._backends[hello.rank] = backend
@@ -269,10 +287,26 @@ class Manager:
         timeout_ns = int(self.config.backend_timeout_s * 1e9)
         while True:
             await asyncio.sleep(min(1.0, self.config.backend_timeout_s / 4))
+            self._poll_nvml()
             now = time.monotonic_ns()
             for backend in list(self._backends.values()):
                 if not backend.watched and now - backend.last_seen_ns > timeout_ns:
                     self._lose_backend(backend, f"silent for {self.config.backend_timeout_s:g}s")
+
+    def _poll_nvml(self) -> None:
+        """Free memory per GPU and memory per side-task process, for placement and status."""
+        if self._nvml is None:
+            return
+        free = {d.index: d.free for d in self._nvml.devices()}
+        by_pid = {t.pid: t for t in self.tasks.values() if t.pid}
+        for name, device in self.devices.items():
+            kind, _, index = name.partition(":")
+            if kind != "cuda" or not index.isdigit() or int(index) not in free:
+                continue
+            device.free_memory = free[int(index)]
+            for pid, used in self._nvml.process_memory(int(index)).items():
+                if pid in by_pid:
+                    by_pid[pid].device_memory = used
 
     def _device(self, name: str, *, stage: int, rank: int) -> DeviceScheduler:
         device = self.devices.get(name)

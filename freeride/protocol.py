@@ -208,6 +208,8 @@ class Assign(_Msg, frozen=True, tag="assign"):
     """Cores the worker pins itself to (those of the stage it shares a device with)."""
     workdir: str = ""
     """Directory for the task's own outputs."""
+    memory_limit: int = -1
+    """Bytes the task may use at its peak (its declared peak); -1: no cap."""
 
 
 class Grant(_Msg, frozen=True, tag="grant"):
@@ -361,6 +363,8 @@ class DeviceStatus(_Msg, frozen=True, tag="device_status"):
     steps: int
     """Training steps finished by the rank on this device."""
     dropped: int = 0
+    free_memory: int = -1
+    """Free device memory as NVML reports it (-1 without NVML)."""
 
 
 class TaskStatus(_Msg, frozen=True, tag="task_status"):
@@ -375,6 +379,8 @@ class TaskStatus(_Msg, frozen=True, tag="task_status"):
     metrics: Metrics = {}
     error: str = ""
     pid: int = 0
+    device_memory: int = -1
+    """Device memory the task's process uses (NVML; -1 unknown)."""
 
 
 class LatencySummary(_Msg, frozen=True, tag="latency"):

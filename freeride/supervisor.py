@@ -8,15 +8,20 @@ manager gives it, messages from workers come in through :meth:`Supervisor.on_wor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import logging
+import os
 import shutil
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, assert_never
 
 from freeride import protocol as p
 from freeride.config import ServeConfig
 from freeride.devices import DeviceScheduler, TaskChanged, WorkerReport
+from freeride.imperative import ImperativeProcess
+from freeride.memcap import MemoryCap, plan_memory_cap
 from freeride.observe import Observers
 from freeride.placement import DeviceView, NoFit, place
 from freeride.tasks import TaskRecord, spawn_worker, stop_process, task_name
@@ -42,6 +47,8 @@ class Supervisor:
         self._send = send
         self._next_task = 1
         self._spawn: SpawnFn | None = None
+        self.mps_pipe_dir: Path | None = None
+        """Pipe directory of the MPS daemon side tasks join (None without MPS)."""
 
     def start(self, spawn: SpawnFn) -> None:
         """Begin supervising, with ``spawn`` putting coroutines in the manager's TaskGroup."""
@@ -111,6 +118,7 @@ class Supervisor:
             checkpoint_every_ns=int(self.config.checkpoint_every_s * 1e9),
             cpu_affinity=device.cpu_affinity,
             workdir=str(workdir),
+            memory_limit=task.spec.peak_memory,
         )
 
     def submit(self, spec: p.TaskSpec) -> p.Submitted | p.Rejected:
@@ -148,7 +156,7 @@ class Supervisor:
         views = [
             DeviceView(
                 device=d.device,
-                spare_memory=d.spare_memory,
+                spare_memory=d.placeable_memory(),
                 committed_memory=d.committed_memory(),
                 tasks=sum(t.state in ("starting", "running") for t in d.tasks),
                 bubble_share=d.bubble_share(),
@@ -172,18 +180,34 @@ class Supervisor:
         if self._spawn is not None:  # otherwise start() does
             self._spawn(self._supervise(task), f"task-{task.task_id}")
 
+    def _memory_cap(self, task: TaskRecord) -> MemoryCap:
+        device = self.devices[task.device]
+        return plan_memory_cap(
+            task.device,
+            task.spec.peak_memory,
+            mps_pipe_dir=self.mps_pipe_dir,
+            total_bytes=device.device_memory,
+        )
+
     async def _supervise(self, task: TaskRecord) -> None:
-        """Run the task's worker; restart it from its checkpoint after a crash."""
+        """Run the task's worker or program; restart it (from its checkpoint) after a crash."""
         while True:
-            task.process = await spawn_worker(
-                task,
-                python=self.config.python,
-                endpoint=self.config.endpoints.workers,
-                log_dir=self.config.log_dir,
-                cpu_affinity=self.devices[task.device].cpu_affinity,
-            )
-            code = await task.process.wait()
+            if task.spec.kind == "imperative":
+                code = await self._run_program(task)
+            else:
+                task.process = await spawn_worker(
+                    task,
+                    python=self.config.python,
+                    endpoint=self.config.endpoints.workers,
+                    log_dir=self.config.log_dir,
+                    cpu_affinity=self.devices[task.device].cpu_affinity,
+                    extra_env=self._memory_cap(task).env,
+                )
+                code = await task.process.wait()
             task.runnable = False
+            if code == 0 and task.spec.kind == "imperative" and not task.stopping:
+                task.state = "finished"
+                logger.info("[tasks] task %d (%s) finished", task.task_id, task.name)
             if task.state == "finished":
                 break
             if task.stopping:
@@ -218,20 +242,57 @@ class Supervisor:
         await self._stop_task(task, "cancelled")
         return p.Cancelled(task_id=task_id)
 
+    async def _run_program(self, task: TaskRecord) -> int:
+        """Start an imperative task's program stopped, let bubbles run it, and wait for its exit."""
+        device = self.devices[task.device]
+        cap = self._memory_cap(task)
+        program = ImperativeProcess(
+            task.spec.argv,
+            env={**os.environ, **cap.env},
+            log_dir=self.config.log_dir,
+            name=f"task-{task.task_id}-{task.name}",
+            cpu_affinity=device.cpu_affinity,
+            memory_limit=cap.rlimit_as if cap.mechanism == "rlimit_as" else -1,
+            margin_ns=self.config.margin_ns,
+        )
+        try:
+            await program.start()
+        except OSError as exc:
+            task.error = f"cannot start {task.spec.argv[0]!r}: {exc}"
+            return 127
+        with contextlib.suppress(OSError):  # the same low CPU priority as iterative workers
+            os.setpriority(os.PRIO_PGRP, program.pid, 19)
+        task.imperative = program
+        task.state, task.runnable = "running", True
+        self._notify(task)
+        info = await program.wait()
+        task.runnable = False
+        self._notify(task)
+        task.busy_ns = program.busy_ns
+        task.metrics.update({"user_s": info.user_s, "system_s": info.system_s, "max_rss_mb": info.max_rss_kb / 1024})
+        if info.returncode != 0:
+            why = f"killed by signal {info.signal}" if info.signal else f"exited with code {info.returncode}"
+            task.error = f"program {why} (log: {self.config.log_dir / program.name}.err)"
+        return info.returncode
+
     async def _stop_task(self, task: TaskRecord, reason: str) -> None:
         task.stopping = True
         task.runnable = False
         self._notify(task)
-        if task.process is None or task.process.returncode is not None:
+        if not task.alive:
             task.state = "cancelled" if task.state not in ("finished", "failed") else task.state
             task.done.set()
             return
+        if task.imperative is not None:
+            await task.imperative.terminate(timeout_s=self.config.stop_timeout_s)
+            return
+        assert task.process is not None
         self._send(task, p.Stop(reason=reason))
         await stop_process(task.process, timeout_s=self.config.stop_timeout_s)
 
     async def stop_all(self) -> None:
         """Ask every live task to checkpoint and stop; terminate those that do not."""
-        live = [t for t in self.tasks.values() if t.process is not None and t.process.returncode is None]
+        live = [t for t in self.tasks.values() if t.alive]
         if live:
             logger.info("[shutdown] stopping %d side task(s)", len(live))
         await asyncio.gather(*(self._stop_task(t, "manager shutting down") for t in live))

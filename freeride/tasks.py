@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from freeride import protocol as p
+from freeride.imperative import ImperativeProcess
 from freeride.transport import worker_identity
 
 __all__ = ["TaskRecord", "spawn_worker", "stop_process", "task_name"]
@@ -48,6 +49,9 @@ class TaskRecord:
     state: p.TaskState = "pending"
     device: str = ""
     process: asyncio.subprocess.Process | None = None
+    """Worker process of an iterative task."""
+    imperative: ImperativeProcess | None = None
+    """The program of an imperative task, while it exists."""
     runnable: bool = False
     """Set up and parked, ready for a grant."""
     estimate_ns: int = -1
@@ -60,6 +64,8 @@ class TaskRecord:
     """A stop was requested; the coming exit is not a crash."""
     done: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when the task reaches a final state."""
+    device_memory: int = -1
+    """What NVML last saw the task's process use."""
 
     @property
     def ident(self) -> bytes:
@@ -67,7 +73,16 @@ class TaskRecord:
 
     @property
     def pid(self) -> int:
+        if self.imperative is not None:
+            return max(self.imperative.pid, 0)
         return self.process.pid if self.process is not None else 0
+
+    @property
+    def alive(self) -> bool:
+        """Whether a worker process or program exists for the task."""
+        if self.imperative is not None:
+            return not self.imperative.exited
+        return self.process is not None and self.process.returncode is None
 
     def status(self) -> p.TaskStatus:
         return p.TaskStatus(
@@ -82,6 +97,7 @@ class TaskRecord:
             metrics=dict(self.metrics),
             error=self.error,
             pid=self.pid,
+            device_memory=self.device_memory,
         )
 
 

@@ -241,6 +241,42 @@ def _lower_cpu_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, 0, 19)
 
 
+def _cap_torch_cuda_memory() -> None:
+    """Keep PyTorch's caching allocator just under the MPS cap (set by the manager)."""
+    fraction = os.environ.get("FREERIDE_TORCH_MEMORY_FRACTION")
+    if not fraction:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(float(fraction), 0)
+
+
+def _vm_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _cap_address_space(limit_bytes: int) -> None:
+    """On a CPU device, cap what the task can still allocate to its declared peak.
+
+    Set after setup, relative to what is mapped then: interpreter and library
+    mappings (a large share of a torch process's address space) are not the
+    task's memory. An allocation past the cap raises ``MemoryError``, which is
+    reported as the task's failure. Never used on CUDA devices, where the
+    driver reserves a huge virtual range.
+    """
+    import resource
+
+    size, rss = _vm_kb("VmSize") * 1024, _vm_kb("VmRSS") * 1024
+    cap = size + max(0, limit_bytes - rss) + (64 << 20)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    logger.info("[worker] address space capped at %d MiB (peak %d MiB declared)", cap >> 20, limit_bytes >> 20)
+
+
 def _torch_device(device: str) -> str:
     kind, _, _ = device.partition(":")
     return "cuda:0" if kind == "cuda" else "cpu"  # CUDA_VISIBLE_DEVICES leaves one GPU
@@ -267,6 +303,7 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
     if assign.cpu_affinity:
         os.sched_setaffinity(0, assign.cpu_affinity)
     _lower_cpu_priority()
+    _cap_torch_cuda_memory()
     task: IterativeTask | None = None
     try:
         cls = load_target(assign.spec.target)
@@ -280,6 +317,8 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
             workdir=workdir,
         )
         await task.setup(tctx)
+        if assign.memory_limit > 0 and assign.device.startswith("cpu"):
+            _cap_address_space(assign.memory_limit)
         gate = GrantGate(link, assign, task, steps)
         if task.state_dict():
             import torch  # noqa: F401 - load the serializer before timing a checkpoint

@@ -10,7 +10,7 @@ from typing import Any
 
 from freeride.sidetask import IterativeTask, TaskContext
 
-__all__ = ["CrashOnce", "SpinSteps"]
+__all__ = ["CrashOnce", "Hog", "SpinSteps"]
 
 
 class SpinSteps(IterativeTask):
@@ -73,3 +73,16 @@ class CrashOnce(SpinSteps):
         if self.count == self.crash_at and self.marker and not Path(self.marker).exists():
             Path(self.marker).write_text("crashed")
             os._exit(17)
+
+
+class Hog(IterativeTask):
+    """Allocates ``mb`` MiB in its first step: more than it declared."""
+
+    step_time = 0.001
+
+    def __init__(self, *, mb: int = 800) -> None:
+        self.mb = mb
+        self.kept: list[bytearray] = []
+
+    def step(self) -> None:
+        self.kept.append(bytearray(self.mb << 20))
