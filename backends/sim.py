@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
+from freeride._procutil import bind_to_parent
 from freeride.backends.predict import BubblePredictor
 from freeride.backends.session import BackendConfig, BackendSession
 from freeride.schedule import Action, Durations, bubbles, build_schedule, simulate
@@ -136,7 +137,8 @@ def run_stage(
     barrier: Any,
     results: Any,
 ) -> None:
-    """Body of one stage process (also usable in-process for tests)."""
+    """Body of one stage process."""
+    bind_to_parent(f"freeride-sim{stage}")
     if config.pin and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {config.core(stage)})
     p, m, v = config.num_stages, config.num_microbatches, config.num_chunks

@@ -15,7 +15,15 @@ import signal
 import time
 from collections.abc import Callable
 
-__all__ = ["RESET_SIGNALS", "SHELL", "DeadlineTimer", "group_members", "read_state", "spawn_watchdog"]
+__all__ = [
+    "RESET_SIGNALS",
+    "SHELL",
+    "DeadlineTimer",
+    "bind_to_parent",
+    "group_members",
+    "read_state",
+    "spawn_watchdog",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -172,3 +180,20 @@ def group_members(pgid: int) -> list[int]:
         if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
             members.append(int(entry.name))
     return members
+
+
+def bind_to_parent(name: str) -> None:
+    """Name this process (``comm``) and have the kernel SIGKILL it when its parent dies.
+
+    For helper processes (side-task workers, simulated stages) that must never
+    outlive the process that started them, even one killed with SIGKILL.
+    Linux only; a no-op elsewhere.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(1)

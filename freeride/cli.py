@@ -199,14 +199,46 @@ def format_status(status: p.StatusReply) -> str:
 
 def cmd_status(args: argparse.Namespace) -> int:
     with _control(args) as client:
-        reply = client.request(p.StatusRequest())
-    if not isinstance(reply, p.StatusReply):
-        print(f"freeride: unexpected reply {reply!r}", file=sys.stderr)
-        return 1
+
+        def fetch() -> p.StatusReply:
+            reply = client.request(p.StatusRequest())
+            if not isinstance(reply, p.StatusReply):
+                raise ValueError(f"unexpected reply {reply!r}")
+            return reply
+
+        if args.watch:
+            from freeride.watch import watch
+
+            return watch(fetch, interval_s=args.interval, count=args.count)
+        reply = fetch()
     if args.json:
         print(msgspec.json.encode(reply).decode())
     else:
         print(format_status(reply))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    import json
+
+    from freeride.report import Prices, ReportOptions, build_report, parse_throughputs
+    from freeride.timeline import load_trace
+
+    options = ReportOptions(
+        prices=Prices(
+            train_gpu_per_hour=args.train_gpu_price, side_gpu_per_hour=args.side_gpu_price, train_gpus=args.train_gpus
+        ),
+        throughputs=parse_throughputs(args.side_throughput),
+        warmup_steps=args.warmup,
+    )
+    try:
+        trace = load_trace(Path(args.trace))
+        baseline = load_trace(Path(args.baseline)) if args.baseline else None
+    except OSError as exc:
+        print(f"freeride: cannot read trace: {exc}", file=sys.stderr)
+        return 2
+    report = build_report(trace, options, baseline)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.text())
     return 0
 
 
@@ -320,8 +352,33 @@ def build_parser() -> argparse.ArgumentParser:
     s = subs.add_parser("status", help="show devices, bubbles and side tasks")
     _add_runtime(s)
     s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--watch", action="store_true", help="live view, redrawn every --interval seconds (Ctrl-C ends)")
+    s.add_argument("--interval", type=float, default=1.0, help="seconds between redraws of --watch (default 1)")
+    s.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
     s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the manager")
     s.set_defaults(fn=cmd_status)
+
+    s = subs.add_parser(
+        "report",
+        help="bubble share, harvested share, slowdown and cost saving of a traced run",
+        description="Read a trace of `freeride serve --trace` (and a baseline trace without side tasks).",
+    )
+    s.add_argument("trace", metavar="TRACE")
+    s.add_argument("--baseline", metavar="TRACE", help="trace of the same job without side tasks (for the slowdown)")
+    s.add_argument("--train-gpu-price", type=float, default=3.96, help="$ per hour of one training GPU")
+    s.add_argument("--side-gpu-price", type=float, default=0.18, help="$ per hour of the cheap GPU for side tasks")
+    s.add_argument("--train-gpus", type=int, default=0, help="training GPUs of the job (default: devices in TRACE)")
+    s.add_argument(
+        "--side-throughput",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="NAME=STEPS_PER_S",
+        help="steps/s of a task (name or glob) alone on the cheap GPU (repeatable)",
+    )
+    s.add_argument("--warmup", type=int, default=1, help="steps left out at the start (default 1)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(fn=cmd_report)
 
     s = subs.add_parser("cancel", help="cancel a side task (it checkpoints first)")
     _add_runtime(s)

@@ -201,7 +201,8 @@ class DeviceScheduler:
 
     def _on_grant_done(self, task: TaskRecord, done: p.GrantDone) -> None:
         task.estimate_ns = done.step_estimate_ns
-        task.steps += done.steps
+        # absolute when the worker counts (a Progress may have overtaken this report)
+        task.steps = max(task.steps, done.total_steps) if done.total_steps >= 0 else task.steps + done.steps
         task.busy_ns += done.busy_ns
         self.used_ns += done.busy_ns
         if done.first_step_delay_ns >= 0:

@@ -273,6 +273,8 @@ class GrantDone(_Msg, frozen=True, tag="grant_done"):
     """When the last step inside the grant ended (0 if none ran)."""
     first_step_ns: int = 0
     """When the first step inside the grant started (0 if none ran)."""
+    total_steps: int = -1
+    """Steps the task has done in all (restored ones included); -1 if not counted."""
 
 
 class Progress(_Msg, frozen=True, tag="progress"):

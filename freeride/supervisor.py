@@ -182,6 +182,9 @@ class Supervisor:
 
     def _memory_cap(self, task: TaskRecord) -> MemoryCap:
         device = self.devices[task.device]
+        kind = task.device.partition(":")[0]
+        if kind not in ("cpu", "cuda"):  # a backend's own device naming: host memory, like cpu
+            return plan_memory_cap("cpu:0", task.spec.peak_memory)
         return plan_memory_cap(
             task.device,
             task.spec.peak_memory,
@@ -190,6 +193,19 @@ class Supervisor:
         )
 
     async def _supervise(self, task: TaskRecord) -> None:
+        """Run the task's worker or program; a failure here fails the task, never the manager."""
+        try:
+            await self._supervise_inner(task)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("[tasks] task %d (%s): supervision failed", task.task_id, task.name)
+            task.state, task.runnable = "failed", False
+            task.error = f"could not run the task: {type(exc).__name__}: {exc}"
+            self._notify(task)
+            task.done.set()
+
+    async def _supervise_inner(self, task: TaskRecord) -> None:
         """Run the task's worker or program; restart it (from its checkpoint) after a crash."""
         while True:
             if task.spec.kind == "imperative":

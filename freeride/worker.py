@@ -14,11 +14,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import importlib
 import logging
 import os
-import signal
 import sys
 import time
 import traceback
@@ -28,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from freeride import protocol as p
+from freeride._procutil import bind_to_parent
 from freeride.sidetask import IterativeTask, StepEstimator, TaskContext, TaskStopped
 from freeride.transport import BadFrame, WorkerLink, new_async_context
 
@@ -135,6 +134,7 @@ class GrantGate:
                 step_estimate_ns=self.estimator.estimate_ns,
                 last_step_end_ns=self._g_last_end,
                 first_step_ns=grant.bubble_t_ns + self._g_first if self._g_first >= 0 else 0,
+                total_steps=self._steps,
             )
         )
         self._grant = None
@@ -217,15 +217,6 @@ class GrantGate:
 
     def finish(self, reason: str) -> None:
         self._give_back(reason)
-
-
-def _set_process_name(name: str) -> None:
-    try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: never outlive the manager
-    except (OSError, AttributeError):
-        pass
 
 
 def _lower_cpu_priority() -> None:
@@ -360,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task-id", type=int, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    _set_process_name(f"freeride-task{args.task_id}")
+    bind_to_parent(f"freeride-task{args.task_id}")  # never outlive the manager
     import uvloop
 
     return uvloop.run(_run(args.endpoint, args.task_id))

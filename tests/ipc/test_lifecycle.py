@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -62,7 +63,7 @@ def test_serve_stops_cleanly_and_leaves_no_child(served: subprocess.Popen[bytes]
         logs = [log.read_text() for log in (runtime_dir / "state" / "logs").glob("task-*.log")]
         assert len(logs) == 2 and all("stopped (manager shutting down)" in text for text in logs), logs
     finally:
-        sim.kill()
+        os.killpg(sim.pid, signal.SIGKILL)
         sim.wait()
 
 

@@ -144,7 +144,7 @@ def test_workers_die_with_a_killed_manager(served: object, runtime_dir: Path, tm
         served.wait(10)
         poll(lambda: not _alive(pid), 10, f"worker {pid} to exit")
     finally:
-        sim.kill()
+        os.killpg(sim.pid, signal.SIGKILL)
         sim.wait()
 
 
@@ -178,3 +178,27 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# Race pinned: an exception raised while starting a task's worker used to escape
+# the supervision coroutine into the manager's TaskGroup and end the manager.
+async def test_a_task_that_cannot_start_fails_alone(runtime_dir: Path) -> None:
+    from freeride.config import ServeConfig
+
+    config = ServeConfig(
+        endpoints=Endpoints.ipc(runtime_dir), state_dir=runtime_dir / "state", python=str(runtime_dir / "no-python")
+    )
+    stop = asyncio.Event()
+    async with Manager(config) as manager:
+        runner = asyncio.create_task(manager.run(stop))
+        manager.declare_device("cpu:0", stage=0, spare_memory=1 << 30, cpu_affinity=[0])
+        reply = manager.submit(p.TaskSpec(kind="iterative", target="_tasks:SpinSteps", device="cpu:0"))
+        assert isinstance(reply, p.Submitted)
+        task = manager.tasks[reply.task_id]
+        await wait_until(lambda: task.state == "failed", 10, "the task to fail")
+        assert "no-python" in task.error
+        assert not runner.done()  # the manager is still serving
+        second = manager.submit(p.TaskSpec(kind="imperative", argv=["true"], device="cpu:0"))
+        assert isinstance(second, p.Submitted)
+        stop.set()
+        await runner

@@ -1,0 +1,128 @@
+"""Reading a FreeRide trace back: bubbles, steps and side-task grants per track.
+
+The inverse of :mod:`freeride.trace`, for ``freeride report`` and
+``tools/render_timeline.py``. Accepts the JSON Object and JSON Array forms of
+the Trace Event Format, and a file cut short by a crash (it is cut back to its
+last whole event).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from freeride.trace import SIDE_TASKS_PID, TRAINING_PID
+
+__all__ = ["DeviceTimeline", "Grant", "Span", "TaskTimeline", "Trace", "load_trace", "parse_trace"]
+
+Span = tuple[int, int]
+"""``(start_ns, end_ns)``."""
+
+
+@dataclass(slots=True)
+class DeviceTimeline:
+    """One training stage's device in a trace."""
+
+    device: str
+    stage: int = -1
+    bubbles: list[Span] = field(default_factory=list)
+    steps: dict[int, Span] = field(default_factory=dict)
+    """Step number -> its span."""
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A side task's work inside one grant: first step start to last step end."""
+
+    start_ns: int
+    end_ns: int
+    steps: int
+    busy_ns: int
+    device: str
+
+
+@dataclass(slots=True)
+class TaskTimeline:
+    task_id: int
+    name: str
+    device: str = ""
+    grants: list[Grant] = field(default_factory=list)
+    state: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Trace:
+    devices: dict[str, DeviceTimeline] = field(default_factory=dict)
+    tasks: dict[int, TaskTimeline] = field(default_factory=dict)
+
+
+def _decode_events(data: bytes) -> list[dict[str, Any]]:
+    """Events of a JSON Object or Array trace; a file cut short by a crash is cut back to its last whole event."""
+    for attempt in range(64):
+        try:
+            doc = msgspec.json.decode(data)
+        except msgspec.DecodeError:
+            if attempt == 0 and data.lstrip().startswith(b"["):
+                data = data.rstrip().rstrip(b",") + b"]"
+                continue
+            cut = data.rstrip().rfind(b"}", 0, len(data.rstrip()) - 1)
+            if cut < 0:
+                raise ValueError("not a trace-event JSON file") from None
+            data = data[: cut + 1] + (b"]" if data.lstrip().startswith(b"[") else b"]}")
+            continue
+        events = doc.get("traceEvents", []) if isinstance(doc, dict) else doc
+        if not isinstance(events, list):
+            raise ValueError("traceEvents is not a list")
+        return [e for e in events if isinstance(e, dict)]
+    raise ValueError("trace file too damaged to read")
+
+
+def parse_trace(data: bytes) -> Trace:
+    """Read the bubbles, steps and side-task grants of a FreeRide trace.
+
+    Raises:
+        ValueError: not a trace-event JSON document.
+    """
+    trace = Trace()
+    track_device: dict[int, str] = {}
+    for ev in _decode_events(data):
+        args = ev.get("args") or {}
+        cat, pid = ev.get("cat"), ev.get("pid")
+        ts_ns = round(float(ev.get("ts", 0.0)) * 1000)
+        dur_ns = round(float(ev.get("dur", 0.0)) * 1000)
+        if pid == TRAINING_PID and cat in ("bubble", "step"):
+            device = str(args.get("device") or track_device.get(int(ev.get("tid", 0)), ""))
+            track_device[int(ev.get("tid", 0))] = device
+            timeline = trace.devices.setdefault(device, DeviceTimeline(device=device))
+            if cat == "bubble":
+                timeline.bubbles.append((ts_ns, ts_ns + dur_ns))
+            else:
+                start = int(args.get("start_ns", ts_ns - int(args.get("duration_ns", 0))))
+                timeline.steps[int(args["step"])] = (start, start + int(args.get("duration_ns", ts_ns - start)))
+                timeline.stage = int(args.get("stage", timeline.stage))
+        elif pid == SIDE_TASKS_PID and cat in ("side_task", "task_status"):
+            task_id = int(args.get("task_id", ev.get("tid", 0)))
+            task = trace.tasks.setdefault(task_id, TaskTimeline(task_id=task_id, name=str(ev.get("name", ""))))
+            task.device = str(args.get("device") or task.device)
+            if cat == "side_task":
+                task.grants.append(
+                    Grant(ts_ns, ts_ns + dur_ns, int(args.get("steps", 0)), int(args.get("busy_ns", 0)), task.device)
+                )
+            else:
+                task.name = str(args.get("name") or task.name)
+                task.state = str(args.get("state", ""))
+                task.metrics.update({str(k): float(v) for k, v in (args.get("metrics") or {}).items()})
+    for timeline in trace.devices.values():
+        timeline.bubbles.sort()
+    for task in trace.tasks.values():
+        task.grants.sort(key=lambda g: g.start_ns)
+    return trace
+
+
+def load_trace(path: Path) -> Trace:
+    """:func:`parse_trace` of a file."""
+    return parse_trace(path.read_bytes())

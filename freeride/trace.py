@@ -1,0 +1,370 @@
+"""Timeline traces: bubbles, training compute and side-task work, for Perfetto.
+
+:class:`TraceWriter` is an :class:`~freeride.observe.Observer` that writes the
+Trace Event Format (JSON Object Format) that Perfetto UI and
+``chrome://tracing`` open:
+
+* process ``training``: one thread per device (its stage), with ``compute``
+  and ``bubble`` slices and a ``step N`` instant at the end of each step. The
+  compute slices are the parts of a step not spent in announced bubbles;
+* process ``side tasks``: one thread per task, with one slice per grant (first
+  step start to last step end; steps and busy time in its args) and an instant
+  per state change (with the task's steps and metrics).
+
+Timestamps are the ranks' and workers' ``CLOCK_MONOTONIC`` nanoseconds, written
+as exact microseconds. The observer calls only buffer small tuples; a writer
+thread encodes them and appends to the file in bulk, rewriting the closing
+brackets after each batch, so the file is valid JSON after every flush (about
+once a second) and a crash loses at most the last second.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import msgspec
+
+from freeride import protocol as p
+
+__all__ = ["SIDE_TASKS_PID", "TRAINING_PID", "TraceWriter"]
+
+logger = logging.getLogger(__name__)
+
+TRAINING_PID = 1
+"""Trace process of the training stages."""
+SIDE_TASKS_PID = 2
+"""Trace process of the side tasks."""
+
+_HEAD = b'{"displayTimeUnit":"ms","otherData":{"generator":"freeride","clock":"CLOCK_MONOTONIC"},"traceEvents":[\n'
+_TAIL = b"\n]}\n"
+_MAX_PENDING_BUBBLES = 256
+"""Bubbles kept per device while waiting for the step that contains them."""
+
+# (ph, name, cat, pid, tid, ts_ns, dur_ns, args): encoded by the writer thread
+_Record = tuple[str, str, str, int, int, int, int, dict[str, Any] | None]
+
+
+@dataclass(slots=True)
+class _Bubble:
+    start_ns: int
+    end_ns: int
+    step: int
+    index: int
+    expected_ns: int
+
+
+@dataclass(slots=True)
+class _Track:
+    tid: int
+    device: str
+    stage: int = -1
+    rank: int = -1
+    pending: list[_Bubble] = field(default_factory=list)
+    last_end_ns: int = 0
+
+
+def _us(ns: int) -> msgspec.Raw:
+    """Nanoseconds as an exact decimal number of microseconds."""
+    sign, ns = ("-", -ns) if ns < 0 else ("", ns)
+    return msgspec.Raw(f"{sign}{ns // 1000}.{ns % 1000:03d}".encode())
+
+
+def _encode(rec: _Record) -> bytes:
+    ph, name, cat, pid, tid, ts, dur, args = rec
+    event: dict[str, Any] = {"ph": ph, "name": name, "pid": pid, "tid": tid}
+    if ph != "M":
+        event["cat"] = cat
+        event["ts"] = _us(ts)
+    if ph == "X":
+        event["dur"] = _us(dur)
+    elif ph == "i":
+        event["s"] = "t"
+    if args is not None:
+        event["args"] = args
+    return msgspec.json.encode(event)
+
+
+class TraceWriter:
+    """Observer writing a Chrome/Perfetto trace of bubbles and side-task work.
+
+    Args:
+        path: File to write (replaced if it exists).
+        flush_interval_s: Longest time an event waits in memory.
+        batch: Events that trigger a write before the interval is up.
+        clock: Stamps task state changes (monotonic ns); replaceable in tests.
+
+    Raises:
+        OSError: ``path`` cannot be created.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        flush_interval_s: float = 1.0,
+        batch: int = 4096,
+        clock: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        if flush_interval_s <= 0:
+            raise ValueError(f"flush_interval_s must be > 0, got {flush_interval_s}")
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        self.path = path
+        self._clock = clock
+        self._interval_s = flush_interval_s
+        self._batch = batch
+        self._queue: collections.deque[_Record] = collections.deque()
+        self._tracks: dict[str, _Track] = {}
+        self._rank_device: dict[int, str] = {}
+        self._open: dict[int, p.BubbleStarted] = {}
+        self._tasks: set[int] = set()
+        self._closed = False
+        self._kicked = False
+        self._cv = threading.Condition()
+        self._stop = False
+        self._requested = 0
+        self._written = 0
+        self._failed = False
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: BinaryIO = open(path, "wb")  # noqa: SIM115 - owned by the writer thread until close()
+        self._file.write(_HEAD + _TAIL)
+        self._file.flush()
+        self._events_written = 0
+        self._meta(TRAINING_PID, 0, "process_name", {"name": "training"})
+        self._meta(TRAINING_PID, 0, "process_sort_index", {"sort_index": 0})
+        self._meta(SIDE_TASKS_PID, 0, "process_name", {"name": "side tasks"})
+        self._meta(SIDE_TASKS_PID, 0, "process_sort_index", {"sort_index": 1})
+        self._thread = threading.Thread(target=self._run, name="freeride-trace", daemon=True)
+        self._thread.start()
+        logger.info("[trace] writing %s", path)
+
+    # -- observer -------------------------------------------------------------
+
+    def backend_event(self, event: p.BackendEvent) -> None:
+        match event:
+            case p.Hello(rank=rank, stage=stage, device=device):
+                self._rank_device[rank] = device
+                track = self._track(device)
+                if (track.stage, track.rank) != (stage, rank):
+                    track.stage, track.rank = stage, rank
+                    self._name_track(track)
+            case p.BubbleStarted(rank=rank, device=device):
+                self._rank_device.setdefault(rank, device)
+                self._open[rank] = event
+            case p.BubbleEnded():
+                self._on_bubble_ended(event)
+            case p.StepFinished():
+                self._on_step(event)
+            case p.Goodbye(rank=rank, t_ns=t_ns, dropped=dropped):
+                known = self._rank_device.get(rank)
+                if known is not None:
+                    track = self._track(known)
+                    self._emit_pending(track, until_ns=None)
+                    args = {"rank": rank, "dropped": dropped}
+                    self._put(("i", "goodbye", "rank", TRAINING_PID, track.tid, max(t_ns, track.last_end_ns), 0, args))
+            case p.Heartbeat():
+                pass
+
+    def grant_done(self, device: str, task_id: int, task_name: str, done: p.GrantDone) -> None:
+        self._task_track(task_id, task_name, device)
+        if done.steps <= 0 or done.first_step_ns <= 0 or done.last_step_end_ns < done.first_step_ns:
+            return
+        args = {
+            "device": device,
+            "task_id": task_id,
+            "grant_id": done.grant_id,
+            "steps": done.steps,
+            "busy_ns": done.busy_ns,
+            "first_step_delay_ns": done.first_step_delay_ns,
+            "overrun_ns": done.overrun_ns,
+            "reason": done.reason,
+        }
+        dur = done.last_step_end_ns - done.first_step_ns
+        self._put(("X", task_name, "side_task", SIDE_TASKS_PID, task_id, done.first_step_ns, dur, args))
+
+    def task_status(self, status: p.TaskStatus) -> None:
+        self._task_track(status.task_id, status.name, status.device)
+        args: dict[str, Any] = {
+            "task_id": status.task_id,
+            "name": status.name,
+            "kind": status.kind,
+            "state": status.state,
+            "device": status.device,
+            "steps": status.steps,
+            "busy_ns": status.busy_ns,
+            "restarts": status.restarts,
+            "metrics": dict(status.metrics),
+        }
+        if status.error:
+            args["error"] = status.error
+        self._put(("i", status.state, "task_status", SIDE_TASKS_PID, status.task_id, self._clock(), 0, args))
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Write everything buffered so far and wait until it is on disk (not fsynced).
+
+        Returns:
+            Whether the write completed within ``timeout_s``.
+        """
+        if self._closed:
+            return not self._thread.is_alive() and not self._failed
+        with self._cv:
+            self._requested += 1
+            target = self._requested
+            self._cv.notify_all()
+            return self._cv.wait_for(lambda: self._written >= target or self._failed, timeout_s)
+
+    def close(self) -> None:
+        """Write the bubbles still waiting for their step, flush, and close the file (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for track in self._tracks.values():
+            self._emit_pending(track, until_ns=None)
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(30.0)
+        if self._thread.is_alive():
+            logger.error("[trace] writer thread did not finish; %s may be incomplete", self.path)
+            return
+        logger.info("[trace] %s: %d events", self.path, self._events_written)
+
+    # -- training tracks ------------------------------------------------------
+
+    def _track(self, device: str) -> _Track:
+        track = self._tracks.get(device)
+        if track is None:
+            track = _Track(tid=len(self._tracks) + 1, device=device)
+            self._tracks[device] = track
+            self._name_track(track)
+        return track
+
+    def _name_track(self, track: _Track) -> None:
+        label = track.device if track.stage < 0 else f"stage {track.stage} ({track.device})"
+        self._meta(TRAINING_PID, track.tid, "thread_name", {"name": label})
+        self._meta(TRAINING_PID, track.tid, "thread_sort_index", {"sort_index": max(track.stage, 0) * 1000 + track.tid})
+
+    def _device_of(self, rank: int, device: str = "") -> _Track:
+        return self._track(device or self._rank_device.get(rank) or f"rank{rank}")
+
+    def _on_bubble_ended(self, ev: p.BubbleEnded) -> None:
+        started = self._open.pop(ev.rank, None)
+        expected = -1
+        if started is not None and (started.step, started.index) == (ev.step, ev.index):
+            expected = started.expected_ns
+        self._rank_device.setdefault(ev.rank, ev.device)
+        track = self._device_of(ev.rank, ev.device)
+        track.pending.append(_Bubble(ev.t_ns - ev.duration_ns, ev.t_ns, ev.step, ev.index, expected))
+        if len(track.pending) > _MAX_PENDING_BUBBLES:  # a backend that never reports steps
+            self._emit_pending(track, until_ns=None)
+
+    def _on_step(self, ev: p.StepFinished) -> None:
+        track = self._device_of(ev.rank)
+        start, end = ev.t_ns - ev.duration_ns, ev.t_ns
+        cursor = max(start, track.last_end_ns)
+        inside = sorted((b for b in track.pending if b.start_ns < end), key=lambda b: b.start_ns)
+        track.pending = [b for b in track.pending if b.start_ns >= end]
+        step_args = {"step": ev.step, "device": track.device}
+        for bubble in inside:
+            if bubble.start_ns > cursor:
+                self._compute(track, cursor, bubble.start_ns, step_args)
+            self._bubble(track, bubble)
+            cursor = max(cursor, bubble.end_ns)
+        if end > cursor:
+            self._compute(track, cursor, end, step_args)
+        args = {
+            "step": ev.step,
+            "device": track.device,
+            "stage": ev.stage,
+            "start_ns": start,
+            "duration_ns": ev.duration_ns,
+            "bubble_ns": ev.bubble_ns,
+        }
+        self._put(("i", f"step {ev.step}", "step", TRAINING_PID, track.tid, max(end, track.last_end_ns), 0, args))
+        track.last_end_ns = max(track.last_end_ns, end)
+
+    def _compute(self, track: _Track, start: int, end: int, args: dict[str, Any]) -> None:
+        self._put(("X", "compute", "compute", TRAINING_PID, track.tid, start, end - start, args))
+        track.last_end_ns = max(track.last_end_ns, end)
+
+    def _bubble(self, track: _Track, b: _Bubble) -> None:
+        args = {"step": b.step, "index": b.index, "device": track.device, "expected_ns": b.expected_ns}
+        self._put(("X", "bubble", "bubble", TRAINING_PID, track.tid, b.start_ns, b.end_ns - b.start_ns, args))
+        track.last_end_ns = max(track.last_end_ns, b.end_ns)
+
+    def _emit_pending(self, track: _Track, until_ns: int | None) -> None:
+        keep: list[_Bubble] = []
+        for bubble in sorted(track.pending, key=lambda b: b.start_ns):
+            if until_ns is None or bubble.start_ns < until_ns:
+                self._bubble(track, bubble)
+            else:
+                keep.append(bubble)
+        track.pending = keep
+
+    # -- side-task tracks -----------------------------------------------------
+
+    def _task_track(self, task_id: int, name: str, device: str) -> None:
+        if task_id in self._tasks:
+            return
+        self._tasks.add(task_id)
+        label = f"{name} (task {task_id})" + (f" on {device}" if device else "")
+        self._meta(SIDE_TASKS_PID, task_id, "thread_name", {"name": label})
+        self._meta(SIDE_TASKS_PID, task_id, "thread_sort_index", {"sort_index": task_id})
+
+    # -- buffering and writing ------------------------------------------------
+
+    def _meta(self, pid: int, tid: int, name: str, args: dict[str, Any]) -> None:
+        self._put(("M", name, "", pid, tid, 0, 0, args))
+
+    def _put(self, rec: _Record) -> None:
+        if self._closed and not self._thread.is_alive():
+            return
+        self._queue.append(rec)
+        if len(self._queue) >= self._batch and not self._kicked:
+            self._kicked = True
+            with self._cv:
+                self._cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(
+                    lambda: self._stop or self._requested > self._written or len(self._queue) >= self._batch,
+                    self._interval_s,
+                )
+                stop, target = self._stop, self._requested
+            self._kicked = False
+            self._write_queued()
+            with self._cv:
+                self._written = max(self._written, target)
+                self._cv.notify_all()
+            if stop:
+                break
+        try:
+            self._file.close()
+        except OSError:
+            logger.exception("[trace] closing %s failed", self.path)
+
+    def _write_queued(self) -> None:
+        chunks: list[bytes] = []
+        for _ in range(len(self._queue)):
+            chunks.append(_encode(self._queue.popleft()))
+        if not chunks or self._failed:
+            return
+        try:
+            self._file.seek(-len(_TAIL), 2)
+            sep = b",\n" if self._events_written else b""
+            self._file.write(sep + b",\n".join(chunks) + _TAIL)
+            self._file.truncate()
+            self._file.flush()
+            self._events_written += len(chunks)
+        except OSError:
+            self._failed = True
+            logger.exception("[trace] writing %s failed; no further events are written", self.path)

@@ -1,0 +1,130 @@
+"""A real 2-stage DeepSpeed pipeline on CPU, attached through the launcher's environment only.
+
+Compute is emulated by sleeping blocks so that bubbles are deterministic. The
+training script times DeepSpeed's own ``p2p.recv`` and ``deepspeed.comm.all_reduce``
+itself; those numbers are the independent reference for what the adapter reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import statistics
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _deepspeed import TrainRun, run_training, train_cmd
+
+from freeride import protocol as p
+from freeride.backends.launch import launch_env
+from freeride.profile import RankObservations, build_profile, read_observations
+from freeride.schedule import Durations, bubbles, one_f_one_b, simulate
+from freeride.transport import Endpoints
+
+pytestmark = pytest.mark.slow
+
+STAGES, MICRO_BATCHES, STEPS = 2, 4, 8
+SKIP = 2
+"""Leading steps left out of comparisons: the first runs slow, the second still predicts from priors."""
+MS = 1_000_000
+
+
+@pytest.fixture(scope="module")
+def sleep_run() -> Iterator[tuple[TrainRun, list[RankObservations]]]:
+    runtime = Path(tempfile.mkdtemp(prefix="frds-", dir="/tmp"))
+    try:
+        events = Endpoints.ipc(runtime).events
+        env = launch_env(os.environ, events=events, mode="profile", profile_dir=runtime / "profile")
+        cmd = train_cmd(
+            "--compute",
+            "sleep",
+            "--steps",
+            str(STEPS),
+            "--micro-batches",
+            str(MICRO_BATCHES),
+            "--stages",
+            str(STAGES),
+            "--recv-timers",
+        )
+        run = asyncio.run(run_training(cmd, env=env, events=events))
+        assert run.returncode == 0, run.explain()
+        yield run, read_observations(runtime / "profile")
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+def _bubble_pairs(run: TrainRun, rank: int) -> list[tuple[p.BubbleStarted, p.BubbleEnded]]:
+    ends = {(e.step, e.index): e for e in run.of(p.BubbleEnded, rank)}
+    return [(s, ends[(s.step, s.index)]) for s in run.of(p.BubbleStarted, rank)]
+
+
+def test_every_rank_is_seen_and_trains_to_the_end(sleep_run: tuple[TrainRun, list[RankObservations]]) -> None:
+    run, observations = sleep_run
+    hellos = run.of(p.Hello)
+    assert sorted(h.stage for h in hellos) == list(range(STAGES))
+    assert {h.framework for h in hellos} == {"deepspeed"}
+    assert len({h.device for h in hellos}) == STAGES and all(h.device.startswith("cpu:") for h in hellos)
+    for rank in range(STAGES):
+        assert [r["step"] for r in run.steps(rank)] == list(range(STEPS))
+        assert [e.step for e in run.of(p.StepFinished, rank)] == list(range(STEPS))
+        assert len(run.of(p.Goodbye, rank)) == 1
+        starts = {(e.step, e.index) for e in run.of(p.BubbleStarted, rank)}
+        assert starts and starts == {(e.step, e.index) for e in run.of(p.BubbleEnded, rank)}
+    assert [o.rank for o in observations] == list(range(STAGES))
+    assert all(len(o.steps) == STEPS for o in observations)
+
+
+def test_bubble_time_matches_the_independently_measured_waits(
+    sleep_run: tuple[TrainRun, list[RankObservations]],
+) -> None:
+    run, observations = sleep_run
+    for obs in observations:
+        rank = obs.rank
+        records = run.steps(rank)[SKIP:]
+        reference_ms = sum(r["recv_ms"] + r["allreduce_ms"] for r in records)
+        # what the manager saw: the bubbles announced and closed by this rank
+        announced_ms = sum(e.duration_ns for e in run.of(p.BubbleEnded, rank) if e.step >= SKIP) / MS
+        assert announced_ms == pytest.approx(reference_ms, rel=0.10), (rank, announced_ms, reference_ms)
+        # the adapter's raw timings, place by place
+        steps = obs.steps[SKIP:]
+        recv_ms = sum(w.duration_ns for s in steps for w in s.waits if not w.key.startswith("tail:")) / MS
+        assert recv_ms == pytest.approx(sum(r["recv_ms"] for r in records), rel=0.10)
+        allreduce_ms = sum(w.duration_ns for s in steps for w in s.waits if w.key.startswith("tail:opt")) / MS
+        assert allreduce_ms == pytest.approx(sum(r["allreduce_ms"] for r in records), rel=0.10, abs=len(steps))
+
+
+def test_bubbles_sit_where_the_schedule_puts_them(sleep_run: tuple[TrainRun, list[RankObservations]]) -> None:
+    _, observations = sleep_run
+    forward = tuple(statistics.median(t for s in o.steps[SKIP:] for t in s.forward_ns) / 1e9 for o in observations)
+    backward = tuple(statistics.median(t for s in o.steps[SKIP:] for t in s.backward_ns) / 1e9 for o in observations)
+    # the schedule's bubbles are all at least one forward long; what the stages' small
+    # differences in speed leave between them is not a bubble, in the simulation or in the run
+    threshold = 0.4 * min(forward)
+    timeline = simulate(one_f_one_b(STAGES, MICRO_BATCHES), Durations(forward=forward, backward=backward))
+    windows = bubbles(timeline, min_duration=threshold)
+    profile = build_profile(observations, warmup_steps=SKIP, min_bubble_ns=round(threshold * 1e9))
+    for obs, stage in zip(observations, profile.stages, strict=True):
+        expected = windows[obs.stage]
+        keys = ["tail:opt0" if w.before is None else str(w.before) for w in expected]
+        assert [b.key for b in stage.bubbles] == keys
+        for bubble, window in zip(stage.bubbles, expected, strict=True):
+            assert bubble.duration_ns / 1e9 == pytest.approx(window.duration, rel=0.3), bubble.key
+    # stage 0 idles late (fill gap and cool-down), the last stage at the head and the tail
+    assert [b.key for b in profile.stages[0].bubbles] == ["0B0", f"0B{MICRO_BATCHES - 1}"]
+    assert [b.key for b in profile.stages[-1].bubbles] == [f"{STAGES - 1}F0", "tail:opt0"]
+    assert profile.stages[-1].bubbles[0].offset_ns < profile.stages[0].bubbles[0].offset_ns
+
+
+def test_expected_durations_track_the_measured_ones(sleep_run: tuple[TrainRun, list[RankObservations]]) -> None:
+    run, _ = sleep_run
+    for rank in range(STAGES):
+        pairs = [(s, e) for s, e in _bubble_pairs(run, rank) if s.step >= SKIP and e.duration_ns >= 5 * MS]
+        assert len(pairs) >= 2 * (STEPS - SKIP)  # both of the schedule's bubbles, every step
+        errors = [abs(s.expected_ns - e.duration_ns) / e.duration_ns for s, e in pairs]
+        assert statistics.median(errors) <= 0.15, errors
+        expected = sum(s.expected_ns for s, _ in pairs)
+        measured = sum(e.duration_ns for _, e in pairs)
+        assert expected == pytest.approx(measured, rel=0.15)

@@ -1,0 +1,327 @@
+"""Megatron-core training on CPU with FreeRide attached: real ranks, real waits.
+
+Each test launches ``tools/train/megatron_gpt.py`` as two gloo ranks (one
+pinned core each) and, where it needs them, collects the ranks' bubble events
+on a PULL socket bound by the test. The ground truth for waits is megatron's
+own ``config.timers`` hooks around its p2p calls (``--recv-timers``), which
+FreeRide does not use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import statistics
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from freeride import protocol as p
+from freeride.backends.launch import launch_env
+from freeride.backends.megatron.plan import iterations, megatron_schedule
+from freeride.backends.megatron.tracker import schedule_priors
+from freeride.backends.session import ENV_EVENTS
+from freeride.profile import RankObservations, read_observations
+from freeride.schedule import Durations
+from freeride.transport import EventReceiver, new_async_context
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tools" / "train" / "megatron_gpt.py"
+MS = 1_000_000
+RANKS = 2
+TIMEOUT_S = 300
+
+
+@dataclass
+class Run:
+    """What one training launch produced."""
+
+    steps: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    """Per rank, its per-step JSON records in step order."""
+    done: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Per rank, its final JSON record."""
+    events: list[p.BackendEvent] = field(default_factory=list)
+    returncode: int = -1
+    stdout: str = ""
+    stderr: str = ""
+
+    def losses(self) -> list[float]:
+        return [float(r["loss"]) for rank in self.steps.values() for r in rank if r["loss"] is not None]
+
+    def bubbles(self, rank: int) -> list[tuple[p.BubbleStarted, p.BubbleEnded]]:
+        ends = {(e.step, e.index): e for e in self.events if isinstance(e, p.BubbleEnded) and e.rank == rank}
+        return [
+            (s, ends[(s.step, s.index)])
+            for s in self.events
+            if isinstance(s, p.BubbleStarted) and s.rank == rank and (s.step, s.index) in ends
+        ]
+
+
+def train_args(*extra: str, steps: int = 8, compute: str = "sleep") -> list[str]:
+    return [
+        "--spawn",
+        str(RANKS),
+        "--steps",
+        str(steps),
+        "--compute",
+        compute,
+        "--micro-batches",
+        "4",
+        "--recv-timers",
+        *extra,
+    ]
+
+
+def _parse(run: Run) -> None:
+    for line in run.stdout.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            if "step" in record:
+                run.steps.setdefault(int(record["rank"]), []).append(record)
+            elif record.get("done"):
+                run.done[int(record["rank"])] = record
+    for records in run.steps.values():
+        records.sort(key=lambda r: int(r["step"]))
+
+
+async def _collect(receiver: EventReceiver, run: Run, goodbyes: asyncio.Event, kill_after: int | None) -> None:
+    seen: set[int] = set()
+    while len(seen) < RANKS:
+        event = await receiver.recv()
+        if not isinstance(event, p.Hello | p.BubbleStarted | p.BubbleEnded | p.StepFinished | p.Heartbeat | p.Goodbye):
+            raise AssertionError(f"undecodable frame from a rank: {event}")
+        run.events.append(event)
+        if isinstance(event, p.Goodbye):
+            seen.add(event.rank)
+        if kill_after is not None and len(run.events) >= kill_after:
+            receiver.close()  # the "manager" dies: nobody listens any more
+            return
+    goodbyes.set()
+
+
+async def launch(
+    args: list[str],
+    env: Mapping[str, str],
+    *,
+    events: str | None = None,
+    kill_after: int | None = None,
+) -> Run:
+    """Run the training script; with ``events``, bind a PULL socket there first and collect."""
+    run = Run()
+    ctx = new_async_context()
+    receiver = EventReceiver(ctx, events) if events is not None else None
+    goodbyes = asyncio.Event()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(SCRIPT),
+            *args,
+            env=dict(env),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        try:
+            async with asyncio.timeout(TIMEOUT_S):
+                collector = None
+                if receiver is not None:
+                    collector = asyncio.create_task(_collect(receiver, run, goodbyes, kill_after), name="collect")
+                out, err = await proc.communicate()
+                if collector is not None:
+                    if kill_after is None:
+                        await collector  # every Goodbye was sent before the ranks exited
+                    else:
+                        collector.cancel()
+        finally:
+            if proc.returncode is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+    finally:
+        if receiver is not None:
+            receiver.close()
+        ctx.term()
+    run.returncode = proc.returncode if proc.returncode is not None else -1
+    run.stdout = out.decode()
+    run.stderr = err.decode()
+    _parse(run)
+    assert run.returncode == 0, f"training failed ({run.returncode}):\n{run.stderr[-4000:]}"
+    assert sorted(run.steps) == list(range(RANKS)), run.stderr[-4000:]
+    return run
+
+
+def plain_env() -> dict[str, str]:
+    """The environment without any FreeRide hook."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FREERIDE_")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x and "_autoload" not in x
+    )
+    return env
+
+
+# --------------------------------------------------------------------------
+# bubbles: positions and totals (sleep compute, deterministic)
+# --------------------------------------------------------------------------
+
+SETTLED = 3
+"""Steps left out of comparisons: the first has no measurements, the next ones fill the history."""
+TOL_NS = MS
+"""Slack between FreeRide's wrapper and megatron's timer just inside the same p2p call."""
+
+
+def _check_positions_and_totals(run: Run, rank: int) -> None:
+    records = run.steps[rank]
+    recv = [(int(s), int(s) + int(d)) for r in records[SETTLED:] for s, d in r["recv"]]
+    bubbles = [(s, e) for s, e in run.bubbles(rank) if s.step >= SETTLED]
+    assert bubbles, f"rank {rank}: no bubble announced after step {SETTLED}"
+    # positions: each announced bubble is one measured receive: it ends when the receive
+    # returns, and starts when the rank stopped computing to call it (a little before
+    # megatron's timer inside the call starts; more when the shared core is busy)
+    leads: list[int] = []
+    for start, end in bubbles:
+        t0, t1 = start.t_ns, end.t_ns
+        hits = [(a, b) for a, b in recv if a - TOL_NS <= t1 <= b + TOL_NS]
+        assert hits, f"rank {rank} step {start.step} bubble {start.index} [{t0}, {t1}] ends outside every receive"
+        a, _ = hits[0]
+        leads.append(a - t0)
+        assert -TOL_NS <= a - t0 <= 3 * TOL_NS, f"rank {rank}: bubble starts {(a - t0) / MS:.3f} ms before its receive"
+    assert statistics.median(leads) <= TOL_NS // 4, f"rank {rank}: bubbles start early: {sorted(leads)}"
+    # every long receive wait was announced, and announcing covered it
+    long_waits = [(a, b) for a, b in recv if b - a >= 5 * MS]
+    for a, b in long_waits:
+        covered = sum(min(b, e.t_ns) - max(a, s.t_ns) for s, e in bubbles if s.t_ns < b and e.t_ns > a)
+        assert covered >= 0.9 * (b - a), f"rank {rank}: wait [{a}, {b}] covered {covered / (b - a):.0%}"
+    # totals: announced time vs measured receive time, and predicted vs measured
+    measured = sum(e.duration_ns for _, e in bubbles)
+    waited = sum(b - a for a, b in recv if b - a >= MS)
+    assert measured == pytest.approx(waited, rel=0.10), f"rank {rank}: announced {measured} vs waited {waited}"
+    expected = sum(s.expected_ns for s, _ in bubbles)
+    assert expected == pytest.approx(measured, rel=0.10), f"rank {rank}: expected {expected} vs measured {measured}"
+
+
+def _check_schedule_places(observations: list[RankObservations], name: str, chunks: int) -> None:
+    """Megatron's schedule, simulated with the measured compute times, has the long waits where they are."""
+    forward, backward, waits = [], [], []
+    for obs in observations:
+        steps = obs.steps[SETTLED:]
+        forward.append(statistics.median(t for s in steps for t in s.forward_ns) / 1e9)
+        backward.append(statistics.median(t for s in steps for t in s.backward_ns) / 1e9)
+        places: dict[str, list[int]] = {}
+        for s in steps:
+            for w in s.waits:
+                places.setdefault(w.key, []).append(w.duration_ns)
+        waits.append({k: statistics.median(v) for k, v in places.items()})
+    # one p2p hop: a receive whose data had already arrived
+    hops = [ns for per_rank in waits for ns in per_rank.values() if ns < 3 * MS]
+    durations = Durations(forward=tuple(forward), backward=tuple(backward), comm=statistics.median(hops) / 1e9)
+    p = len(observations)
+    schedule = megatron_schedule(name, p, observations[0].num_microbatches, chunks, p)
+    groups = tuple(iterations(schedule, s) for s in range(p))
+    for obs, measured in zip(observations, waits, strict=True):
+        priors = schedule_priors(schedule, obs.stage, durations, merge_tail=True, groups=groups)
+        predicted = {str(k): ns for k, ns in priors.items() if ns >= 3 * MS}
+        long = {k: ns for k, ns in measured.items() if ns >= 3 * MS}
+        assert predicted.keys() == long.keys(), f"rank {obs.rank}: simulated {predicted} vs measured {long}"
+        sim, real = sum(predicted.values()), sum(long.values())
+        assert sim == pytest.approx(real, rel=0.10), f"rank {obs.rank}: simulated {predicted} vs measured {long}"
+
+
+@pytest.mark.parametrize(
+    ("schedule", "extra"),
+    [("1f1b", []), ("interleaved", ["--schedule", "interleaved", "--vpp", "2"])],
+    ids=["1f1b", "interleaved"],
+)
+async def test_bubbles_match_measured_receive_waits(
+    schedule: str, extra: list[str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    endpoint = f"ipc://{runtime_dir}/ev"
+    profile_dir = tmp_path / "profile"
+    env = launch_env(plain_env(), events=endpoint, mode="profile", profile_dir=profile_dir)
+    run = await launch(train_args(*extra, steps=10), env, events=endpoint)
+    for rank in range(RANKS):
+        _check_positions_and_totals(run, rank)
+    hellos = [e for e in run.events if isinstance(e, p.Hello)]
+    assert sorted((h.rank, h.stage, h.framework) for h in hellos) == [(0, 0, "megatron"), (1, 1, "megatron")]
+    finished = [e for e in run.events if isinstance(e, p.StepFinished)]
+    assert len(finished) == 10 * RANKS
+    observations = read_observations(profile_dir)
+    assert [o.rank for o in observations] == [0, 1]
+    assert all(len(o.steps) == 10 for o in observations)
+    _check_schedule_places(observations, schedule, 2 if schedule == "interleaved" else 1)
+
+
+async def test_overlapped_p2p_waits_are_tracked(runtime_dir: Path, tmp_path: Path) -> None:
+    """With ``overlap_p2p_comm`` megatron waits on request handles, outside the p2p methods."""
+    endpoint = f"ipc://{runtime_dir}/ev"
+    profile_dir = tmp_path / "profile"
+    env = launch_env(plain_env(), events=endpoint, mode="profile", profile_dir=profile_dir)
+    run = await launch(train_args("--schedule", "interleaved", "--overlap-p2p", steps=8), env, events=endpoint)
+    observations = read_observations(profile_dir)
+    schedule = megatron_schedule("interleaved", RANKS, 4, 2, RANKS)
+    for obs in observations:
+        steps = obs.steps[SETTLED:]
+        idle = sum(s.duration_ns - sum(s.forward_ns) - sum(s.backward_ns) for s in steps)
+        waited = sum(w.duration_ns for s in steps for w in s.waits)
+        # what is not compute is waiting, bar the p2p launches and bookkeeping between actions
+        assert 0.5 * idle <= waited <= idle, f"rank {obs.rank}: waited {waited} of {idle} idle"
+        f = statistics.median(t for s in steps for t in s.forward_ns) / 1e9
+        b = statistics.median(t for s in steps for t in s.backward_ns) / 1e9
+        # waits sit right before the action that needs the data: the plain simulation's places
+        priors = schedule_priors(schedule, obs.stage, Durations.uniform(RANKS, f, b), merge_tail=True)
+        places: dict[str, list[int]] = {}
+        for s in steps:
+            for w in s.waits:
+                places.setdefault(w.key, []).append(w.duration_ns)
+        for before, ns in priors.items():
+            if ns >= 3 * MS:
+                assert statistics.median(places.get(str(before), [0])) >= MS, f"rank {obs.rank}: no wait at {before}"
+        bubbles = run.bubbles(obs.rank)
+        assert any(s.step >= SETTLED for s, _ in bubbles), f"rank {obs.rank}: nothing announced"
+
+
+# --------------------------------------------------------------------------
+# the training job does not notice FreeRide
+# --------------------------------------------------------------------------
+
+LOSS_ARGS = train_args("--schedule", "interleaved", "--vpp", "2", steps=6, compute="matmul")
+
+
+@pytest.fixture(scope="module")
+def baseline_losses() -> list[float]:
+    """Losses of a run without FreeRide (shared by the tests below)."""
+    run = asyncio.run(launch(LOSS_ARGS, plain_env()))
+    losses = run.losses()
+    assert len(losses) == 6 and all(x > 0 for x in losses)
+    return losses
+
+
+async def test_losses_are_identical_with_freeride_and_no_manager(
+    baseline_losses: list[float], runtime_dir: Path
+) -> None:
+    env = plain_env()
+    env[ENV_EVENTS] = f"ipc://{runtime_dir}/nobody-listens"
+    run = await launch([*LOSS_ARGS, "--attach"], env)
+    assert run.losses() == baseline_losses
+    for rank in range(RANKS):
+        stats = run.done[rank]["freeride"]
+        assert stats["steps"] == 6 and stats["sent"] == 0 and stats["dropped"] > 0, stats
+
+
+async def test_training_survives_a_manager_that_dies(baseline_losses: list[float], runtime_dir: Path) -> None:
+    endpoint = f"ipc://{runtime_dir}/ev"
+    env = launch_env(plain_env(), events=endpoint)
+    run = await launch(LOSS_ARGS, env, events=endpoint, kill_after=12)
+    assert len(run.events) == 12  # it was attached and talking before the socket went away
+    assert run.losses() == baseline_losses
+    for rank in range(RANKS):
+        stats = run.done[rank]["freeride"]
+        assert stats["steps"] == 6 and stats["dropped"] > 0, stats
+    times = [float(r["step_ms"]) for r in run.steps[0][1:]]
+    assert max(times) < 5 * statistics.median(times), f"a step stalled after the manager died: {times}"

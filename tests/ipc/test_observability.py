@@ -1,0 +1,208 @@
+"""Traces, metrics and the live status view of a real manager serving a simulated job.
+
+A manager, a two-stage simulated pipeline (a process per stage) and a
+:class:`SpinSteps` worker per stage run for real; the trace written through
+``ServeConfig.trace`` must be a valid trace-event file in which every side-task
+interval sits inside a bubble of its own device, the Prometheus endpoint is
+scraped over HTTP, and the watch view is drawn from real status replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import io
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from conftest import wait_until
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+
+from freeride import protocol as p
+from freeride.backends.sim import SimConfig, SimPipeline, StageResult
+from freeride.config import ServeConfig
+from freeride.manager import Manager
+from freeride.metrics import MetricsExporter
+from freeride.report import ReportOptions, build_report
+from freeride.timeline import load_trace
+from freeride.transport import ControlClient, Endpoints
+from freeride.watch import watch
+
+MS = 1_000_000
+STEP_MS = 2.0
+SIM_STEPS = 12
+
+
+def _traceformat() -> ModuleType:
+    """The independent trace-format checker that the unit tests use."""
+    path = Path(__file__).resolve().parents[1] / "unit" / "_traceformat.py"
+    spec = importlib.util.spec_from_file_location("_traceformat", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def run_job(manager: Manager) -> tuple[SimConfig, list[StageResult]]:
+    """A SpinSteps task per stage, a simulated job to its end, then the tasks cancelled."""
+    sim_config = SimConfig(
+        endpoint=manager.config.endpoints.events,
+        num_stages=2,
+        num_microbatches=4,
+        forward_s=0.010,
+        backward_s=0.020,
+        steps=SIM_STEPS,
+    )
+    for stage in range(2):
+        device = sim_config.device(stage)
+        manager.declare_device(device, stage=stage, spare_memory=1 << 30, cpu_affinity=[sim_config.core(stage)])
+        reply = manager.submit(
+            p.TaskSpec(
+                kind="iterative",
+                target="_tasks:SpinSteps",
+                name=f"spin-{stage}",
+                device=device,
+                options={"step_ms": STEP_MS},
+                step_time_ns=int(STEP_MS * MS),
+            )
+        )
+        assert isinstance(reply, p.Submitted) and reply.device == device
+    await wait_until(lambda: all(t.state == "running" for t in manager.tasks.values()), 60, "tasks set up")
+    sim = SimPipeline(sim_config).start()
+    try:
+        stages = await asyncio.to_thread(sim.join, 120)
+    finally:
+        sim.terminate()
+    await wait_until(lambda: not manager.live_backends(), 10, "goodbyes")
+    for task in list(manager.tasks.values()):
+        if task.state == "running":
+            assert isinstance(await manager.cancel(task.task_id), p.Cancelled)
+    return sim_config, stages
+
+
+async def test_trace_shows_side_task_work_inside_bubbles(runtime_dir: Path) -> None:
+    trace_path = runtime_dir / "trace.json"
+    config = ServeConfig(
+        endpoints=Endpoints.ipc(runtime_dir),
+        state_dir=runtime_dir / "state",
+        checkpoint_every_s=0.2,
+        stop_timeout_s=5,
+        trace=trace_path,
+    )
+    stop = asyncio.Event()
+    async with Manager(config) as manager:
+        runner = asyncio.create_task(manager.run(stop), name="test-manager")
+        try:
+            sim_config, stages = await run_job(manager)
+            status = manager.status()
+        finally:
+            stop.set()
+            await runner
+    # the manager has closed its observers: the trace is complete and valid
+    events = _traceformat().load_checked(trace_path)
+
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    by_device: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("cat") == "bubble":
+            by_device.setdefault(e["args"]["device"], []).append((e["ts"], e["ts"] + e["dur"]))
+    work = [e for e in events if e.get("cat") == "side_task"]
+    assert {tracks.get(e["tid"]) for e in events if e.get("cat") == "compute" and e["pid"] == 1} >= {
+        f"stage {s} ({sim_config.device(s)})" for s in range(2)
+    }
+
+    for d in status.devices:
+        assert len(by_device[d.device]) == d.bubbles, f"{d.device}: trace and manager disagree on the bubbles"
+    late = dict.fromkeys(by_device, 0)
+    for e in work:
+        device, start, end = e["args"]["device"], e["ts"], e["ts"] + e["dur"]
+        holders = [b for b in by_device[device] if b[0] <= start < b[1]]
+        assert holders, f"side-task work at {start} µs on {device} outside every bubble of that device"
+        bubble_end = holders[0][1]
+        if end > bubble_end + 1:  # 1 µs of rounding
+            late[device] += 1
+            # a step that started in time may end late, never by more than a step (plus scheduling noise)
+            assert end <= bubble_end + STEP_MS * 1000 + 2000, f"{device}: work ran {end - bubble_end:.0f} µs late"
+    for d in status.devices:
+        assert late[d.device] <= d.overruns, f"{d.device}: late work the manager did not count as overruns"
+
+    for t in status.tasks:
+        mine = [e for e in work if e["tid"] == t.task_id]
+        assert len(mine) > 20, f"task {t.name} barely ran"
+        assert sum(e["args"]["busy_ns"] for e in mine) == t.busy_ns
+
+    # the report's bubble share matches what the stages measured themselves
+    report = build_report(load_trace(trace_path), ReportOptions(warmup_steps=1))
+    for s in report.stages:
+        result = next(r for r in stages if sim_config.device(r.stage) == s.device)
+        measured = sum(result.bubble_ns[1:]) / sum(result.step_ns[1:])
+        assert s.steps == SIM_STEPS - 1
+        assert s.bubble_share == pytest.approx(measured, abs=0.01)
+        assert s.harvested_share is not None and s.harvested_share > 0.5
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+async def test_metrics_endpoint_and_live_view(manager: Manager, runtime_dir: Path) -> None:
+    exporter = MetricsExporter(port=0, status=manager.status)
+    manager.observers.add(exporter)
+    try:
+        waiting = manager.submit(p.TaskSpec(kind="iterative", target="_tasks:SpinSteps", device="cpu:99"))
+        assert isinstance(waiting, p.Submitted) and waiting.device == ""
+        await run_job(manager)
+        status = manager.status()
+        # scrape from another thread: the event loop must stay free to answer the status call
+        samples = await asyncio.to_thread(scrape, exporter.port)
+
+        for d in status.devices:
+            key = (("device", d.device), ("stage", str(d.stage)))
+            assert samples[("freeride_bubble_seconds_total", key)] == pytest.approx(d.bubble_ns / 1e9)
+            assert samples[("freeride_bubble_used_seconds_total", key)] == pytest.approx(d.used_ns / 1e9)
+            assert samples[("freeride_overruns_total", key)] == d.overruns
+            assert samples[("freeride_training_steps_total", key)] == d.steps == SIM_STEPS
+        for t in status.tasks:
+            key = (("device", t.device), ("name", t.name), ("task", str(t.task_id)))
+            assert samples[("freeride_side_task_steps_total", key)] == t.steps
+            assert samples[("freeride_side_task_busy_seconds_total", key)] == pytest.approx(t.busy_ns / 1e9)
+        assert samples[("freeride_pending_tasks", ())] == 1
+        latency_count = sum(
+            v for (name, _), v in samples.items() if name == "freeride_bubble_start_to_step_seconds_count"
+        )
+        assert latency_count == status.latency.count > 0
+        assert samples[("freeride_events_total", ())] == status.events
+
+        def draw() -> str:
+            out = io.StringIO()
+            with ControlClient(Endpoints.ipc(runtime_dir).control, timeout_s=10) as client:
+
+                def fetch() -> p.StatusReply:
+                    reply = client.request(p.StatusRequest())
+                    assert isinstance(reply, p.StatusReply)
+                    return reply
+
+                code = watch(fetch, interval_s=0.05, count=2, console=Console(file=out, width=200))
+            assert code == 0
+            return out.getvalue()
+
+        view = await asyncio.to_thread(draw)
+        for d in status.devices:
+            assert d.device in view
+        for t in status.tasks:
+            assert t.name in view
+        assert "bubble start -> side-task step" in view
+    finally:
+        exporter.close()
+    with pytest.raises(urllib.error.URLError):
+        await asyncio.to_thread(scrape, exporter.port)
