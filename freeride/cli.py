@@ -78,6 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         profile=Path(args.profile) if args.profile else None,
         mps=args.mps,
         trace=Path(args.trace) if args.trace else None,
+        metrics_port=args.metrics_port,
     )
 
     async def serve() -> None:
@@ -333,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--profile", metavar="FILE", help="bubble profile from `freeride profile`")
     s.add_argument("--mps", action="store_true", help="cap side tasks' GPU memory with NVIDIA MPS (GPU only)")
     s.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of bubbles and side-task work")
+    s.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on 127.0.0.1:PORT")
     s.set_defaults(fn=cmd_serve)
 
     s = subs.add_parser("submit", help="submit a side task", description="Submit a side task to a running manager.")

@@ -35,6 +35,8 @@ class ServeConfig:
     """Run side tasks as MPS clients with memory caps (GPU only)."""
     trace: Path | None = None
     """Write a Chrome/Perfetto trace of bubbles and side-task work here."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port (127.0.0.1); 0 picks a free one."""
 
     def __post_init__(self) -> None:
         if self.margin_ns < 0:
@@ -45,6 +47,8 @@ class ServeConfig:
             raise ValueError(f"backend_timeout_s must be > 0, got {self.backend_timeout_s}")
         if self.stop_timeout_s <= 0:
             raise ValueError(f"stop_timeout_s must be > 0, got {self.stop_timeout_s}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         if self.profile is not None and not self.profile.is_file():
             raise ValueError(f"profile: no such file {self.profile}")
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from freeride import protocol as p
+from freeride.observe import Observers
 from freeride.stats import LatencyRecorder
 from freeride.tasks import TaskRecord
 
@@ -61,11 +62,20 @@ class _GrantState:
 class DeviceScheduler:
     """Grants the bubbles of one device to its side tasks."""
 
-    def __init__(self, device: str, *, send: SendFn, latency: LatencyRecorder, margin_ns: int) -> None:
+    def __init__(
+        self,
+        device: str,
+        *,
+        send: SendFn,
+        latency: LatencyRecorder,
+        margin_ns: int,
+        observers: Observers | None = None,
+    ) -> None:
         self.device = device
         self.inbox: asyncio.Queue[DeviceInput] = asyncio.Queue()
         self.tasks: list[TaskRecord] = []
         self._send = send
+        self._observers = observers
         self._latency = latency
         self._margin_ns = margin_ns
         # who trains here
@@ -200,6 +210,8 @@ class DeviceScheduler:
             self._grant_next(fresh=False)
 
     def _on_grant_done(self, task: TaskRecord, done: p.GrantDone) -> None:
+        if self._observers is not None:
+            self._observers.grant_done(self.device, task.task_id, task.name, done)
         task.estimate_ns = done.step_estimate_ns
         # absolute when the worker counts (a Progress may have overtaken this report)
         task.steps = max(task.steps, done.total_steps) if done.total_steps >= 0 else task.steps + done.steps

@@ -103,6 +103,14 @@ class Manager:
             self._receiver = EventReceiver(self._ctx, self.config.endpoints.events)
             self._hub = WorkerHub(self._ctx, self.config.endpoints.workers)
             self._control = ControlServer(self._ctx, self.config.endpoints.control)
+            if self.config.trace is not None:
+                from freeride.trace import TraceWriter
+
+                self.observers.add(TraceWriter(self.config.trace))
+            if self.config.metrics_port is not None:
+                from freeride.metrics import MetricsExporter
+
+                self.observers.add(MetricsExporter(port=self.config.metrics_port, status=self.status))
         except Exception:
             await self.aclose()
             raise
@@ -137,6 +145,7 @@ class Manager:
         self._closed = True
         self.supervisor.stop()
         await self.supervisor.stop_all()
+        self.observers.close()
         if self._mps is not None:
             await self._mps.quit()
         if self._nvml is not None:
@@ -183,13 +192,14 @@ class Manager:
 
     def _on_event(self, event: p.BackendEvent | BadFrame) -> None:
         now = time.monotonic_ns()
+        if not isinstance(event, BadFrame):
+            self.observers.backend_event(event)
         match event:
             case BadFrame(reason=reason, size=size):
                 self.rejected_frames += 1
                 logger.warning("[events] rejected a %d-byte frame: %s", size, reason)
                 return
             case p.Hello():
-                self.observers.backend_event(event)
                 self._on_hello(event)
                 return
             case (
@@ -311,7 +321,9 @@ class Manager:
     def _device(self, name: str, *, stage: int, rank: int) -> DeviceScheduler:
         device = self.devices.get(name)
         if device is None:
-            device = DeviceScheduler(name, send=self._send, latency=self.latency, margin_ns=self.config.margin_ns)
+            device = DeviceScheduler(
+                name, send=self._send, latency=self.latency, margin_ns=self.config.margin_ns, observers=self.observers
+            )
             self.devices[name] = device
             if self._tg is not None:  # otherwise run() starts it
                 self._tg.create_task(device.run(), name=f"device-{name}")

@@ -257,9 +257,9 @@ class Report:
             )
         lines.append("")
         if self.median_step_ns is not None:
-            line = f"training: {self.steps} steps, median {format_ns(self.median_step_ns)}"
+            line = f"training: {self.steps} steps, median {self.median_step_ns / 1e6:.2f} ms"
             if self.baseline_median_step_ns is not None and self.slowdown is not None:
-                line += f" vs {format_ns(self.baseline_median_step_ns)} baseline: slowdown {self.slowdown:+.2%}"
+                line += f" vs {self.baseline_median_step_ns / 1e6:.2f} ms baseline: slowdown {self.slowdown:+.2%}"
             lines.append(line)
         if self.saving is not None:
             lines.append(

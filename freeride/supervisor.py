@@ -84,7 +84,6 @@ class Supervisor:
                 task.estimate_ns, task.steps = msg.step_estimate_ns, msg.steps
                 self._notify(task)
             case p.GrantDone():
-                self.observers.grant_done(task.device, task.task_id, task.name, msg)
                 device = self.devices.get(task.device)
                 if device is not None:
                     device.inbox.put_nowait(WorkerReport(task, msg))

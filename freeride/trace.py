@@ -8,8 +8,9 @@ Trace Event Format (JSON Object Format) that Perfetto UI and
   and ``bubble`` slices and a ``step N`` instant at the end of each step. The
   compute slices are the parts of a step not spent in announced bubbles;
 * process ``side tasks``: one thread per task, with one slice per grant (first
-  step start to last step end; steps and busy time in its args) and an instant
-  per state change (with the task's steps and metrics).
+  step start, or checkpoint start, to last step end; steps and busy time in
+  its args) and an instant per state change (with the task's steps and
+  metrics).
 
 Timestamps are the ranks' and workers' ``CLOCK_MONOTONIC`` nanoseconds, written
 as exact microseconds. The observer calls only buffer small tuples; a writer
@@ -21,7 +22,9 @@ once a second) and a crash loses at most the last second.
 from __future__ import annotations
 
 import collections
+import fcntl
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -47,17 +50,16 @@ _TAIL = b"\n]}\n"
 _MAX_PENDING_BUBBLES = 256
 """Bubbles kept per device while waiting for the step that contains them."""
 
+_Args = dict[str, Any] | tuple[tuple[str, ...], tuple[Any, ...]] | None
+"""A dict, or (keys, values): cheaper to build on the event loop, zipped by the writer thread."""
 # (ph, name, cat, pid, tid, ts_ns, dur_ns, args): encoded by the writer thread
-_Record = tuple[str, str, str, int, int, int, int, dict[str, Any] | None]
+_Record = tuple[str, str, str, int, int, int, int, _Args]
+_BUBBLE_KEYS = ("step", "index", "device", "expected_ns")
+_COMPUTE_KEYS = ("step", "device")
 
 
-@dataclass(slots=True)
-class _Bubble:
-    start_ns: int
-    end_ns: int
-    step: int
-    index: int
-    expected_ns: int
+_Bubble = tuple[int, int, int, int, int]
+"""(start ns, end ns, step, index, expected ns)"""
 
 
 @dataclass(slots=True)
@@ -86,7 +88,9 @@ def _encode(rec: _Record) -> bytes:
         event["dur"] = _us(dur)
     elif ph == "i":
         event["s"] = "t"
-    if args is not None:
+    if isinstance(args, tuple):
+        event["args"] = dict(zip(*args, strict=True))
+    elif args is not None:
         event["args"] = args
     return msgspec.json.encode(event)
 
@@ -101,7 +105,7 @@ class TraceWriter:
         clock: Stamps task state changes (monotonic ns); replaceable in tests.
 
     Raises:
-        OSError: ``path`` cannot be created.
+        OSError: ``path`` cannot be created, or another process writes it.
     """
 
     def __init__(
@@ -133,7 +137,14 @@ class TraceWriter:
         self._written = 0
         self._failed = False
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: BinaryIO = open(path, "wb")  # noqa: SIM115 - owned by the writer thread until close()
+        # owned by the writer thread until close(); locked, so a second writer fails instead of interleaving
+        self._file: BinaryIO = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+b")
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._file.close()
+            raise OSError(f"trace file {path} is being written by another process") from None
+        self._file.truncate(0)
         self._file.write(_HEAD + _TAIL)
         self._file.flush()
         self._events_written = 0
@@ -174,8 +185,13 @@ class TraceWriter:
 
     def grant_done(self, device: str, task_id: int, task_name: str, done: p.GrantDone) -> None:
         self._task_track(task_id, task_name, device)
-        if done.steps <= 0 or done.first_step_ns <= 0 or done.last_step_end_ns < done.first_step_ns:
-            return
+        end = done.last_step_end_ns
+        if done.busy_ns <= 0 or end <= 0:
+            return  # the grant was given back unused
+        # busy time also counts checkpoints, which may precede the first step (or be all the grant held)
+        start = end - done.busy_ns
+        if 0 < done.first_step_ns <= end:
+            start = min(start, done.first_step_ns)
         args = {
             "device": device,
             "task_id": task_id,
@@ -186,8 +202,7 @@ class TraceWriter:
             "overrun_ns": done.overrun_ns,
             "reason": done.reason,
         }
-        dur = done.last_step_end_ns - done.first_step_ns
-        self._put(("X", task_name, "side_task", SIDE_TASKS_PID, task_id, done.first_step_ns, dur, args))
+        self._put(("X", task_name, "side_task", SIDE_TASKS_PID, task_id, start, end - start, args))
 
     def task_status(self, status: p.TaskStatus) -> None:
         self._task_track(status.task_id, status.name, status.device)
@@ -261,7 +276,7 @@ class TraceWriter:
             expected = started.expected_ns
         self._rank_device.setdefault(ev.rank, ev.device)
         track = self._device_of(ev.rank, ev.device)
-        track.pending.append(_Bubble(ev.t_ns - ev.duration_ns, ev.t_ns, ev.step, ev.index, expected))
+        track.pending.append((ev.t_ns - ev.duration_ns, ev.t_ns, ev.step, ev.index, expected))
         if len(track.pending) > _MAX_PENDING_BUBBLES:  # a backend that never reports steps
             self._emit_pending(track, until_ns=None)
 
@@ -269,14 +284,14 @@ class TraceWriter:
         track = self._device_of(ev.rank)
         start, end = ev.t_ns - ev.duration_ns, ev.t_ns
         cursor = max(start, track.last_end_ns)
-        inside = sorted((b for b in track.pending if b.start_ns < end), key=lambda b: b.start_ns)
-        track.pending = [b for b in track.pending if b.start_ns >= end]
-        step_args = {"step": ev.step, "device": track.device}
+        inside = sorted(b for b in track.pending if b[0] < end)
+        track.pending = [b for b in track.pending if b[0] >= end]
+        step_args = (_COMPUTE_KEYS, (ev.step, track.device))
         for bubble in inside:
-            if bubble.start_ns > cursor:
-                self._compute(track, cursor, bubble.start_ns, step_args)
+            if bubble[0] > cursor:
+                self._compute(track, cursor, bubble[0], step_args)
             self._bubble(track, bubble)
-            cursor = max(cursor, bubble.end_ns)
+            cursor = max(cursor, bubble[1])
         if end > cursor:
             self._compute(track, cursor, end, step_args)
         args = {
@@ -290,19 +305,21 @@ class TraceWriter:
         self._put(("i", f"step {ev.step}", "step", TRAINING_PID, track.tid, max(end, track.last_end_ns), 0, args))
         track.last_end_ns = max(track.last_end_ns, end)
 
-    def _compute(self, track: _Track, start: int, end: int, args: dict[str, Any]) -> None:
+    def _compute(self, track: _Track, start: int, end: int, args: _Args) -> None:
         self._put(("X", "compute", "compute", TRAINING_PID, track.tid, start, end - start, args))
         track.last_end_ns = max(track.last_end_ns, end)
 
     def _bubble(self, track: _Track, b: _Bubble) -> None:
-        args = {"step": b.step, "index": b.index, "device": track.device, "expected_ns": b.expected_ns}
-        self._put(("X", "bubble", "bubble", TRAINING_PID, track.tid, b.start_ns, b.end_ns - b.start_ns, args))
-        track.last_end_ns = max(track.last_end_ns, b.end_ns)
+        start, end, step, index, expected = b
+        args = (_BUBBLE_KEYS, (step, index, track.device, expected))
+        self._put(("X", "bubble", "bubble", TRAINING_PID, track.tid, start, end - start, args))
+        if end > track.last_end_ns:
+            track.last_end_ns = end
 
     def _emit_pending(self, track: _Track, until_ns: int | None) -> None:
         keep: list[_Bubble] = []
-        for bubble in sorted(track.pending, key=lambda b: b.start_ns):
-            if until_ns is None or bubble.start_ns < until_ns:
+        for bubble in sorted(track.pending):
+            if until_ns is None or bubble[0] < until_ns:
                 self._bubble(track, bubble)
             else:
                 keep.append(bubble)
@@ -324,10 +341,11 @@ class TraceWriter:
         self._put(("M", name, "", pid, tid, 0, 0, args))
 
     def _put(self, rec: _Record) -> None:
-        if self._closed and not self._thread.is_alive():
-            return
-        self._queue.append(rec)
-        if len(self._queue) >= self._batch and not self._kicked:
+        if self._stop:
+            return  # closed: the writer thread has taken its last batch
+        queue = self._queue
+        queue.append(rec)
+        if len(queue) >= self._batch and not self._kicked:
             self._kicked = True
             with self._cv:
                 self._cv.notify_all()

@@ -41,10 +41,11 @@ def _share(num: int, den: int) -> float | None:
     return num / den if den > 0 else None
 
 
-def _devices(now: p.StatusReply, before: p.StatusReply | None) -> Table:
+def _devices(now: p.StatusReply, before: p.StatusReply | None, bar: int) -> Table:
     dt = now.uptime_ns - before.uptime_ns if before is not None else now.uptime_ns
     old = {d.device: d for d in before.devices} if before is not None else {}
-    table = Table(title="devices", title_justify="left", expand=False)
+    caption = None if now.devices else "no training rank has reported yet"
+    table = Table(title="devices", title_justify="left", caption=caption, caption_justify="left")
     for col in ("device", "stage", "rank", "bubble share", "used by side tasks", "bubbles", "steps", "overruns"):
         table.add_column(col, justify="right" if col in ("stage", "rank", "bubbles", "steps", "overruns") else "left")
     table.add_column("dropped", justify="right")
@@ -57,8 +58,8 @@ def _devices(now: p.StatusReply, before: p.StatusReply | None) -> Table:
             Text(d.device, style="bold" if d.alive else "dim"),
             str(d.stage),
             str(d.rank),
-            _bar(_share(bubble, dt), style="yellow"),
-            _bar(_share(used, bubble), style="green"),
+            _bar(_share(bubble, dt), bar, style="yellow"),
+            _bar(_share(used, bubble), bar, style="green"),
             str(d.bubbles),
             str(d.steps),
             Text(str(d.overruns), style="red" if d.overruns else ""),
@@ -95,7 +96,7 @@ def _tasks(now: p.StatusReply, before: p.StatusReply | None) -> Table:
     return table
 
 
-def render(now: p.StatusReply, before: p.StatusReply | None = None) -> RenderableType:
+def render(now: p.StatusReply, before: p.StatusReply | None = None, *, bar_width: int = 20) -> RenderableType:
     """One frame: devices, tasks and latency; rates over ``before`` -> ``now``."""
     lat = now.latency
     footer = Text.assemble(
@@ -103,7 +104,7 @@ def render(now: p.StatusReply, before: p.StatusReply | None = None) -> Renderabl
         f"p50 {format_ns(lat.p50_ns)}  p99 {format_ns(lat.p99_ns)}  max {format_ns(lat.max_ns)}  ({lat.count} grants)",
         f"\n{now.events} events, {now.rejected_frames} rejected frames, up {format_ns(now.uptime_ns)}",
     )
-    return Group(_devices(now, before), _tasks(now, before), footer)
+    return Group(_devices(now, before, bar_width), _tasks(now, before), footer)
 
 
 def watch(
@@ -124,16 +125,20 @@ def watch(
     if interval_s <= 0:
         raise ValueError(f"interval must be > 0, got {interval_s}")
     console = console or Console()
+    bar_width = max(6, min(20, (console.width - 100) // 2))
     before: p.StatusReply | None = None
     frames = 0
     try:
         with Live(console=console, auto_refresh=False, transient=False) as live:
             while True:
                 now = fetch()
-                live.update(render(now, before), refresh=True)
+                live.update(render(now, before, bar_width=bar_width), refresh=True)
                 before, frames = now, frames + 1
                 if count and frames >= count:
-                    return 0
+                    break
                 time.sleep(interval_s)  # the refresh period of a terminal view
     except KeyboardInterrupt:
         return 130
+    if not console.is_terminal:
+        console.line()
+    return 0
