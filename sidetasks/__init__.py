@@ -1,13 +1,14 @@
 """Packaged sample side tasks, and a catalog of them by short name.
 
-Each entry of :data:`CATALOG` names an iterative task class
-(``module:Class``, built with keyword options) or, for ``imaging-cli``, a
-plain program run as an imperative task (``python -m module``).
+:data:`CATALOG` maps a short name to an iterative task class as
+``module:Class`` (built with keyword options). :data:`PROGRAMS` maps a short
+name to the command line of a plain program that runs as an imperative task
+(arguments follow it). :func:`describe` has a one-line description of each.
 """
 
 from __future__ import annotations
 
-__all__ = ["CATALOG", "DESCRIPTIONS", "IMPERATIVE", "describe"]
+__all__ = ["CATALOG", "DESCRIPTIONS", "PROGRAMS", "describe"]
 
 CATALOG: dict[str, str] = {
     "resnet18-train": "freeride.sidetasks.vision:ResNet18Training",
@@ -19,12 +20,16 @@ CATALOG: dict[str, str] = {
     "pagerank": "freeride.sidetasks.pagerank:PageRank",
     "graph-sgd": "freeride.sidetasks.graph_sgd:GraphSGD",
     "imaging": "freeride.sidetasks.imaging:ImageProcessing",
-    "imaging-cli": "freeride.sidetasks.imaging_cli",
 }
-"""Short name to target: ``module:Class`` for iterative tasks, a module for imperative ones."""
+"""Short name to ``module:Class`` of an iterative task."""
 
-IMPERATIVE: frozenset[str] = frozenset({"imaging-cli"})
-"""Catalog names whose target is a program (``python -m <target> ...``), not a task class."""
+PROGRAMS: dict[str, tuple[str, ...]] = {
+    "imaging-cli": ("python", "-m", "freeride.sidetasks.imaging_cli"),
+}
+"""Short name to the command (before its own arguments) of an imperative sample program.
+
+``"python"`` stands for the interpreter FreeRide itself runs under (``sys.executable``).
+"""
 
 DESCRIPTIONS: dict[str, str] = {
     "resnet18-train": "Train ResNet-18 with SGD on synthetic or folder images; reports loss.",
@@ -36,17 +41,17 @@ DESCRIPTIONS: dict[str, str] = {
     "pagerank": "PageRank by sparse power iteration on a generated or edge-list graph; reports residual.",
     "graph-sgd": "Matrix factorisation by SGD over rating-graph edges; reports train/test RMSE.",
     "imaging": "Histogram equalisation, Gaussian blur and Sobel edges over image batches.",
-    "imaging-cli": "Plain resumable program: edge maps of images (--out DIR --images N); no FreeRide API.",
+    "imaging-cli": "Plain resumable program (--out DIR --images N): edge maps of images; no FreeRide API.",
 }
-"""Short name to a one-line description."""
+"""Short name (of :data:`CATALOG` or :data:`PROGRAMS`) to a one-line description."""
 
 
 def describe(name: str) -> str:
-    """One line describing the catalog entry ``name``.
+    """One line describing the sample ``name`` (a task or a program).
 
     Raises:
-        KeyError: if ``name`` is not in :data:`CATALOG`, listing the known names.
+        KeyError: if ``name`` is unknown; the message lists the known names.
     """
-    if name not in CATALOG:
-        raise KeyError(f"unknown side task {name!r}; known: {', '.join(CATALOG)}")
+    if name not in DESCRIPTIONS:
+        raise KeyError(f"unknown side task {name!r}; known: {', '.join(DESCRIPTIONS)}")
     return DESCRIPTIONS[name]

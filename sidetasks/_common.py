@@ -1,0 +1,153 @@
+"""Plumbing shared by the sample side tasks: deferred state, RNG capture, device sync."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+
+from freeride.sidetask import IterativeTask, TaskContext
+
+__all__ = [
+    "DeviceTask",
+    "ShuffledCursor",
+    "capture_rng",
+    "check_fingerprint",
+    "restore_rng",
+    "sample_seed",
+    "synchronize",
+]
+
+_MASK63 = (1 << 63) - 1
+
+
+def sample_seed(seed: int, stream: int, index: int) -> int:
+    """A generator seed for item ``index`` of ``stream`` under ``seed`` (distinct, reproducible)."""
+    return (seed * 0x9E3779B97F4A7C15 + stream * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) & _MASK63
+
+
+class DeviceTask(IterativeTask):
+    """An iterative task whose working state is built on its device in ``setup``.
+
+    A checkpoint may be handed over before or after ``setup``: before, it is
+    kept and applied once the state exists; after, it is applied at once.
+    ``setup`` builds only once, so running the same object again continues
+    where it stopped, and ``teardown`` keeps the state so that it can still be
+    checkpointed afterwards.
+    """
+
+    def __init__(self) -> None:
+        self._ready = False
+        self._pending: dict[str, Any] | None = None
+        self.device = torch.device("cpu")
+
+    async def setup(self, ctx: TaskContext) -> None:
+        if not self._ready:
+            self.device = torch.device(ctx.torch_device)
+            self._build(ctx)
+            self._ready = True
+        if self._pending is not None:
+            state, self._pending = self._pending, None
+            self._restore(state)
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self._ready:
+            return dict(self._pending or {})
+        return self._capture()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        if self._ready:
+            self._restore(state)
+        else:
+            self._pending = dict(state)
+
+    @abc.abstractmethod
+    def _build(self, ctx: TaskContext) -> None:
+        """Allocate the task's working state on ``self.device``."""
+
+    @abc.abstractmethod
+    def _capture(self) -> dict[str, Any]:
+        """The checkpoint of the built state."""
+
+    @abc.abstractmethod
+    def _restore(self, state: dict[str, Any]) -> None:
+        """Overwrite the built state with a checkpoint."""
+
+
+def check_fingerprint(state: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Refuse a checkpoint taken with options that change the meaning of its state.
+
+    Raises:
+        ValueError: naming the first option that differs.
+    """
+    found = state.get("fingerprint", {})
+    for key, value in expected.items():
+        if found.get(key) != value:
+            raise ValueError(f"checkpoint was taken with {key}={found.get(key)!r}, this task has {key}={value!r}")
+
+
+def capture_rng(device: torch.device) -> dict[str, torch.Tensor]:
+    """The process RNG state for the CPU and, on CUDA, for ``device``."""
+    rng = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return rng
+
+
+def restore_rng(rng: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Undo :func:`capture_rng` (the CUDA part only on a CUDA device)."""
+    torch.set_rng_state(rng["cpu"])
+    if device.type == "cuda" and "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"], device)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels on ``device``, so a step ends when its work does."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class ShuffledCursor:
+    """Walks a data set in a fresh seeded permutation each epoch.
+
+    The whole state is :attr:`position`, the number of samples handed out, so
+    restoring it resumes the exact same sequence.
+    """
+
+    def __init__(self, size: int, *, seed: int, shuffle: bool = True) -> None:
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        self.size = size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.position = 0
+        self._epoch = -1
+        self._order: list[int] = []
+
+    def _order_of(self, epoch: int) -> list[int]:
+        if epoch != self._epoch:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(sample_seed(self.seed, -2, epoch))
+                self._order = torch.randperm(self.size, generator=g).tolist()
+            else:
+                self._order = list(range(self.size))
+            self._epoch = epoch
+        return self._order
+
+    @property
+    def epoch(self) -> int:
+        """Completed passes over the data."""
+        return self.position // self.size
+
+    def take(self, count: int) -> list[int]:
+        """The next ``count`` indices, wrapping into the next epoch as needed."""
+        out: list[int] = []
+        while len(out) < count:
+            epoch, offset = divmod(self.position, self.size)
+            chunk = self._order_of(epoch)[offset : offset + count - len(out)]
+            out += chunk
+            self.position += len(chunk)
+        return out

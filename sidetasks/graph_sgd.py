@@ -1,0 +1,242 @@
+"""Matrix factorisation by SGD over the edges of a bipartite rating graph.
+
+This is the SGD kernel of GPU graph-analytics suites (Gardenia's ``sgd``, the
+Lonestar/Galois collaborative filtering): users and items are the two sides of
+a bipartite graph, each edge ``(u, i, r)`` is an observed rating, and every
+edge pulls the embeddings of its two ends towards explaining it::
+
+    e   = r - (mu + p_u . q_i)
+    p_u += lr * (e * q_i - l2 * p_u)
+    q_i += lr * (e * p_u - l2 * q_i)
+
+A step applies these updates for a mini-batch of edges at once (the updates of
+one row are summed, as the edge-parallel GPU kernels do). ``mu`` is the mean
+training rating.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from freeride.sidetask import TaskContext
+from freeride.sidetasks._common import DeviceTask, ShuffledCursor, check_fingerprint, sample_seed
+
+__all__ = ["GraphSGD", "planted_ratings", "read_ratings"]
+
+logger = logging.getLogger(__name__)
+
+_EMA = 0.9
+
+
+def planted_ratings(
+    users: int, items: int, *, rank: int, ratings: int, noise: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Observed entries of a random rank-``rank`` matrix plus Gaussian noise.
+
+    The matrix is ``3 + P Q^T / sqrt(rank)`` with standard normal factors, so
+    the entries have mean 3 and unit spread around it before noise.
+
+    Returns:
+        ``(edges, values)``: ``(E, 2)`` int64 distinct ``(user, item)`` pairs and
+        their float32 ratings.
+    """
+    g = torch.Generator().manual_seed(sample_seed(seed, -3, 0))
+    p = torch.randn(users, rank, generator=g)
+    q = torch.randn(items, rank, generator=g)
+    cells = torch.randperm(users * items, generator=g)[:ratings]
+    u, i = cells // items, cells % items
+    values = 3.0 + (p[u] * q[i]).sum(1) / math.sqrt(rank) + noise * torch.randn(len(cells), generator=g)
+    return torch.stack([u, i], dim=1), values
+
+
+def read_ratings(path: Path) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Read ``user item rating`` lines (whitespace, commas or ``::``; ``#``/``%`` comments).
+
+    User and item ids are renumbered ``0..N-1`` separately, in increasing order.
+
+    Returns:
+        ``(edges, values, users, items)``.
+
+    Raises:
+        ValueError: for a line without three numbers, or a file without ratings.
+    """
+    us: list[int] = []
+    its: list[int] = []
+    rs: list[float] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            fields = line.split("#", 1)[0].split("%", 1)[0].replace("::", " ").replace(",", " ").split()
+            if not fields:
+                continue
+            try:
+                us.append(int(fields[0]))
+                its.append(int(fields[1]))
+                rs.append(float(fields[2]))
+            except (IndexError, ValueError):
+                raise ValueError(f"{path}:{lineno}: expected 'user item rating', got {line.strip()!r}") from None
+    if not rs:
+        raise ValueError(f"{path}: no ratings")
+    user_ids, u = torch.unique(torch.tensor(us), return_inverse=True)
+    item_ids, i = torch.unique(torch.tensor(its), return_inverse=True)
+    return torch.stack([u, i], dim=1), torch.tensor(rs, dtype=torch.float32), len(user_ids), len(item_ids)
+
+
+class GraphSGD(DeviceTask):
+    """Matrix factorisation by edge-parallel SGD; one step is one mini-batch of edges.
+
+    Options: a planted problem (``users`` 2000, ``items`` 1000, ``rank`` 8,
+    ``density`` 0.05 of the cells observed, ``noise`` 0.1) or ``ratings_file``
+    (see :func:`read_ratings`); ``dim`` (16, embedding width), ``lr`` (0.1),
+    ``l2`` (0.01), ``batch_edges`` (4096), ``holdout`` (0.1 of the edges kept
+    for testing), ``steps`` (0: until stopped), ``seed`` (0), ``eval_every``
+    (0: the test RMSE is computed once per epoch; else every that many steps).
+
+    Metrics: ``train_rmse`` (smoothed, on batches before their update),
+    ``test_rmse`` (held-out edges), ``baseline_rmse`` (predicting the mean
+    training rating for the held-out edges), ``epoch``, ``steps``.
+    """
+
+    def __init__(
+        self,
+        *,
+        users: int = 2000,
+        items: int = 1000,
+        rank: int = 8,
+        density: float = 0.05,
+        noise: float = 0.1,
+        ratings_file: str = "",
+        dim: int = 16,
+        lr: float = 0.1,
+        l2: float = 0.01,
+        batch_edges: int = 4096,
+        holdout: float = 0.1,
+        steps: int = 0,
+        seed: int = 0,
+        eval_every: int = 0,
+    ) -> None:
+        super().__init__()
+        for name, value in (("users", users), ("items", items), ("rank", rank), ("dim", dim)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0 < density <= 1:
+            raise ValueError(f"density must be in (0, 1], got {density}")
+        if not (lr > 0 and math.isfinite(lr)):
+            raise ValueError(f"lr must be a finite number > 0, got {lr}")
+        if l2 < 0:
+            raise ValueError(f"l2 must be >= 0, got {l2}")
+        if noise < 0:
+            raise ValueError(f"noise must be >= 0, got {noise}")
+        if batch_edges < 1:
+            raise ValueError(f"batch_edges must be >= 1, got {batch_edges}")
+        if not 0 < holdout < 1:
+            raise ValueError(f"holdout must be in (0, 1), got {holdout}")
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        if eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0, got {eval_every}")
+        if ratings_file:
+            edges, values, users, items = read_ratings(Path(ratings_file).expanduser())
+        else:
+            count = max(2, round(users * items * density))
+            edges, values = planted_ratings(users, items, rank=rank, ratings=count, noise=noise, seed=seed)
+        if len(edges) < 2:
+            raise ValueError("need at least two ratings")
+        self.users, self.items, self.dim = users, items, dim
+        self.lr, self.l2, self.batch_edges, self.steps, self.seed = lr, l2, batch_edges, steps, seed
+        self.eval_every = eval_every
+        g = torch.Generator().manual_seed(sample_seed(seed, -4, 0))
+        order = torch.randperm(len(edges), generator=g)
+        n_test = min(len(edges) - 1, max(1, round(len(edges) * holdout)))
+        test, train = order[:n_test], order[n_test:]
+        self.edges, self.values = edges, values
+        self.train_idx, self.test_idx = train, test
+        self.mu = float(values[train].mean())
+        self.baseline_rmse = float((values[test] - self.mu).square().mean().sqrt())
+        self.cursor = ShuffledCursor(len(train), seed=seed)
+        self.done_steps = 0
+        self.train_rmse = math.nan
+        self.test_rmse = math.nan
+        self.p = torch.empty(0)
+        self.q = torch.empty(0)
+
+    def _build(self, ctx: TaskContext) -> None:
+        g = torch.Generator().manual_seed(sample_seed(self.seed, -5, 0))
+        scale = 0.1
+        self.p = (scale * torch.randn(self.users, self.dim, generator=g)).to(self.device)
+        self.q = (scale * torch.randn(self.items, self.dim, generator=g)).to(self.device)
+        self.edges = self.edges.to(self.device)
+        self.values = self.values.to(self.device)
+        self.train_idx = self.train_idx.to(self.device)
+        self.test_idx = self.test_idx.to(self.device)
+        logger.info(
+            "[setup] graph-sgd: %d users, %d items, %d ratings on %s",
+            self.users,
+            self.items,
+            len(self.edges),
+            self.device,
+        )
+
+    def _rmse(self, idx: torch.Tensor) -> torch.Tensor:
+        u, i = self.edges[idx, 0], self.edges[idx, 1]
+        err = self.values[idx] - self.mu - (self.p[u] * self.q[i]).sum(1)
+        return err.square().mean().sqrt()
+
+    def step(self) -> None:
+        epoch = self.cursor.epoch
+        batch = torch.tensor(self.cursor.take(self.batch_edges), device=self.device)
+        idx = self.train_idx[batch]
+        u, i = self.edges[idx, 0], self.edges[idx, 1]
+        pu, qi = self.p[u], self.q[i]
+        err = self.values[idx] - self.mu - (pu * qi).sum(1)
+        self.p.index_add_(0, u, self.lr * (err[:, None] * qi - self.l2 * pu))
+        self.q.index_add_(0, i, self.lr * (err[:, None] * pu - self.l2 * qi))
+        rmse = float(err.square().mean().sqrt())  # also waits for the step's kernels
+        self.train_rmse = rmse if math.isnan(self.train_rmse) else _EMA * self.train_rmse + (1 - _EMA) * rmse
+        self.done_steps += 1
+        due = self.done_steps % self.eval_every == 0 if self.eval_every else self.cursor.epoch != epoch
+        if due or self.done():
+            self.test_rmse = float(self._rmse(self.test_idx))
+
+    def done(self) -> bool:
+        return self.steps > 0 and self.done_steps >= self.steps
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """The learned ``(user, item)`` embeddings and the mean; prediction is ``mu + p_u . q_i``."""
+        return self.p, self.q, self.mu
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "train_rmse": self.train_rmse,
+            "test_rmse": self.test_rmse,
+            "baseline_rmse": self.baseline_rmse,
+            "epoch": float(self.cursor.epoch),
+            "steps": float(self.done_steps),
+        }
+
+    def _fingerprint(self) -> dict[str, Any]:
+        return {"users": self.users, "items": self.items, "dim": self.dim, "ratings": len(self.edges)}
+
+    def _capture(self) -> dict[str, Any]:
+        return {
+            "fingerprint": self._fingerprint(),
+            "p": self.p,
+            "q": self.q,
+            "position": self.cursor.position,
+            "steps": self.done_steps,
+            "train_rmse": self.train_rmse,
+            "test_rmse": self.test_rmse,
+        }
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        check_fingerprint(state, self._fingerprint())
+        self.p = state["p"].to(self.device, torch.float32).clone()
+        self.q = state["q"].to(self.device, torch.float32).clone()
+        self.cursor.position = int(state["position"])
+        self.done_steps = int(state["steps"])
+        self.train_rmse = float(state["train_rmse"])
+        self.test_rmse = float(state["test_rmse"])

@@ -1,0 +1,380 @@
+"""Image-classification side tasks: training and batch inference of ResNet18/50 and VGG19.
+
+Data never comes from the network. By default it is a synthetic labelled set
+(noisy, shifted copies of one smooth random pattern per class; see
+:class:`~freeride.sidetasks._data.SyntheticImages`) that a network can learn
+within a few hundred steps. With ``data_dir`` it is a folder holding one
+sub-folder of images per class; ``.ppm``/``.pgm``/``.pnm`` and ``.npy`` files
+are always read, PNG and JPEG only when Pillow is installed. Every tenth file
+of a class is held out for evaluation.
+
+Training tasks do one SGD step (momentum, weight decay) per task step and
+report the loss. Inference tasks classify one batch of the held-out split per
+step and report throughput and top-1 accuracy; their model comes from
+``checkpoint`` (a saved training-task state or a bare model ``state_dict``) or,
+without one, from ``fit_steps`` training steps taken as their first steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freeride.sidetask import TaskContext
+from freeride.sidetasks._common import (
+    DeviceTask,
+    ShuffledCursor,
+    capture_rng,
+    check_fingerprint,
+    restore_rng,
+    synchronize,
+)
+from freeride.sidetasks._data import ImageFolder, LabelledImages, SyntheticImages
+from freeride.sidetasks._models import build_model
+
+__all__ = [
+    "ResNet18Inference",
+    "ResNet18Training",
+    "ResNet50Inference",
+    "ResNet50Training",
+    "VGG19Inference",
+    "VGG19Training",
+]
+
+logger = logging.getLogger(__name__)
+
+_EMA = 0.9
+
+
+class _VisionTask(DeviceTask):
+    """Model, data and the SGD step shared by the training and inference tasks."""
+
+    arch: ClassVar[str] = ""
+    default_lr: ClassVar[float] = 0.01
+    """Learning rate used when the ``lr`` option is 0."""
+    min_image_size: ClassVar[int] = 8
+    """Smallest input side the architecture's pooling stages accept."""
+
+    def __init__(
+        self,
+        *,
+        batch_size: int = 8,
+        image_size: int = 32,
+        num_classes: int = 0,
+        lr: float = 0.0,
+        momentum: float = 0.9,
+        weight_decay: float = 5e-4,
+        steps: int = 0,
+        seed: int = 0,
+        data_dir: str = "",
+        train_size: int = 8192,
+        eval_size: int = 1024,
+        noise: float = 1.0,
+    ) -> None:
+        super().__init__()
+        for name, value, low in (("batch_size", batch_size, 1), ("image_size", image_size, self.min_image_size)):
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        for name, value in (("steps", steps), ("train_size", train_size), ("eval_size", eval_size)):
+            if value < 0 or (value == 0 and name != "steps"):
+                raise ValueError(f"{name} must be {'>= 0' if name == 'steps' else '>= 1'}, got {value}")
+        if not (lr >= 0 and math.isfinite(lr)):
+            raise ValueError(f"lr must be a finite number > 0 (or 0 for the architecture's default), got {lr}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if num_classes == 1 or num_classes < 0:
+            raise ValueError(f"num_classes must be >= 2 (or 0 for automatic), got {num_classes}")
+        self.batch_size, self.image_size, self.steps, self.seed = batch_size, image_size, steps, seed
+        self.lr = lr or self.default_lr
+        self.momentum, self.weight_decay = momentum, weight_decay
+        self.train: LabelledImages
+        self.eval: LabelledImages
+        if data_dir:
+            root = Path(data_dir).expanduser()
+            self.train = ImageFolder(root, image_size=image_size, split=0)
+            self.eval = ImageFolder(root, image_size=image_size, split=1)
+            if num_classes not in (0, self.train.num_classes):
+                raise ValueError(f"num_classes is {num_classes} but data_dir has {self.train.num_classes} classes")
+        else:
+            classes = num_classes or 10
+            self.train = SyntheticImages(
+                num_classes=classes, image_size=image_size, size=train_size, seed=seed, split=0, noise=noise
+            )
+            self.eval = SyntheticImages(
+                num_classes=classes, image_size=image_size, size=eval_size, seed=seed, split=1, noise=noise
+            )
+        self.num_classes = self.train.num_classes
+        self.cursor = ShuffledCursor(len(self.train), seed=seed)
+        self.done_steps = 0
+        self.loss = math.nan
+        self.loss_ema = math.nan
+        self.batch_acc = math.nan
+        self.model: nn.Module = nn.Identity()
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def _fingerprint(self) -> dict[str, Any]:
+        return {"task": type(self).__name__, "num_classes": self.num_classes, "image_size": self.image_size}
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(
+            self.model.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+        )
+
+    def _build(self, ctx: TaskContext) -> None:
+        self.model = build_model(self.arch, self.num_classes, seed=self.seed).to(self.device)
+        self.optimizer = self._new_optimizer()
+        logger.info("[setup] %s: %s on %s, batch %d", type(self).__name__, self.arch, self.device, self.batch_size)
+
+    def _fit_step(self) -> None:
+        """One SGD step on the next training batch."""
+        if self.optimizer is None:
+            raise RuntimeError(f"{type(self).__name__}: step() before setup()")
+        x, y = self.train.batch(self.cursor.take(self.batch_size))
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        self.model.train()
+        logits = self.model(x)
+        loss = F.cross_entropy(logits, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.autograd.backward(loss)
+        self.optimizer.step()
+        self.loss = loss.item()  # also waits for the step's kernels
+        self.batch_acc = float((logits.argmax(1) == y).float().mean())
+        self.loss_ema = self.loss if math.isnan(self.loss_ema) else _EMA * self.loss_ema + (1 - _EMA) * self.loss
+
+    def _capture_common(self) -> dict[str, Any]:
+        return {
+            "fingerprint": self._fingerprint(),
+            "model": self.model.state_dict(),
+            "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+            "position": self.cursor.position,
+            "steps": self.done_steps,
+            "loss": self.loss,
+            "loss_ema": self.loss_ema,
+            "batch_acc": self.batch_acc,
+            "rng": capture_rng(self.device),
+        }
+
+    def _restore_common(self, state: dict[str, Any]) -> None:
+        check_fingerprint(state, self._fingerprint())
+        self.model.load_state_dict(state["model"])
+        if state["optimizer"] is None:
+            self.optimizer = None
+        else:
+            self.optimizer = self.optimizer or self._new_optimizer()
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.cursor.position = int(state["position"])
+        self.done_steps = int(state["steps"])
+        self.loss, self.loss_ema = float(state["loss"]), float(state["loss_ema"])
+        self.batch_acc = float(state["batch_acc"])
+        restore_rng(state["rng"], self.device)
+
+
+class _Training(_VisionTask):
+    """Train the network with SGD; one step is one optimizer step.
+
+    Options (keyword arguments): ``batch_size`` (8), ``image_size`` (32,
+    square), ``num_classes`` (0: 10 synthetic classes, or the class folders of
+    ``data_dir``), ``lr`` (0: 0.01 for the ResNets, 0.002 for VGG-19), ``momentum`` (0.9),
+    ``weight_decay`` (5e-4), ``steps`` (0: train until stopped), ``seed`` (0:
+    weights, data and order), ``data_dir`` ("": synthetic data),
+    ``train_size``/``eval_size`` (synthetic set sizes), ``noise`` (synthetic
+    pixel noise).
+
+    Metrics: ``loss`` (last batch), ``loss_ema`` (smoothed), ``batch_acc``,
+    ``samples``, ``epoch``, ``steps``.
+    """
+
+    def step(self) -> None:
+        self._fit_step()
+        self.done_steps += 1
+
+    def done(self) -> bool:
+        return self.steps > 0 and self.done_steps >= self.steps
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "loss": self.loss,
+            "loss_ema": self.loss_ema,
+            "batch_acc": self.batch_acc,
+            "samples": float(self.cursor.position),
+            "epoch": float(self.cursor.epoch),
+            "steps": float(self.done_steps),
+        }
+
+    def _capture(self) -> dict[str, Any]:
+        return self._capture_common()
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self._restore_common(state)
+
+
+class _Inference(_VisionTask):
+    """Classify the held-out split batch by batch; one step is one batch.
+
+    Takes the training options plus ``checkpoint`` (path of a ``torch.save``-d
+    training-task state or model ``state_dict``; "" for none) and
+    ``fit_steps`` (training steps taken as the first task steps; -1: 0 with a
+    checkpoint, 100 without). ``steps`` counts fit and inference steps.
+
+    Metrics: ``top1`` (last complete pass over the held-out split, else the
+    running pass), ``top1_running``, ``passes``, ``images_per_s`` (forward
+    passes only), ``fitting`` (1 while still fitting), ``fit_loss``,
+    ``steps``.
+    """
+
+    def __init__(
+        self,
+        *,
+        checkpoint: str = "",
+        fit_steps: int = -1,
+        batch_size: int = 8,
+        image_size: int = 32,
+        num_classes: int = 0,
+        lr: float = 0.0,
+        momentum: float = 0.9,
+        weight_decay: float = 5e-4,
+        steps: int = 0,
+        seed: int = 0,
+        data_dir: str = "",
+        train_size: int = 8192,
+        eval_size: int = 1024,
+        noise: float = 1.0,
+    ) -> None:
+        super().__init__(
+            batch_size=batch_size,
+            image_size=image_size,
+            num_classes=num_classes,
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            steps=steps,
+            seed=seed,
+            data_dir=data_dir,
+            train_size=train_size,
+            eval_size=eval_size,
+            noise=noise,
+        )
+        if fit_steps < -1:
+            raise ValueError(f"fit_steps must be >= 0 (or -1 for automatic), got {fit_steps}")
+        self.checkpoint = checkpoint
+        self.fit_steps = fit_steps if fit_steps >= 0 else (0 if checkpoint else 100)
+        self.offset = 0
+        self.correct = 0
+        self.seen = 0
+        self.passes = 0
+        self.top1_last = math.nan
+        self.infer_images = 0
+        self.infer_seconds = 0.0
+
+    def _build(self, ctx: TaskContext) -> None:
+        super()._build(ctx)
+        if self.checkpoint:
+            loaded = torch.load(Path(self.checkpoint).expanduser(), map_location=self.device, weights_only=True)
+            weights = loaded.get("model", loaded) if isinstance(loaded, dict) else loaded
+            self.model.load_state_dict(weights)
+            logger.info("[setup] %s: weights from %s", type(self).__name__, self.checkpoint)
+        if self.fit_steps == 0:
+            self.optimizer = None
+
+    def step(self) -> None:
+        if self.done_steps < self.fit_steps:
+            self._fit_step()
+            self.done_steps += 1
+            if self.done_steps == self.fit_steps:
+                self.optimizer = None  # its momentum buffers are not needed for inference
+            return
+        stop = min(self.offset + self.batch_size, len(self.eval))
+        x, y = self.eval.batch(range(self.offset, stop))
+        self.model.eval()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            pred = self.model(x.to(self.device, non_blocking=True)).argmax(1).cpu()
+        synchronize(self.device)
+        self.infer_seconds += time.perf_counter() - t0
+        self.infer_images += stop - self.offset
+        self.correct += int((pred == y).sum())
+        self.seen += stop - self.offset
+        self.offset = stop
+        if self.offset == len(self.eval):
+            self.top1_last = self.correct / self.seen
+            self.passes += 1
+            self.offset = self.correct = self.seen = 0
+        self.done_steps += 1
+
+    def done(self) -> bool:
+        return self.steps > 0 and self.done_steps >= self.steps
+
+    def metrics(self) -> dict[str, float]:
+        running = self.correct / self.seen if self.seen else math.nan
+        return {
+            "top1": running if math.isnan(self.top1_last) else self.top1_last,
+            "top1_running": running,
+            "passes": float(self.passes),
+            "images_per_s": self.infer_images / self.infer_seconds if self.infer_seconds > 0 else math.nan,
+            "fitting": float(self.done_steps < self.fit_steps),
+            "fit_loss": self.loss,
+            "steps": float(self.done_steps),
+        }
+
+    def _capture(self) -> dict[str, Any]:
+        state = self._capture_common()
+        state["eval"] = {
+            "offset": self.offset,
+            "correct": self.correct,
+            "seen": self.seen,
+            "passes": self.passes,
+            "top1_last": self.top1_last,
+            "infer_images": self.infer_images,
+            "infer_seconds": self.infer_seconds,
+        }
+        return state
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self._restore_common(state)
+        ev = state["eval"]
+        self.offset, self.correct, self.seen = int(ev["offset"]), int(ev["correct"]), int(ev["seen"])
+        self.passes, self.top1_last = int(ev["passes"]), float(ev["top1_last"])
+        self.infer_images, self.infer_seconds = int(ev["infer_images"]), float(ev["infer_seconds"])
+
+
+class ResNet18Training(_Training):
+    __doc__ = "ResNet-18 training.\n\n" + (_Training.__doc__ or "")
+    arch = "resnet18"
+
+
+class ResNet50Training(_Training):
+    __doc__ = "ResNet-50 training.\n\n" + (_Training.__doc__ or "")
+    arch = "resnet50"
+
+
+class VGG19Training(_Training):
+    __doc__ = "VGG-19 training. Without batch norm it learns slowly at first.\n\n" + (_Training.__doc__ or "")
+    arch = "vgg19"
+    default_lr = 0.002  # without batch norm, 0.01 makes the loss spike at batch size 8
+    min_image_size = 32
+
+
+class ResNet18Inference(_Inference):
+    __doc__ = "ResNet-18 batch inference.\n\n" + (_Inference.__doc__ or "")
+    arch = "resnet18"
+
+
+class ResNet50Inference(_Inference):
+    __doc__ = "ResNet-50 batch inference.\n\n" + (_Inference.__doc__ or "")
+    arch = "resnet50"
+
+
+class VGG19Inference(_Inference):
+    __doc__ = "VGG-19 batch inference.\n\n" + (_Inference.__doc__ or "")
+    arch = "vgg19"
+    default_lr = 0.002  # without batch norm, 0.01 makes the loss spike at batch size 8
+    min_image_size = 32

@@ -1,0 +1,74 @@
+"""The side-task catalog, and that the samples use only FreeRide's public task API."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+
+import freeride.sidetask
+import freeride.sidetasks
+from freeride.sidetask import IterativeTask
+from freeride.sidetasks import CATALOG, PROGRAMS, describe
+
+SAMPLES = Path(freeride.sidetasks.__file__).resolve().parent
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_every_task_resolves_and_is_described(name: str) -> None:
+    module_name, _, cls_name = CATALOG[name].partition(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    assert issubclass(cls, IterativeTask) and not inspect.isabstract(cls)
+    assert cls.__doc__ and "Metrics" in cls.__doc__
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in inspect.signature(cls).parameters.values())
+    line = describe(name)
+    assert line and "\n" not in line
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_every_program_resolves_and_is_described(name: str) -> None:
+    python, flag, module_name = PROGRAMS[name]
+    assert (python, flag) == ("python", "-m")
+    assert callable(importlib.import_module(module_name).main)
+    assert describe(name) and not set(PROGRAMS) & set(CATALOG)
+
+
+def test_every_iterative_task_class_is_listed() -> None:
+    listed = set(CATALOG.values())
+    for module_name in ("vision", "pagerank", "graph_sgd", "imaging"):
+        module = importlib.import_module(f"freeride.sidetasks.{module_name}")
+        for attr in module.__all__:
+            obj = getattr(module, attr)
+            if inspect.isclass(obj) and issubclass(obj, IterativeTask):
+                assert f"{module.__name__}:{attr}" in listed
+
+
+def test_unknown_name() -> None:
+    with pytest.raises(KeyError, match="known: resnet18-train"):
+        describe("nope")
+
+
+def _freeride_imports(path: Path) -> set[tuple[str, str]]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("freeride"):
+            found |= {(node.module, alias.name) for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {(alias.name, "") for alias in node.names if alias.name.startswith("freeride")}
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(SAMPLES.glob("*.py")), ids=lambda p: p.name)
+def test_samples_use_only_the_public_task_api(path: Path) -> None:
+    for module, name in _freeride_imports(path):
+        if module.startswith("freeride.sidetasks"):
+            continue  # the samples' own private modules
+        assert module == "freeride.sidetask" and name in freeride.sidetask.__all__, (module, name)
+
+
+def test_the_imperative_sample_does_not_touch_freeride_at_all() -> None:
+    imports = _freeride_imports(SAMPLES / "imaging_cli.py")
+    assert imports and all(module.startswith("freeride.sidetasks._image") for module, _ in imports)

@@ -1,0 +1,62 @@
+"""ResNet-50 and VGG-19 tasks, in few steps: they are big."""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from freeride.sidetask import TaskContext, run_alone
+from freeride.sidetasks.vision import ResNet50Training, VGG19Inference, VGG19Training
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_one_thread() -> Iterator[None]:
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(deterministic)
+    torch.set_num_threads(threads)
+
+
+def _ctx(tmp_path: Path) -> TaskContext:
+    return TaskContext(task_id=0, device="cpu:0", torch_device="cpu", workdir=tmp_path)
+
+
+async def test_resnet50_resumes_on_the_same_trajectory(tmp_path: Path) -> None:
+    opts: dict[str, Any] = {"image_size": 16, "num_classes": 3, "batch_size": 4}
+    straight = ResNet50Training(**opts)
+    await run_alone(straight, steps=2, ctx=_ctx(tmp_path))
+    first = ResNet50Training(**opts)
+    await run_alone(first, steps=1, ctx=_ctx(tmp_path))
+    torch.save(first.state_dict(), tmp_path / "ckpt.pt")
+    second = ResNet50Training(**opts)
+    second.load_state_dict(torch.load(tmp_path / "ckpt.pt"))
+    await run_alone(second, steps=1, ctx=_ctx(tmp_path))
+    assert second.metrics() == straight.metrics()
+    assert math.isfinite(second.metrics()["loss"]) and second.metrics()["steps"] == 2.0
+
+
+async def test_vgg19_trains_checkpoints_and_infers(tmp_path: Path) -> None:
+    # Kept to one model at a time and no copies: VGG-19 holds 0.55 GB of weights and as much
+    # again in gradients and momentum. Exact resume is pinned on the ResNets, whose state is
+    # captured by the same code; the RNG (VGG's dropout) is checked in test_sidetasks_vision.
+    task = VGG19Training(num_classes=3, batch_size=2, seed=1)
+    await run_alone(task, steps=1, ctx=_ctx(tmp_path))
+    state = task.state_dict()
+    assert set(state["optimizer"]["state"]) and state["position"] == 2 and state["steps"] == 1
+    assert math.isfinite(task.metrics()["loss"])
+    del task, state
+    gc.collect()
+
+    infer = VGG19Inference(num_classes=3, batch_size=4, eval_size=6, fit_steps=0)
+    await run_alone(infer, steps=2, ctx=_ctx(tmp_path))
+    m = infer.metrics()
+    assert m["passes"] == 1.0 and 0.0 <= m["top1"] <= 1.0 and m["images_per_s"] > 0
+    assert infer.optimizer is None  # inference only: no momentum buffers allocated

@@ -1,0 +1,166 @@
+"""Step time and peak memory of the packaged side tasks, each run alone.
+
+Every task runs in a fresh child process (so one task's memory cannot hide
+another's) through :func:`freeride.sidetask.run_alone`: construct, set up, run
+``--steps`` steps. Reported, as a markdown table:
+
+* setup: seconds from construction to the first step (building models, graphs);
+* step median / p90 / max: over the steps after ``--warmup`` warm-up steps;
+* peak memory: on a CPU device, the peak resident set of the child
+  (``VmHWM`` in ``/proc/self/status``, reset with ``/proc/self/clear_refs``
+  once the imports are done) minus its resident set at that moment, i.e. what
+  the task itself added; on a CUDA device, ``torch.cuda.max_memory_allocated``.
+
+Inference tasks are profiled with ``fit_steps=0`` (their steady state; their
+optional fitting steps cost what the training task's steps cost).
+
+Run: ``python tools/bench/sidetask_profile.py --steps 10 --threads 1`` (all
+iterative catalog entries), or name some: ``... pagerank graph-sgd --opt
+pagerank:nodes=1000000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+# Options that make a profile describe the task's steady state.
+_PROFILE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "resnet18-infer": {"fit_steps": 0},
+    "resnet50-infer": {"fit_steps": 0},
+    "vgg19-infer": {"fit_steps": 0},
+    "pagerank": {"tol": 1e-30, "max_iters": 1_000_000},  # never converge within the profile
+}
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _child(name: str, options: dict[str, Any], steps: int, warmup: int, threads: int, device: str) -> dict[str, Any]:
+    import importlib
+
+    import torch
+
+    from freeride.sidetask import TaskContext, run_alone
+    from freeride.sidetasks import CATALOG
+
+    if threads:
+        torch.set_num_threads(threads)
+    module_name, _, cls_name = CATALOG[name].partition(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
+    base_kib = _status_kib("VmRSS")
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    task = cls(**options)
+    name_of_device = device if ":" in device else f"{device}:0"
+    ctx = TaskContext(task_id=0, device=name_of_device, torch_device=device, workdir=Path.cwd())
+    asyncio.run(task.setup(ctx))  # the sample tasks build once; run_alone's setup() is then a no-op
+    setup_s = time.perf_counter() - t0
+    durations = asyncio.run(run_alone(task, steps=steps + warmup, ctx=ctx))
+    peak = (
+        torch.cuda.max_memory_allocated(device)
+        if device.startswith("cuda")
+        else (_status_kib("VmHWM") - base_kib) * 1024
+    )
+    measured = [d / 1e6 for d in durations[warmup:]] or [d / 1e6 for d in durations]
+    return {
+        "setup_s": setup_s,
+        "steps": len(durations),
+        "median_ms": statistics.median(measured),
+        "p90_ms": sorted(measured)[max(0, round(0.9 * len(measured)) - 1)],
+        "max_ms": max(measured),
+        "peak_bytes": peak,
+        "metrics": task.metrics(),
+    }
+
+
+def _parse_value(raw: str) -> Any:
+    for conv in (int, float):
+        try:
+            return conv(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("names", nargs="*", help="catalog names (default: every iterative task)")
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per task (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps run first and not measured (default 2)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in each child; 0: torch's default")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--opt", action="append", default=[], metavar="NAME:KEY=VALUE", help="task option")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.child:
+        options = json.loads(args.child)
+        result = _child(options.pop("__name"), options, args.steps, args.warmup, args.threads, args.device)
+        print(json.dumps(result))
+        return 0
+
+    from freeride.sidetasks import CATALOG
+
+    names = args.names or list(CATALOG)
+    overrides: dict[str, dict[str, Any]] = {n: dict(_PROFILE_DEFAULTS.get(n, {})) for n in names}
+    for spec in args.opt:
+        name, _, pair = spec.partition(":")
+        key, _, raw = pair.partition("=")
+        if name not in overrides or not key:
+            parser.error(f"--opt {spec!r}: expected NAME:KEY=VALUE with NAME among {names}")
+        overrides[name][key] = _parse_value(raw)
+
+    print(
+        f"device {args.device}, torch threads {args.threads or 'default'}, "
+        f"{args.steps} measured steps after {args.warmup} warm-up\n"
+    )
+    print("| task | options | setup s | step median ms | p90 ms | max ms | peak memory MiB |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for name in names:
+        payload = json.dumps({"__name": name, **overrides[name]})
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            payload,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--threads",
+            str(args.threads),
+            "--device",
+            args.device,
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        opts = " ".join(f"{k}={v}" for k, v in overrides[name].items()) or "defaults"
+        if proc.returncode != 0:
+            print(f"| {name} | {opts} | failed: {proc.stderr.strip().splitlines()[-1:]} | | | | |")
+            continue
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(
+            f"| {name} | {opts} | {r['setup_s']:.2f} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} "
+            f"| {r['max_ms']:.1f} | {r['peak_bytes'] / 2**20:.0f} |",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
