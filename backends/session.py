@@ -105,9 +105,9 @@ class BackendSession:
         # With nothing queued for absent peers, a Hello sent before the connection
         # is up is dropped: retry until one goes out, then repeat now and then so
         # a manager started (or restarted) after the training job learns who we are.
-        if self._hello_sent_ns == 0 or now - self._hello_sent_ns > HELLO_EVERY_NS:
-            if self._emitter.emit(self._hello):
-                self._hello_sent_ns = now
+        due = self._hello_sent_ns == 0 or now - self._hello_sent_ns > HELLO_EVERY_NS
+        if due and self._emitter.emit(self._hello):
+            self._hello_sent_ns = now
 
     @property
     def dropped(self) -> int:

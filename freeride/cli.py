@@ -118,12 +118,17 @@ def _parse_opts(pairs: Sequence[str]) -> dict[str, str | int | float | bool]:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    if args.list:
-        from freeride.sidetasks import CATALOG, describe
+    from freeride.sidetasks import CATALOG, PROGRAMS, describe
 
+    if args.list:
         for name, target in CATALOG.items():
-            print(f"{name:22} {target:52} {describe(name)}")
+            print(f"{name:16} {target:48} {describe(name)}")
+        for name, program in PROGRAMS.items():
+            print(f"{name:16} {'(program) ' + ' '.join(program):48} {describe(name)}")
         return 0
+    if args.target in PROGRAMS:  # a packaged plain program: run it as an imperative task
+        prog_argv = [sys.executable if a == "python" else a for a in PROGRAMS[args.target]]
+        args.imperative, args.command = True, prog_argv + list(args.command)
     if args.imperative:
         if not args.command:
             raise SystemExit("freeride: give the program after --, e.g. freeride submit --imperative -- python x.py")
@@ -133,8 +138,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
             raise SystemExit("freeride: give a side task as module:Class (see freeride submit --list)")
         target = args.target
         if ":" not in target:
-            from freeride.sidetasks import CATALOG
-
             target = CATALOG.get(target, target)
         spec = p.TaskSpec(
             kind="iterative",

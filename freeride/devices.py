@@ -21,7 +21,7 @@ from freeride.observe import Observers
 from freeride.stats import LatencyRecorder
 from freeride.tasks import TaskRecord
 
-__all__ = ["DeviceInput", "DeviceScheduler", "TaskChanged"]
+__all__ = ["PROBE_AFTER_BUBBLES", "DeviceInput", "DeviceScheduler", "TaskChanged"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,9 @@ class WorkerReport:
     task: TaskRecord
     done: p.GrantDone
 
+
+PROBE_AFTER_BUBBLES = 20
+"""A task whose estimate has not fit this many bubbles in a row gets a one-step probe."""
 
 DeviceInput = p.BubbleStarted | p.BubbleEnded | TaskChanged | WorkerReport
 
@@ -94,6 +97,8 @@ class DeviceScheduler:
         self._bubble: p.BubbleStarted | None = None
         self._deadline_ns = 0
         self._tried: set[int] = set()
+        self._starved: dict[int, int] = {}
+        """Consecutive bubbles a task's estimate kept it out of."""
         self._holder: int | None = None
         self._grants: dict[int, _GrantState] = {}
         self._next_grant = 1
@@ -282,14 +287,25 @@ class DeviceScheduler:
             if not task.runnable or task.task_id in self._tried:
                 continue
             estimate = task.estimate_ns
-            # A task whose step time is unknown probes only at the start of a bubble.
-            if (estimate < 0 and not fresh) or estimate > remaining:
-                continue
+            probe = False
+            if estimate > remaining:
+                # An estimate is only corrected by running steps: a task shut out of
+                # bubble after bubble gets one step at the start of a bubble now and then.
+                starved = self._starved.get(task.task_id, 0) + (1 if fresh else 0)
+                self._starved[task.task_id] = starved
+                if not (fresh and starved >= PROBE_AFTER_BUBBLES):
+                    continue
+                probe = True
+            elif estimate < 0 and not fresh:
+                continue  # a task whose step time is unknown probes only at the start of a bubble
+            self._starved.pop(task.task_id, None)
             grant_id = self._next_grant
             self._next_grant += 1
             self._tried.add(task.task_id)
             self._rr = (self._rr + k + 1) % n
-            grant = p.Grant(grant_id=grant_id, bubble_t_ns=self._bubble.t_ns, deadline_ns=self._deadline_ns)
+            grant = p.Grant(
+                grant_id=grant_id, bubble_t_ns=self._bubble.t_ns, deadline_ns=self._deadline_ns, probe=probe
+            )
             state = _GrantState(task=task, bubble_t_ns=self._bubble.t_ns)
             program = task.imperative
             if program is not None:

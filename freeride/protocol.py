@@ -220,6 +220,8 @@ class Grant(_Msg, frozen=True, tag="grant"):
     """When the bubble began; latency is measured from here."""
     deadline_ns: int
     """Expected end of the bubble; no step may run past it."""
+    probe: bool = False
+    """Run one step even if the estimate says it does not fit: the estimate may be stale."""
 
 
 class Revoke(_Msg, frozen=True, tag="revoke"):

@@ -149,12 +149,13 @@ class IterativeTask(abc.ABC):
 class StepEstimator:
     """Conservative running estimate of the next step's duration.
 
-    Uses the slowest of the last ``window`` measured steps, which reacts to a
-    slowdown at once and forgets a one-off outlier after ``window`` steps.
-    Until a step has been measured it uses the hint (or nothing: ``-1``).
+    The 90th percentile (nearest rank) of the last ``window`` measured steps:
+    a lasting slowdown shows at once, while a single outlier (a step that was
+    preempted, the first step's warm-up) does not shut the task out of every
+    bubble. Until a step has been measured it uses the hint (or ``-1``).
     """
 
-    def __init__(self, hint_ns: int = -1, *, window: int = 8) -> None:
+    def __init__(self, hint_ns: int = -1, *, window: int = 16) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.hint_ns = hint_ns
@@ -166,7 +167,10 @@ class StepEstimator:
     @property
     def estimate_ns(self) -> int:
         """The estimate, or -1 if nothing is known yet."""
-        return max(self._recent) if self._recent else self.hint_ns
+        if not self._recent:
+            return self.hint_ns
+        ordered = sorted(self._recent)
+        return ordered[int(0.9 * (len(ordered) - 1))]
 
 
 class UnboundedGate:

@@ -145,7 +145,7 @@ class GrantGate:
         grant = self._grant
         if grant is None or self._revoked:
             return False
-        if need_ns < 0:  # unknown: probe only at the very start of a grant
+        if need_ns < 0 or grant.probe:  # unknown or stale: one step, at the very start of a grant
             return self._g_steps == 0
         return now + need_ns + self._assign.margin_ns <= grant.deadline_ns
 

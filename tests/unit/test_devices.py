@@ -195,3 +195,22 @@ def test_a_lost_backend_revokes_and_stops_granting() -> None:
     sched.handle(started(50 * MS))
     sched.backend_lost()
     assert isinstance(wire.sent[-1][1], p.Revoke) and not sched.alive
+
+
+def test_a_task_shut_out_by_its_estimate_gets_a_probe_now_and_then() -> None:
+    from freeride.devices import PROBE_AFTER_BUBBLES
+
+    sched, wire, _ = make()
+    t = task(1, 80 * MS, sched)  # a stale estimate, larger than any bubble
+    for i in range(PROBE_AFTER_BUBBLES - 1):
+        b = started(20 * MS, index=i)
+        sched.handle(b)
+        sched.handle(ended(b, 20 * MS))
+    assert wire.grants() == []
+    sched.handle(started(20 * MS, index=99))
+    [(_, grant)] = wire.grants()
+    assert grant.probe
+    t.estimate_ns = 1 * MS  # what the probe step measured
+    sched.handle(done(t, grant, busy=1 * MS))
+    sched.handle(started(20 * MS, index=100))
+    assert not wire.grants()[-1][1].probe

@@ -30,15 +30,27 @@ class AsyncCounter(Counter):
         self.n += 2
 
 
-def test_estimator_uses_hint_then_slowest_recent_step() -> None:
-    est = StepEstimator(hint_ns=5, window=3)
+def test_estimator_uses_hint_then_a_high_percentile_of_recent_steps() -> None:
+    est = StepEstimator(hint_ns=5, window=10)
     assert est.estimate_ns == 5
-    for d in (10, 30, 20):
+    est.observe(10)
+    assert est.estimate_ns == 10
+    for d in (20, 30, 40, 50, 60, 70, 80, 90, 100):
         est.observe(d)
-    assert est.estimate_ns == 30
-    for d in (1, 1, 1):
+    assert est.estimate_ns == 90  # p90 of 10..100
+
+
+def test_estimator_ignores_a_single_outlier_but_not_a_slowdown() -> None:
+    est = StepEstimator(window=16)
+    for d in [1000] * 10 + [50_000]:
         est.observe(d)
-    assert est.estimate_ns == 1  # an outlier is forgotten after `window` steps
+    assert est.estimate_ns == 1000
+    for _ in range(3):
+        est.observe(5000)
+    assert est.estimate_ns == 5000  # a lasting slowdown shows
+    for _ in range(16):
+        est.observe(1000)
+    assert est.estimate_ns == 1000
 
 
 def test_estimator_unknown_without_hint() -> None:
