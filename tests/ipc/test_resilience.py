@@ -202,3 +202,37 @@ async def test_a_task_that_cannot_start_fails_alone(runtime_dir: Path) -> None:
         assert isinstance(second, p.Submitted)
         stop.set()
         await runner
+
+
+async def test_a_silent_rank_that_cannot_be_watched_is_declared_lost(runtime_dir: Path) -> None:
+    """A rank whose pid is not ours to watch (another PID namespace) is judged by its silence."""
+    from freeride.config import ServeConfig
+
+    config = ServeConfig(endpoints=Endpoints.ipc(runtime_dir), state_dir=runtime_dir / "state", backend_timeout_s=0.5)
+    stop = asyncio.Event()
+    async with Manager(config) as manager:
+        runner = asyncio.create_task(manager.run(stop))
+        emitter = EventEmitter(config.endpoints.events)
+        not_ours = 4_000_000  # above pid_max: pidfd_open fails as it would across namespaces
+        hello = p.Hello(
+            protocol_version=p.PROTOCOL_VERSION,
+            rank=0,
+            stage=0,
+            num_stages=1,
+            device="cpu:0",
+            framework="x",
+            pid=not_ours,
+        )
+        try:
+            while not emitter.emit(hello):
+                await asyncio.sleep(0.01)
+            await wait_until(lambda: manager.live_backends() == [0], 5, "the rank")
+            for _ in range(5):  # heartbeats keep it alive past the timeout
+                emitter.emit(p.Heartbeat(rank=0, t_ns=time.monotonic_ns()))
+                await asyncio.sleep(0.2)
+            assert manager.live_backends() == [0]
+            await wait_until(lambda: not manager.devices["cpu:0"].alive, 5, "the silent rank to be dropped")
+        finally:
+            emitter.close()
+            stop.set()
+            await runner
