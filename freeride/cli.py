@@ -424,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--backward", default="20ms", help="backward time per micro-batch and stage")
         s.add_argument("--compute", default="sleep", choices=["sleep", "spin"], help="spin burns the stage's core")
         if name == "demo":
-            s.add_argument("--task", default="pagerank", help="sample side task per stage (see submit --list)")
+            s.add_argument("--task", default="graph-sgd", help="sample side task per stage (see submit --list)")
             s.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="side-task option")
         s.set_defaults(fn=cmd_sim if name == "sim" else cmd_demo)
     return parser

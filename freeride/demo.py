@@ -34,9 +34,9 @@ class DemoOptions:
     forward_s: float = 0.010
     backward_s: float = 0.020
     compute: Literal["sleep", "spin"] = "sleep"
-    task: str = "pagerank"
+    task: str = "graph-sgd"
     """A name from ``freeride submit --list`` or ``module:Class``."""
-    task_options: dict[str, str | int | float | bool] = field(default_factory=lambda: {"nodes": 20_000})
+    task_options: dict[str, str | int | float | bool] = field(default_factory=lambda: {"eval_every": 25})
     """Options of the side task (the default suits the default task)."""
     setup_timeout_s: float = 120.0
 
