@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
@@ -189,7 +190,7 @@ def run_stage(
                     need = ("B", action.microbatch, virtual + 1)
                 if need is not None:
                     t0 = time.monotonic_ns()
-                    announced += waited(step, action, lambda need=need: links.recv(need))  # type: ignore[misc]
+                    announced += waited(step, action, partial(links.recv, need))
                     waits += time.monotonic_ns() - t0
                 _compute(config.forward_s if action.kind == "F" else config.backward_s, config.compute)
                 if action.kind == "F" and virtual < num_virtual - 1:

@@ -203,9 +203,10 @@ class DeviceScheduler:
         if task.device != self.device or task.state in ("finished", "failed", "cancelled"):
             if task in self.tasks:
                 self.tasks.remove(task)
-            held = self._grants.get(self._holder) if self._holder is not None else None
-            if held is not None and held.task is task:
-                self._grants.pop(self._holder)  # type: ignore[arg-type]
+            holder = self._holder
+            held = self._grants.get(holder) if holder is not None else None
+            if holder is not None and held is not None and held.task is task:
+                del self._grants[holder]
                 self._holder = None
                 self._grant_next(fresh=False)
             return

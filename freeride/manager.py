@@ -197,7 +197,11 @@ class Manager:
         match event:
             case BadFrame(reason=reason, size=size):
                 self.rejected_frames += 1
-                logger.warning("[events] rejected a %d-byte frame: %s", size, reason)
+                # a misbehaving sender must not flood the log: the first ten, then one in a thousand
+                if self.rejected_frames <= 10 or self.rejected_frames % 1000 == 0:
+                    logger.warning(
+                        "[events] rejected a %d-byte frame (%d so far): %s", size, self.rejected_frames, reason
+                    )
                 return
             case p.Hello():
                 self._on_hello(event)

@@ -23,7 +23,7 @@ import traceback
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from freeride import protocol as p
 from freeride._procutil import bind_to_parent
@@ -35,6 +35,8 @@ __all__ = ["GrantGate", "load_target", "main"]
 logger = logging.getLogger(__name__)
 
 _PROGRESS_EVERY_NS = 250_000_000
+
+GiveBackReason = Literal["no_fit", "revoked", "expired", "finished", "stopping"]
 
 
 def load_target(target: str) -> type[IterativeTask]:
@@ -118,7 +120,7 @@ class GrantGate:
             case BadFrame(reason=reason):
                 logger.warning("[worker] rejected a frame from the manager: %s", reason)
 
-    def _give_back(self, reason: str) -> None:
+    def _give_back(self, reason: GiveBackReason) -> None:
         grant = self._grant
         if grant is None:
             return
@@ -130,7 +132,7 @@ class GrantGate:
                 busy_ns=self._g_busy,
                 first_step_delay_ns=self._g_first,
                 overrun_ns=self._g_overrun,
-                reason=reason,  # type: ignore[arg-type]
+                reason=reason,
                 step_estimate_ns=self.estimator.estimate_ns,
                 last_step_end_ns=self._g_last_end,
                 first_step_ns=grant.bubble_t_ns + self._g_first if self._g_first >= 0 else 0,
@@ -215,7 +217,7 @@ class GrantGate:
         self._g_busy += t1 - t0
         self._note_end(t1)
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason: GiveBackReason) -> None:
         self._give_back(reason)
 
 
