@@ -65,8 +65,9 @@ class WaitRecord(_Rec, frozen=True, kw_only=True):
 
     key: str
     """Place of the wait in the step, stable from step to step: the action it precedes
-    in ``2F0`` notation (``"1F0"``: before stage 1's forward of micro-batch 0), or
-    ``"tail:..."`` for the end-of-step syncs (``"tail:opt0"``, ``"tail:loss"``)."""
+    in ``2F0`` notation (``"1F0"``: before stage 1's forward of micro-batch 0), a send
+    that blocked before that action (``"send:1F2"``), or ``"tail:..."`` for the
+    end-of-step syncs (``"tail:opt0"``, ``"tail:loss"``)."""
     offset_ns: int
     """Start of the wait, from the start of the step."""
     duration_ns: int

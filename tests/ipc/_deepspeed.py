@@ -52,10 +52,10 @@ class TrainRun:
         return sorted((r for r in self.records if r["rank"] == rank), key=lambda r: r["step"])
 
     def losses(self, rank: int) -> list[float]:
-        return [r["loss"] for r in self.steps(rank)]
+        return [float(r["loss"]) for r in self.steps(rank)]
 
     def median_step_ms(self, rank: int, *, skip: int = 2) -> float:
-        return statistics.median(r["step_ms"] for r in self.steps(rank)[skip:])
+        return statistics.median(float(r["step_ms"]) for r in self.steps(rank)[skip:])
 
     def of(self, kind: type[Any], rank: int | None = None) -> list[Any]:
         return [e for e in self.events if isinstance(e, kind) and (rank is None or e.rank == rank)]

@@ -1,7 +1,7 @@
 """A real 2-stage DeepSpeed pipeline on CPU, attached through the launcher's environment only.
 
 Compute is emulated by sleeping blocks so that bubbles are deterministic. The
-training script times DeepSpeed's own ``p2p.recv`` and ``deepspeed.comm.all_reduce``
+training script times DeepSpeed's own ``p2p.recv``, ``p2p.send`` and ``deepspeed.comm.all_reduce``
 itself; those numbers are the independent reference for what the adapter reports.
 """
 
@@ -84,16 +84,27 @@ def test_bubble_time_matches_the_independently_measured_waits(
     for obs in observations:
         rank = obs.rank
         records = run.steps(rank)[SKIP:]
-        reference_ms = sum(r["recv_ms"] + r["allreduce_ms"] for r in records)
-        # what the manager saw: the bubbles announced and closed by this rank
-        announced_ms = sum(e.duration_ns for e in run.of(p.BubbleEnded, rank) if e.step >= SKIP) / MS
-        assert announced_ms == pytest.approx(reference_ms, rel=0.10), (rank, announced_ms, reference_ms)
-        # the adapter's raw timings, place by place
         steps = obs.steps[SKIP:]
-        recv_ms = sum(w.duration_ns for s in steps for w in s.waits if not w.key.startswith("tail:")) / MS
+        # the adapter's timings of every wait, place by place, against the script's own clocks
+        recv_ms = sum(w.duration_ns for s in steps for w in s.waits if w.key[0].isdigit()) / MS
         assert recv_ms == pytest.approx(sum(r["recv_ms"] for r in records), rel=0.10)
+        send_ms = sum(w.duration_ns for s in steps for w in s.waits if w.key.startswith("send:")) / MS
+        assert send_ms == pytest.approx(sum(r["send_ms"] for r in records), rel=0.10, abs=len(steps))
         allreduce_ms = sum(w.duration_ns for s in steps for w in s.waits if w.key.startswith("tail:opt")) / MS
         assert allreduce_ms == pytest.approx(sum(r["allreduce_ms"] for r in records), rel=0.10, abs=len(steps))
+
+        # what the manager saw: exactly the waits expected to last >= 1 ms, with their measured length
+        announced_raw = 0
+        for step in steps:
+            announced = [w for w in step.waits if w.expected_ns >= MS]
+            assert len([e for e in run.of(p.BubbleEnded, rank) if e.step == step.step]) == len(announced)
+            announced_raw += sum(w.duration_ns for w in announced)
+        ended = sum(e.duration_ns for e in run.of(p.BubbleEnded, rank) if e.step >= SKIP)
+        assert ended == pytest.approx(announced_raw, rel=0.05)
+        # ... which is most of the time the stage spends waiting (the rest: sub-ms jitter)
+        reference_ms = sum(r["recv_ms"] + r["send_ms"] + r["allreduce_ms"] for r in records)
+        announced_ms = sum(e.duration_ns for e in run.of(p.BubbleEnded, rank) if e.step >= SKIP) / MS
+        assert 0.85 * reference_ms <= announced_ms <= 1.10 * reference_ms, (rank, announced_ms, reference_ms)
 
 
 def test_bubbles_sit_where_the_schedule_puts_them(sleep_run: tuple[TrainRun, list[RankObservations]]) -> None:
@@ -124,7 +135,7 @@ def test_expected_durations_track_the_measured_ones(sleep_run: tuple[TrainRun, l
         pairs = [(s, e) for s, e in _bubble_pairs(run, rank) if s.step >= SKIP and e.duration_ns >= 5 * MS]
         assert len(pairs) >= 2 * (STEPS - SKIP)  # both of the schedule's bubbles, every step
         errors = [abs(s.expected_ns - e.duration_ns) / e.duration_ns for s, e in pairs]
-        assert statistics.median(errors) <= 0.15, errors
+        assert statistics.median(errors) <= 0.20, errors
         expected = sum(s.expected_ns for s, _ in pairs)
         measured = sum(e.duration_ns for _, e in pairs)
         assert expected == pytest.approx(measured, rel=0.15)

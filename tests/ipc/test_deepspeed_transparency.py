@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 from _deepspeed import TrainRun, plain_env, run_training, train_cmd
 
+from freeride import protocol as p
 from freeride.backends.launch import launch_env
+from freeride.backends.session import ENV_EVENTS
 from freeride.transport import Endpoints
 
 pytestmark = pytest.mark.slow
@@ -76,6 +78,19 @@ def test_hooked_without_manager_is_not_slower(runs: tuple[TrainRun, TrainRun]) -
     # generous: the machine is shared; the benchmark measures the real overhead
     for rank in (0, 1):
         assert hooked.median_step_ms(rank) <= 1.5 * alone.median_step_ms(rank) + 2.0
+
+
+async def test_explicit_attach_without_the_launcher(runtime: Path) -> None:
+    (runtime / "attach").mkdir(exist_ok=True)
+    events = Endpoints.ipc(runtime / "attach").events
+    steps = 6
+    env = {**plain_env(), ENV_EVENTS: events}  # where the manager is; no import hook
+    run = await run_training(train_cmd("--compute", "sleep", "--steps", str(steps), "--attach"), env=env, events=events)
+    assert run.returncode == 0, run.explain()
+    for rank in (0, 1):
+        assert [e.step for e in run.of(p.StepFinished, rank)] == list(range(steps))
+        assert {e.step for e in run.of(p.BubbleStarted, rank)} == set(range(1, steps))
+        assert len(run.of(p.Goodbye, rank)) == 1  # handle.close() says goodbye once
 
 
 async def test_training_survives_a_manager_killed_mid_run(runtime: Path) -> None:

@@ -166,9 +166,7 @@ def test_golden_bubbles_1f1b_p4_m4() -> None:
 # --- closed forms ------------------------------------------------------------------------------------
 
 
-def _expected_1f1b_bubbles(
-    p: int, m: int, s: int, t_f: float, t_b: float
-) -> list[tuple[float, Action | None]]:
+def _expected_1f1b_bubbles(p: int, m: int, s: int, t_f: float, t_b: float) -> list[tuple[float, Action | None]]:
     """(duration, action after the gap) of stage s in 1F1B with m >= p and free communication.
 
     head s*t_f before F0; fill gap (p-1-s)*t_b before B0; one t_f gap before each of the
@@ -233,9 +231,7 @@ def test_min_duration_drops_short_windows_and_keeps_indices_dense() -> None:
     kept = bubbles(timeline, min_duration=1.0)  # cool-down gaps and stage 1's head last exactly t_f
     for all_row, kept_row in zip(everything, kept, strict=True):
         assert [w.index for w in kept_row] == list(range(len(kept_row)))
-        assert [(w.start, w.duration) for w in kept_row] == [
-            (w.start, w.duration) for w in all_row if w.duration > 1.0
-        ]
+        assert [(w.start, w.duration) for w in kept_row] == [(w.start, w.duration) for w in all_row if w.duration > 1.0]
         assert all(w.end == w.start + w.duration for w in kept_row)
     assert len(kept[0]) == 1 and kept[0][0].before == Action(0, "B", 0)
 

@@ -1,0 +1,410 @@
+"""A small GPT trained with DeepSpeed pipeline parallelism, on CPU (gloo) or GPU.
+
+Every rank prints one JSON line per training step (``rank``, ``stage``, ``step``,
+``loss``, ``step_ms``; ``recv_ms`` with ``--recv-timers``). Launch it as any
+DeepSpeed pipeline job::
+
+    torchrun --standalone --nproc_per_node 2 tools/train/deepspeed_gpt.py --steps 20
+    deepspeed --num_gpus 2 tools/train/deepspeed_gpt.py --steps 20
+    python tools/train/deepspeed_gpt.py --spawn 2 --steps 20        # starts its own ranks
+
+On CPU each rank is pinned to one core (rank ``r`` to core ``r % nproc``) and runs
+one thread, so a core plays a device. ``--compute sleep`` swaps the transformer
+blocks for ones that sleep a fixed time per micro-batch in forward and backward:
+the pipeline's bubbles are then deterministic, for tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TextIO, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Block", "Embed", "Head", "SleepBlock", "TrainArgs", "main", "parse_args"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainArgs:
+    """Command-line options, validated."""
+
+    steps: int
+    """Training steps (``train_batch`` calls)."""
+    micro_batches: int
+    """Micro-batches per step (gradient accumulation steps)."""
+    micro_batch_size: int
+    stages: int
+    """Pipeline stages; the world size must be a multiple."""
+    layers: int
+    """Transformer blocks, split evenly over the stages."""
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    compute: str
+    """``matmul`` (real math) or ``sleep``."""
+    sleep_forward_ms: float
+    """Per block and micro-batch, in sleep mode."""
+    sleep_backward_ms: float
+    seed: int
+    lr: float
+    gradient_clipping: float
+    device: str
+    """``cpu`` (gloo, one pinned core per rank) or ``cuda`` (nccl)."""
+    recv_timers: bool
+    """Time, per step, the waits inside DeepSpeed's p2p receives (``recv_ms``), sends
+    (``send_ms``) and all-reduces (``allreduce_ms``), measured here, independently of FreeRide."""
+    jsonl: str
+    """Also append the JSON lines to this file; ``{rank}`` is replaced by the rank."""
+    spawn: int
+    """Start this many ranks here instead of being started by a launcher."""
+    attach: bool
+    """Attach FreeRide explicitly (``freeride.backends.deepspeed.attach``) instead of
+    relying on ``freeride launch``."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "micro_batches", "micro_batch_size", "stages", "layers", "hidden", "heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("seq", "vocab"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"{name} must be >= 2, got {getattr(self, name)}")
+        if self.layers % self.stages:
+            raise ValueError(f"layers ({self.layers}) must be a multiple of stages ({self.stages})")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if self.compute not in ("matmul", "sleep"):
+            raise ValueError(f"compute must be 'matmul' or 'sleep', got {self.compute!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.sleep_forward_ms < 0 or self.sleep_backward_ms < 0:
+            raise ValueError("sleep_forward_ms and sleep_backward_ms must be >= 0")
+        if self.spawn < 0:
+            raise ValueError(f"spawn must be >= 0, got {self.spawn}")
+
+
+def parse_args(argv: list[str] | None = None) -> TrainArgs:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--vocab", type=int, default=128)
+    ap.add_argument("--compute", choices=("matmul", "sleep"), default="matmul")
+    ap.add_argument("--sleep-forward-ms", type=float, default=5.0)
+    ap.add_argument("--sleep-backward-ms", type=float, default=10.0)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--gradient-clipping", type=float, default=1.0)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--recv-timers", action="store_true")
+    ap.add_argument("--jsonl", default="")
+    ap.add_argument("--spawn", type=int, default=0)
+    ap.add_argument("--attach", action="store_true")
+    ap.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # `deepspeed` passes it
+    ns = ap.parse_args(argv)
+    values = {k: v for k, v in vars(ns).items() if k != "local_rank"}
+    try:
+        return TrainArgs(**values)
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
+# --------------------------------------------------------------------------
+# model
+# --------------------------------------------------------------------------
+
+
+class Embed(nn.Module):
+    """Token plus learned position embedding."""
+
+    def __init__(self, vocab: int, hidden: int, seq: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, hidden)
+        self.pos = nn.Embedding(seq, hidden)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        out: torch.Tensor = self.tok(tokens) + self.pos(positions)
+        return out
+
+
+class Block(nn.Module):
+    """Pre-norm causal self-attention and MLP."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(h, dim=2)
+        q, k, v = (y.view(b, t, self.heads, h // self.heads).transpose(1, 2) for y in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, h))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity that sleeps: stands in for device kernels of a fixed length."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+_sleep = cast(Callable[[torch.Tensor, float, float], torch.Tensor], _Sleep.apply)
+
+
+class SleepBlock(nn.Module):
+    """A residual linear layer whose forward and backward take a fixed time."""
+
+    def __init__(self, hidden: int, forward_ms: float, backward_ms: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(hidden, hidden)
+        self.forward_s = forward_ms / 1e3
+        self.backward_s = backward_ms / 1e3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _sleep(x + self.lin(x), self.forward_s, self.backward_s)
+
+
+class Head(nn.Module):
+    def __init__(self, hidden: int, vocab: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(hidden)
+        self.out = nn.Linear(hidden, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.out(self.ln(x))
+        return logits
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _batches(args: TrainArgs) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Arithmetic token sequences (start, stride drawn per sample): learnable next-token data.
+
+    Every rank draws the same stream, so the first stage's inputs and the last
+    stage's labels belong together.
+    """
+    gen = torch.Generator().manual_seed(args.seed)
+    steps = torch.arange(args.seq + 1)
+    while True:
+        start = torch.randint(0, args.vocab, (args.micro_batch_size, 1), generator=gen)
+        stride = torch.randint(1, 8, (args.micro_batch_size, 1), generator=gen)
+        seqs = (start + stride * steps) % args.vocab
+        yield seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+
+
+# --------------------------------------------------------------------------
+# training
+# --------------------------------------------------------------------------
+
+
+def _seed_layer(seed: Any) -> None:
+    # DeepSpeed's default seeds `random` too, which rejects the numpy ints its balanced partitioning yields.
+    torch.manual_seed(int(seed))
+
+
+def _pin_cpu(rank: int) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    torch.set_num_threads(1)
+
+
+class _CommClock:
+    """Sums the time spent in ``p2p.recv``, ``p2p.send`` and ``deepspeed.comm.all_reduce``.
+
+    A test instrument: it wraps the module functions DeepSpeed's pipeline engine calls
+    (``wall_clock_breakdown`` cannot serve here: in DeepSpeed 0.19.8 it trips an assertion
+    in pipeline training).
+    """
+
+    def __init__(self) -> None:
+        import deepspeed.comm
+        from deepspeed.runtime.pipe import p2p
+
+        self.totals = {"recv_ms": 0.0, "send_ms": 0.0, "allreduce_ms": 0.0}
+        p2p.recv = self._timed("recv_ms", p2p.recv)
+        p2p.send = self._timed("send_ms", p2p.send)
+        deepspeed.comm.all_reduce = self._timed("allreduce_ms", deepspeed.comm.all_reduce)
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.totals[name] += (time.perf_counter() - t0) * 1e3
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        """The totals since the last call, in ms."""
+        out = {k: round(v, 3) for k, v in self.totals.items()}
+        self.totals = dict.fromkeys(self.totals, 0.0)
+        return out
+
+
+def _emit(record: dict[str, Any], out: TextIO | None) -> None:
+    line = json.dumps(record)
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+    if out is not None:
+        out.write(line + "\n")
+        out.flush()
+
+
+def train(args: TrainArgs) -> None:
+    """Run ``args.steps`` training steps as the rank the environment describes."""
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        _pin_cpu(local_rank)
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="gloo" if args.device == "cpu" else "nccl")
+    torch.manual_seed(args.seed)
+    if args.compute == "sleep":
+        blocks = [
+            LayerSpec(SleepBlock, args.hidden, args.sleep_forward_ms, args.sleep_backward_ms)
+            for _ in range(args.layers)
+        ]
+    else:
+        blocks = [LayerSpec(Block, args.hidden, args.heads) for _ in range(args.layers)]
+    model = PipelineModule(
+        layers=[LayerSpec(Embed, args.vocab, args.hidden, args.seq), *blocks, LayerSpec(Head, args.hidden, args.vocab)],
+        num_stages=args.stages,
+        loss_fn=_loss,
+        partition_method="type:Block",
+        seed_layers=True,
+        base_seed=args.seed,
+        seed_fn=_seed_layer,
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": args.micro_batch_size,
+        "gradient_accumulation_steps": args.micro_batches,
+        "optimizer": {"type": "Adam", "params": {"lr": args.lr, "torch_adam": True}},
+        "gradient_clipping": args.gradient_clipping,
+        "steps_per_print": 10**9,
+    }
+    clock = _CommClock() if args.recv_timers else None
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    handle = None
+    if args.attach:
+        import freeride.backends.deepspeed
+
+        handle = freeride.backends.deepspeed.attach(engine)
+    data = _batches(args)
+    out = open(args.jsonl.format(rank=rank), "a", encoding="utf-8") if args.jsonl else None  # noqa: SIM115
+    try:
+        times: list[float] = []
+        for step in range(args.steps):
+            t0 = time.perf_counter()
+            loss = engine.train_batch(data_iter=data)
+            step_ms = (time.perf_counter() - t0) * 1e3
+            times.append(step_ms)
+            record: dict[str, Any] = {
+                "rank": rank,
+                "stage": int(engine.stage_id),
+                "step": step,
+                "loss": float(loss),
+                "step_ms": round(step_ms, 3),
+            }
+            if clock is not None:
+                record.update(clock.take())
+            _emit(record, out)
+        median = statistics.median(times[1:]) if len(times) > 1 else times[0]
+        _emit({"rank": rank, "done": True, "median_step_ms": round(median, 3)}, out)
+    finally:
+        if out is not None:
+            out.close()
+        if handle is not None:
+            handle.close()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _spawned(index: int, args: TrainArgs, port: int) -> None:
+    os.environ.update(
+        RANK=str(index),
+        LOCAL_RANK=str(index),
+        WORLD_SIZE=str(args.spawn),
+        LOCAL_WORLD_SIZE=str(args.spawn),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    train(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.spawn:
+        train(args)
+        return 0
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_spawned, args=(i, args, port), name=f"rank-{i}") for i in range(args.spawn)]
+    for proc in procs:
+        proc.start()
+    failed = 0
+    try:
+        waiting = {proc.sentinel: proc for proc in procs}
+        while waiting and not failed:
+            for sentinel in multiprocessing.connection.wait(list(waiting)):
+                proc = waiting.pop(cast(int, sentinel))
+                proc.join()
+                failed = failed or (proc.exitcode or 0)
+    finally:
+        for proc in procs:  # one rank failed: the others would wait for it forever
+            if proc.is_alive():
+                proc.terminate()
+            proc.join()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
