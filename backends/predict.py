@@ -3,8 +3,14 @@
 A rank knows where it will wait from its schedule (see :mod:`freeride.schedule`)
 and, after the first step, how long each of those waits lasted. The predictor
 keys each wait by its place in the step (for example the action it precedes)
-and predicts the median of the last few measurements, falling back to the
-schedule's (or a profile's) prior for waits not seen yet.
+and predicts from the last few measurements, falling back to the schedule's
+(or a profile's) prior for waits not seen yet.
+
+It errs low by default (the shortest recent wait): a bubble predicted too long
+lets a side-task step start that then runs into the training step, while one
+predicted too short only leaves some of the bubble unused. (Replayed over a
+loaded DeepSpeed run, the minimum of three halved the over-predicted time
+compared with the median, for twice the under-predicted time.)
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Hashable
+from typing import Literal
 
 __all__ = ["BubblePredictor"]
 
@@ -19,10 +26,13 @@ __all__ = ["BubblePredictor"]
 class BubblePredictor:
     """Per-position running estimate of bubble durations."""
 
-    def __init__(self, *, history: int = 3) -> None:
+    def __init__(self, *, history: int = 3, policy: Literal["min", "median"] = "min") -> None:
         if history < 1:
             raise ValueError(f"history must be >= 1, got {history}")
+        if policy not in ("min", "median"):
+            raise ValueError(f"policy must be 'min' or 'median', got {policy!r}")
         self._history = history
+        self._policy = policy
         self._seen: dict[Hashable, deque[int]] = {}
         self._prior: dict[Hashable, int] = {}
 
@@ -34,7 +44,7 @@ class BubblePredictor:
         """Expected duration of the wait at ``key`` in ns, or -1 if nothing is known."""
         seen = self._seen.get(key)
         if seen:
-            return int(statistics.median(seen))
+            return min(seen) if self._policy == "min" else int(statistics.median(seen))
         return self._prior.get(key, -1)
 
     def observe(self, key: Hashable, duration_ns: int) -> None:

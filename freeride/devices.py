@@ -59,6 +59,8 @@ class _GrantState:
     returned: bool = False
     resumed_ns: int = 0
     """When an imperative program was resumed for this grant."""
+    busy_ns: int = 0
+    """Side-task time the grant reported."""
     busy_before_ns: int = 0
 
 
@@ -141,7 +143,7 @@ class DeviceScheduler:
             alive=self.alive,
             bubbles=self.bubbles,
             bubble_ns=self.bubble_ns,
-            used_ns=self.used_ns,
+            used_ns=max(0, self.used_ns),
             overruns=self.overruns,
             overrun_ns=self.overrun_ns,
             spare_memory=self.spare_memory,
@@ -228,6 +230,7 @@ class DeviceScheduler:
         state = self._grants.get(done.grant_id)
         if state is not None:
             state.returned = True
+            state.busy_ns = done.busy_ns
             state.last_step_end_ns = done.last_step_end_ns
             if state.bubble_end_ns or done.overrun_ns:
                 self._account_overrun(state, fallback_ns=done.overrun_ns)
@@ -245,6 +248,7 @@ class DeviceScheduler:
         if late > 0:
             self.overruns += 1
             self.overrun_ns += late
+            self.used_ns -= min(late, state.busy_ns)  # "used" is side-task time inside the bubble
 
     def _revoke_current(self) -> None:
         if self._holder is None:

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
@@ -54,6 +55,11 @@ MAX_IPC_PATH = 100
 """Longest ipc:// socket path we accept (the kernel's limit is 107 bytes)."""
 
 _M = TypeVar("_M")
+
+_BACKOFF_AFTER = 8
+"""Failed sends in a row after which the emitter only tries now and then."""
+_BACKOFF_MIN_NS = 1_000_000
+"""First pause between tries; it doubles with every further failure, up to 128 ms."""
 
 
 class ManagerUnreachable(ConnectionError):
@@ -150,6 +156,9 @@ class EventEmitter:
         self.endpoint = endpoint
         self.sent = 0
         self.dropped = 0
+        self._failures = 0
+        """Consecutive failed sends."""
+        self._retry_at_ns = 0
         self._pid = os.getpid()
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = zmq.Context(io_threads=1)
         sock = self._ctx.socket(zmq.PUSH)
@@ -165,17 +174,28 @@ class EventEmitter:
         if sock is None or os.getpid() != self._pid:
             self.dropped += 1
             return False
+        if self._failures >= _BACKOFF_AFTER and time.monotonic_ns() < self._retry_at_ns:
+            self.dropped += 1  # nobody has listened lately: don't pay for a failed send each time
+            return False
         try:
             sock.send(_encoder.encode(event), zmq.NOBLOCK)
         except zmq.Again:
-            self.dropped += 1
+            self._failed()
             return False
         except Exception:  # the training step must never see our errors
-            self.dropped += 1
+            self._failed()
             logger.debug("[emit] send failed", exc_info=True)
             return False
+        self._failures = 0
         self.sent += 1
         return True
+
+    def _failed(self) -> None:
+        self.dropped += 1
+        self._failures += 1
+        if self._failures >= _BACKOFF_AFTER:
+            doublings = min(self._failures - _BACKOFF_AFTER, 7)
+            self._retry_at_ns = time.monotonic_ns() + (_BACKOFF_MIN_NS << doublings)
 
     def close(self, goodbye: p.Goodbye | None = None, *, linger_ms: int = 200) -> None:
         """Send ``goodbye`` (waiting at most ``linger_ms``) and release the socket."""

@@ -81,3 +81,25 @@ def test_close_is_idempotent(runtime_dir: Path) -> None:
     emitter.close()
     emitter.close()
     assert emitter.emit(beat(0)) is False
+
+
+async def test_emitter_backs_off_without_a_manager_and_recovers_when_one_comes(runtime_dir: Path) -> None:
+    endpoint = f"ipc://{runtime_dir}/late"
+    emitter = EventEmitter(endpoint)
+    for i in range(1000):
+        assert not emitter.emit(beat(i))
+    assert emitter.dropped == 1000
+    ctx = new_async_context()
+    receiver = EventReceiver(ctx, endpoint)
+    try:
+        deadline = time.monotonic() + 5
+        while not emitter.emit(beat(7)):  # the pause between tries is at most 128 ms
+            assert time.monotonic() < deadline, "the emitter never tried again"
+            time.sleep(0.001)
+        got = await receiver.recv()
+        assert isinstance(got, p.Heartbeat) and got.rank == 7
+        assert emitter.emit(beat(8))  # back to sending every event
+    finally:
+        emitter.close()
+        receiver.close()
+        ctx.term()

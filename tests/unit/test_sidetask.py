@@ -89,8 +89,18 @@ async def test_task_stopped_escapes_except_exception() -> None:
         await Swallower().run(gate)
 
 
-def test_predictor_prior_then_median_of_recent() -> None:
+def test_predictor_errs_low_by_default() -> None:
     pred = BubblePredictor(history=3)
+    pred.set_prior("a", 100)
+    for v in (10, 50, 20):
+        pred.observe("a", v)
+    assert pred.expect("a") == 10
+    pred.observe("a", 60)  # window now 50, 20, 60
+    assert pred.expect("a") == 20
+
+
+def test_predictor_prior_then_median_of_recent() -> None:
+    pred = BubblePredictor(history=3, policy="median")
     assert pred.expect("a") == -1
     pred.set_prior("a", 100)
     assert pred.expect("a") == 100
