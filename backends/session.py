@@ -87,17 +87,17 @@ class BackendSession:
         self.bubbles = 0
         self._hello_sent_ns = 0
         self._hello = p.Hello(
-                protocol_version=p.PROTOCOL_VERSION,
-                rank=config.rank,
-                stage=config.stage,
-                num_stages=config.num_stages,
-                device=config.device,
-                framework=config.framework,
-                pid=os.getpid(),
-                cpu_affinity=sorted(os.sched_getaffinity(0)),
-                device_memory=config.device_memory,
-                t_ns=time.monotonic_ns(),
-            )
+            protocol_version=p.PROTOCOL_VERSION,
+            rank=config.rank,
+            stage=config.stage,
+            num_stages=config.num_stages,
+            device=config.device,
+            framework=config.framework,
+            pid=os.getpid(),
+            cpu_affinity=sorted(os.sched_getaffinity(0)),
+            device_memory=config.device_memory,
+            t_ns=time.monotonic_ns(),
+        )
         self._maybe_hello(time.monotonic_ns())
         atexit.register(self.close)
 

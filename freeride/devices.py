@@ -1,5 +1,9 @@
 """One scheduler per device: hands each bubble to the side tasks placed there.
 
+Bubble events are handled synchronously by the manager's events loop (the
+latency-critical path); worker reports and task changes come through the
+device's own coroutine and inbox, in order.
+
 Side tasks of a device take turns, as kernels of several processes would on
 one GPU. When a bubble starts, the scheduler grants it to the next task (round
 robin) whose estimated step fits in the bubble; a task that gives the grant
