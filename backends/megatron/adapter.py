@@ -1,0 +1,270 @@
+"""The Megatron-core adapter of one training process.
+
+The patches of :mod:`freeride.backends.megatron.patches` report every
+``forward_backward`` call, compute action and receive wait of the process to
+one :class:`MegatronAdapter`, which keeps a
+:class:`~freeride.backends.megatron.tracker.StepTracker` and a
+:class:`~freeride.backends.session.BackendSession` (and, in profile mode, the
+observations ``freeride profile`` reads).
+
+Nothing here may break training: every FreeRide error is logged and turns the
+adapter off; the wrapped megatron call always runs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from freeride.backends.launch import read_mode
+from freeride.backends.megatron import _compat
+from freeride.backends.megatron._device import RankDevice
+from freeride.backends.megatron.plan import iterations, megatron_schedule
+from freeride.backends.megatron.tracker import StepPlan, StepTracker
+from freeride.backends.session import BackendConfig, BackendSession, events_endpoint_from_env
+from freeride.profile import RankObservations, StepRecord, write_observations
+from freeride.schedule import Kind
+
+__all__ = ["MegatronAdapter", "current_adapter", "reset_adapter"]
+
+logger = logging.getLogger(__name__)
+
+_PROFILE_EVERY = 10
+"""Profile mode rewrites the observation file every this many steps (a killed job keeps them)."""
+
+
+class MegatronAdapter:
+    """Turns the calls of one process's megatron schedules into bubble events."""
+
+    def __init__(self) -> None:
+        self._session: BackendSession | None = None
+        self._tracker: StepTracker | None = None
+        self._device: RankDevice | None = None
+        self._disabled = False
+        self._warned: set[str] = set()
+        self._depth = 0
+        self._plans: dict[tuple[object, ...], StepPlan] = {}
+        self._mode, self._profile_dir = read_mode()
+        self._records: list[StepRecord] = []
+        self._obs_base: RankObservations | None = None
+        self._last_spare = -1
+        self.tracking = False
+        """Inside a tracked ``forward_backward`` call."""
+
+    # ------------------------------------------------------------ guards
+    def _warn_once(self, what: str, msg: str, *args: object) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning(msg, *args)
+
+    def _fail(self, where: str) -> None:
+        logger.exception("[attach] megatron adapter failed in %s; training continues without FreeRide", where)
+        self._disabled = True
+        self.tracking = False
+
+    # ------------------------------------------------------------- steps
+    def step_begin(self, fn_name: str, kwargs: dict[str, Any]) -> bool:
+        """Start tracking a ``forward_backward`` call; False to run it untracked."""
+        if self._disabled:
+            return False
+        try:
+            return self._begin(fn_name, kwargs)
+        except Exception:
+            self._fail("step_begin")
+            return False
+
+    def _begin(self, fn_name: str, kwargs: dict[str, Any]) -> bool:
+        info = _compat.call_info(kwargs)
+        if info.forward_only or info.num_stages < 2:
+            return False
+        if info.combined_1f1b:
+            self._warn_once("moe", "[attach] overlap_moe_expert_parallel_comm runs a fused schedule; not tracked")
+            return False
+        name = _compat.CHUNK_SCHEDULE.get(fn_name) or ("interleaved" if info.num_chunks > 1 else "1f1b")
+        key: tuple[object, ...] = (name, info.num_stages, info.num_microbatches, info.num_chunks)
+        key += (info.group_size, info.stage, info.overlap_p2p_comm, info.has_finalize)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(name, info)
+        tracker = self._tracker or self._start(info, name)
+        device = self._device
+        if device is not None and (device.cuda or tracker.steps % 10 == 0):
+            self._last_spare = device.spare_memory()  # /proc/meminfo is read only every 10 steps
+        tracker.begin_step(plan, spare_memory=self._last_spare)
+        self.tracking = True
+        return True
+
+    @staticmethod
+    def _plan(name: str, info: _compat.CallInfo) -> StepPlan:
+        p, group = info.num_stages, info.group_size
+        schedule = megatron_schedule(name, p, info.num_microbatches, info.num_chunks, group)
+        groups = tuple(
+            iterations(schedule, s, overlap_p2p_comm=info.overlap_p2p_comm, group_size=group) for s in range(p)
+        )
+        return StepPlan(schedule=schedule, stage=info.stage, merge_tail=not info.has_finalize, groups=groups)
+
+    def _start(self, info: _compat.CallInfo, schedule: str) -> StepTracker:
+        import torch.distributed as dist
+
+        version = _compat.megatron_version()
+        if version not in _compat.TESTED_VERSIONS:
+            self._warn_once(
+                "version", "[attach] megatron-core %s is untested (tested: %s)", version, _compat.TESTED_VERSIONS
+            )
+        device = self._device = RankDevice()
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
+        config = BackendConfig(
+            endpoint=events_endpoint_from_env(),
+            rank=rank,
+            stage=info.stage,
+            num_stages=info.num_stages,
+            device=device.name,
+            framework="megatron",
+            spare_memory=device.spare_memory(),
+            device_memory=device.memory,
+        )
+        self._session = BackendSession(config)
+        self._tracker = StepTracker(
+            self._session,
+            min_bubble_ns=config.min_bubble_ns,
+            settle=device.settle if device.cuda else None,
+            on_step=self._on_step if self._mode == "profile" else None,
+        )
+        if self._mode == "profile":
+            self._obs_base = RankObservations(
+                framework="megatron",
+                rank=rank,
+                stage=info.stage,
+                num_stages=info.num_stages,
+                device=device.name,
+                num_microbatches=info.num_microbatches,
+                schedule=schedule,
+                device_memory=device.memory,
+            )
+            atexit.register(self.write_observations)
+        logger.info(
+            "[attach] megatron rank %d stage %d/%d on %s (%s mode)",
+            rank,
+            info.stage,
+            info.num_stages,
+            device.name,
+            self._mode,
+        )
+        return self._tracker
+
+    def step_end(self, ok: bool) -> None:
+        """The tracked call returned (``ok``) or raised."""
+        self.tracking = False
+        self._depth = 0
+        tracker = self._tracker
+        if tracker is None or self._disabled:
+            return
+        try:
+            if ok:
+                tracker.end_step()
+            else:
+                tracker.abandon_step()
+        except Exception:
+            self._fail("step_end")
+
+    # ----------------------------------------------------------- compute
+    def compute_begin(self, kind: Kind) -> Any:
+        tracker, device = self._tracker, self._device
+        if tracker is None or device is None:
+            return None
+        try:
+            tracker.action_started(kind)
+            return device.start()
+        except Exception:
+            self._fail("compute_begin")
+            return None
+
+    def compute_end(self, kind: Kind, started: Any) -> None:
+        tracker, device = self._tracker, self._device
+        if tracker is None or device is None or started is None:
+            return
+        try:
+            for k, ns in device.stop(kind, started):
+                tracker.record_compute(k, ns)
+        except Exception:
+            self._fail("compute_end")
+
+    # ------------------------------------------------------------- waits
+    @property
+    def in_wait(self) -> bool:
+        return self._depth > 0
+
+    def wait_begin(self) -> None:
+        self._depth += 1
+        if self._depth == 1 and self._tracker is not None:
+            try:
+                self._tracker.wait_started()
+            except Exception:
+                self._fail("wait_begin")
+
+    def wait_end(self) -> None:
+        self._depth = max(self._depth - 1, 0)
+        if self._depth == 0 and self._tracker is not None:
+            try:
+                self._tracker.wait_ended()
+            except Exception:
+                self._fail("wait_end")
+
+    # ----------------------------------------------------------- profile
+    def _on_step(self, record: StepRecord) -> None:
+        self._records.append(record)
+        if len(self._records) % _PROFILE_EVERY == 0:
+            self.write_observations()
+
+    def write_observations(self) -> Path | None:
+        """Write what profile mode recorded so far (also run at exit)."""
+        base, directory = self._obs_base, self._profile_dir
+        if base is None or directory is None or not self._records:
+            return None
+        try:
+            import msgspec
+
+            device = self._device
+            spare = device.spare_memory() if device is not None else -1
+            obs = msgspec.structs.replace(base, steps=list(self._records), spare_memory=spare)
+            return write_observations(obs, directory)
+        except Exception:
+            logger.exception("[profile] could not write observations to %s", directory)
+            return None
+
+    def stats(self) -> dict[str, int]:
+        """Steps tracked and events sent and dropped so far."""
+        session, tracker = self._session, self._tracker
+        return {
+            "steps": tracker.steps if tracker is not None else 0,
+            "sent": session.sent if session is not None else 0,
+            "dropped": session.dropped if session is not None else 0,
+        }
+
+    def close(self) -> None:
+        """Write observations and say goodbye (idempotent)."""
+        self.write_observations()
+        if self._session is not None:
+            self._session.close()
+
+
+_adapter: MegatronAdapter | None = None
+
+
+def current_adapter() -> MegatronAdapter:
+    """The process's adapter (created on first use)."""
+    global _adapter
+    if _adapter is None:
+        _adapter = MegatronAdapter()
+    return _adapter
+
+
+def reset_adapter() -> None:
+    """Close and forget the process's adapter (tests)."""
+    global _adapter
+    if _adapter is not None:
+        _adapter.close()
+    _adapter = None

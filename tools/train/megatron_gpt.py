@@ -1,0 +1,478 @@
+"""A small GPT trained with megatron-core's pipeline schedules, on CPU (gloo) or GPU.
+
+Every rank prints one JSON line per training step (``rank``, ``stage``, ``step``,
+``loss`` (last stage only, else null), ``step_ms``; ``recv_ms`` and ``recv`` (the
+receive waits as ``[start_ns, duration_ns]`` on the monotonic clock) with
+``--recv-timers``, measured by megatron's own ``config.timers`` hooks). Launch it
+as any megatron job, with 1F1B or interleaved 1F1B::
+
+    torchrun --standalone --nproc_per_node 2 tools/train/megatron_gpt.py --steps 20
+    torchrun --standalone --nproc_per_node 2 tools/train/megatron_gpt.py --schedule interleaved --vpp 2
+    python tools/train/megatron_gpt.py --spawn 2 --steps 20        # starts its own ranks
+
+The model is plain ``nn.Module`` chunks (embedding, pre-norm blocks, head) that
+carry what megatron's schedules need (``.config``, ``.model_type``,
+``set_input_tensor``). On CPU each rank is pinned to one core (rank ``r`` to core
+``r % nproc``), runs one thread, and megatron runs under FreeRide's CPU shim.
+``--compute sleep`` swaps the blocks for ones that sleep a fixed time per
+micro-batch in forward and backward, so the bubbles are deterministic.
+FreeRide attaches through ``freeride launch`` or, with ``--attach``, through
+its one-line ``attach()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TextIO
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Chunk", "RecvTimers", "TrainArgs", "main", "parse_args"]
+
+_RECV_TIMERS = (
+    "forward-recv",
+    "backward-recv",
+    "forward-send-backward-recv",
+    "backward-send-forward-recv",
+    "forward-send-forward-recv",
+    "backward-send-backward-recv",
+    "forward-backward-send-forward-backward-recv",
+)
+"""Megatron timer names around p2p calls that may receive."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainArgs:
+    """Command-line options, validated."""
+
+    steps: int
+    """Training steps (``forward_backward_func`` calls plus optimizer steps)."""
+    micro_batches: int
+    micro_batch_size: int
+    schedule: str
+    """``1f1b`` or ``interleaved``."""
+    vpp: int
+    """Model chunks per rank with ``interleaved``."""
+    overlap_p2p: bool
+    """``overlap_p2p_comm`` (interleaved only; implies unbatched p2p)."""
+    layers: int
+    """Transformer blocks, split evenly over the ``world * chunks`` virtual stages."""
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    compute: str
+    """``matmul`` (real math) or ``sleep``."""
+    sleep_forward_ms: float
+    """Per block and micro-batch, in sleep mode."""
+    sleep_backward_ms: float
+    seed: int
+    lr: float
+    device: str
+    """``cpu`` (gloo, one pinned core per rank, CPU shim) or ``cuda`` (nccl)."""
+    attach: bool
+    """Attach FreeRide with its one-line ``attach()``."""
+    recv_timers: bool
+    jsonl: str
+    """Also append the JSON lines to this file; ``{rank}`` is replaced by the rank."""
+    spawn: int
+    """Start this many ranks here instead of being started by a launcher."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "micro_batches", "micro_batch_size", "layers", "hidden", "heads", "vpp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("seq", "vocab"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"{name} must be >= 2, got {getattr(self, name)}")
+        if self.schedule not in ("1f1b", "interleaved"):
+            raise ValueError(f"schedule must be '1f1b' or 'interleaved', got {self.schedule!r}")
+        if self.schedule == "1f1b" and (self.vpp != 1 or self.overlap_p2p):
+            raise ValueError("vpp and overlap_p2p need --schedule interleaved")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if self.compute not in ("matmul", "sleep"):
+            raise ValueError(f"compute must be 'matmul' or 'sleep', got {self.compute!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.sleep_forward_ms < 0 or self.sleep_backward_ms < 0:
+            raise ValueError("sleep_forward_ms and sleep_backward_ms must be >= 0")
+        if self.spawn < 0:
+            raise ValueError(f"spawn must be >= 0, got {self.spawn}")
+
+
+def parse_args(argv: list[str] | None = None) -> TrainArgs:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--schedule", choices=("1f1b", "interleaved"), default="1f1b")
+    ap.add_argument("--vpp", type=int, default=None, help="model chunks per rank (interleaved; default 2)")
+    ap.add_argument("--overlap-p2p", action="store_true")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--vocab", type=int, default=128)
+    ap.add_argument("--compute", choices=("matmul", "sleep"), default="matmul")
+    ap.add_argument("--sleep-forward-ms", type=float, default=5.0)
+    ap.add_argument("--sleep-backward-ms", type=float, default=10.0)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--attach", action="store_true")
+    ap.add_argument("--recv-timers", action="store_true")
+    ap.add_argument("--jsonl", default="")
+    ap.add_argument("--spawn", type=int, default=0)
+    ns = ap.parse_args(argv)
+    if ns.vpp is None:
+        ns.vpp = 2 if ns.schedule == "interleaved" else 1
+    try:
+        return TrainArgs(**vars(ns))
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
+# --------------------------------------------------------------------------
+# model
+# --------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """Pre-norm causal self-attention and MLP on ``[batch, seq, hidden]``."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(h, dim=2)
+        q, k, v = (y.view(b, t, self.heads, h // self.heads).transpose(1, 2) for y in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, h))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity that sleeps: stands in for device kernels of a fixed length."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+_sleep: Callable[[torch.Tensor, float, float], torch.Tensor] = _Sleep.apply
+
+
+class SleepBlock(nn.Module):
+    """A residual linear layer whose forward and backward take a fixed time."""
+
+    def __init__(self, hidden: int, forward_ms: float, backward_ms: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(hidden, hidden)
+        self.forward_s = forward_ms / 1e3
+        self.backward_s = backward_ms / 1e3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _sleep(x + self.lin(x), self.forward_s, self.backward_s)
+
+
+class Chunk(nn.Module):
+    """One virtual pipeline stage, in the form megatron's schedules drive.
+
+    The first virtual stage embeds tokens, the last one ends in the LM head;
+    between stages activations travel as ``[seq, batch, hidden]`` (megatron's
+    layout).
+    """
+
+    def __init__(self, args: TrainArgs, config: Any, *, first: bool, last: bool, blocks: int) -> None:
+        from megatron.core.enums import ModelType
+
+        super().__init__()
+        self.config = config
+        self.model_type = ModelType.encoder_or_decoder
+        self.first, self.last = first, last
+        self.input_tensor: torch.Tensor | None = None
+        if first:
+            self.tok = nn.Embedding(args.vocab, args.hidden)
+            self.pos = nn.Embedding(args.seq, args.hidden)
+        layers: list[nn.Module] = []
+        for _ in range(blocks):
+            if args.compute == "sleep":
+                layers.append(SleepBlock(args.hidden, args.sleep_forward_ms, args.sleep_backward_ms))
+            else:
+                layers.append(Block(args.hidden, args.heads))
+        self.blocks = nn.Sequential(*layers)
+        if last:
+            self.ln = nn.LayerNorm(args.hidden)
+            self.head = nn.Linear(args.hidden, args.vocab)
+
+    def set_input_tensor(self, tensors: list[torch.Tensor | None] | torch.Tensor | None) -> None:
+        self.input_tensor = tensors[0] if isinstance(tensors, list) else tensors
+
+    def forward(self, tokens: torch.Tensor | None) -> torch.Tensor:
+        if self.first:
+            assert tokens is not None
+            x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        else:
+            assert self.input_tensor is not None
+            x = self.input_tensor.transpose(0, 1)
+        x = self.blocks(x)
+        assert isinstance(x, torch.Tensor)
+        if self.last:
+            logits: torch.Tensor = self.head(self.ln(x))
+            return logits
+        return x.transpose(0, 1).contiguous()
+
+
+def _loss(labels: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    return loss, {"loss": loss.detach().clone()}  # megatron divides the loss in place
+
+
+def _forward_step(data: Iterator[tuple[torch.Tensor, torch.Tensor]], model: Chunk) -> tuple[torch.Tensor, Any]:
+    tokens, labels = next(data)
+    return model(tokens if model.first else None), partial(_loss, labels)
+
+
+def _batches(args: TrainArgs, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Arithmetic token sequences (start, stride drawn per sample): learnable next-token data.
+
+    Each model chunk draws from its own copy of the same stream, so the first
+    virtual stage's inputs and the last one's labels belong together.
+    """
+    gen = torch.Generator().manual_seed(args.seed)
+    steps = torch.arange(args.seq + 1)
+    while True:
+        start = torch.randint(0, args.vocab, (args.micro_batch_size, 1), generator=gen)
+        stride = torch.randint(1, 8, (args.micro_batch_size, 1), generator=gen)
+        seqs = (start + stride * steps) % args.vocab
+        yield seqs[:, :-1].contiguous().to(device), seqs[:, 1:].contiguous().to(device)
+
+
+# --------------------------------------------------------------------------
+# training
+# --------------------------------------------------------------------------
+
+
+class RecvTimers:
+    """A ``config.timers`` for megatron that records the p2p calls that may receive."""
+
+    def __init__(self) -> None:
+        self.waits: list[tuple[int, int]] = []
+        self._open: dict[str, int] = {}
+
+    def __call__(self, name: str, log_level: int | None = None) -> _Timer:
+        return _Timer(self, name)
+
+    def take(self) -> list[tuple[int, int]]:
+        waits, self.waits = self.waits, []
+        return waits
+
+
+class _Timer:
+    def __init__(self, owner: RecvTimers, name: str) -> None:
+        self._owner, self._name = owner, name
+
+    def start(self, barrier: bool = False) -> None:
+        if self._name in _RECV_TIMERS:
+            self._owner._open[self._name] = time.monotonic_ns()
+
+    def stop(self, barrier: bool = False) -> None:
+        t0 = self._owner._open.pop(self._name, None)
+        if t0 is not None:
+            self._owner.waits.append((t0, time.monotonic_ns() - t0))
+
+
+def _pin_cpu(rank: int) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    torch.set_num_threads(1)
+
+
+def _emit(record: dict[str, Any], out: TextIO | None) -> None:
+    line = json.dumps(record)
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (line + "\n").encode())  # one write: ranks share the pipe
+    if out is not None:
+        out.write(line + "\n")
+        out.flush()
+
+
+def _build(args: TrainArgs, world: int, stage: int, device: torch.device) -> tuple[list[Chunk], Any]:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    chunks = args.vpp if args.schedule == "interleaved" else 1
+    virtual = world * chunks
+    if args.layers % virtual:
+        raise SystemExit(f"--layers ({args.layers}) must be a multiple of ranks x chunks ({virtual})")
+    config = TransformerConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=world,
+        virtual_pipeline_model_parallel_size=chunks if args.schedule == "interleaved" else None,
+        overlap_p2p_comm=args.overlap_p2p,
+        batch_p2p_comm=not args.overlap_p2p,
+    )
+    model: list[Chunk] = []
+    for c in range(chunks):
+        v = c * world + stage
+        torch.manual_seed(args.seed + v)  # the same weights whatever runs around them
+        chunk = Chunk(args, config, first=v == 0, last=v == virtual - 1, blocks=args.layers // virtual)
+        model.append(chunk.to(device))
+    return model, config
+
+
+def train(args: TrainArgs) -> None:
+    """Run ``args.steps`` training steps as the rank the environment describes."""
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.device == "cpu":
+        _pin_cpu(local_rank)
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    logging.basicConfig(level=logging.WARNING)
+    torch.distributed.init_process_group("gloo" if args.device == "cpu" else "nccl")
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if args.attach:
+        from freeride.backends.megatron import attach
+
+        attach()
+    if args.device == "cpu":
+        from freeride.backends.megatron import cpu_shim
+
+        cpu_shim.activate()
+    interleaved = args.schedule == "interleaved"
+    parallel_state.initialize_model_parallel(
+        pipeline_model_parallel_size=world,
+        virtual_pipeline_model_parallel_size=args.vpp if interleaved else None,
+    )
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    model, config = _build(args, world, stage, device)
+    timers = RecvTimers()
+    if args.recv_timers:
+        config.timers = timers
+    params = [p for chunk in model for p in chunk.parameters()]
+    optimizer = torch.optim.Adam(params, lr=args.lr)
+    forward_backward = get_forward_backward_func()
+    data = [_batches(args, device) for _ in model]
+    out = open(args.jsonl.format(rank=rank), "a", encoding="utf-8") if args.jsonl else None  # noqa: SIM115
+    try:
+        times: list[float] = []
+        for step in range(args.steps):
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            losses = forward_backward(
+                forward_step_func=_forward_step,
+                data_iterator=data if interleaved else data[0],
+                model=model if interleaved else model[0],
+                num_microbatches=args.micro_batches,
+                seq_length=args.seq,
+                micro_batch_size=args.micro_batch_size,
+            )
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step_ms = (time.perf_counter() - t0) * 1e3
+            cpu_ms = (time.process_time() - cpu0) * 1e3
+            times.append(step_ms)
+            loss = float(torch.stack([x["loss"] for x in losses]).mean()) if losses else None
+            record: dict[str, Any] = {"rank": rank, "stage": stage, "step": step, "loss": loss}
+            record["step_ms"] = round(step_ms, 3)
+            record["cpu_ms"] = round(cpu_ms, 3)
+            if args.recv_timers:
+                waits = timers.take()
+                record["recv_ms"] = round(sum(d for _, d in waits) / 1e6, 3)
+                record["recv"] = waits
+            _emit(record, out)
+        median = statistics.median(times[1:]) if len(times) > 1 else times[0]
+        done: dict[str, Any] = {"rank": rank, "done": True, "median_step_ms": round(median, 3)}
+        adapter = sys.modules.get("freeride.backends.megatron.adapter")
+        if adapter is not None:  # attached: how it went
+            done["freeride"] = adapter.current_adapter().stats()
+        _emit(done, out)
+    finally:
+        if out is not None:
+            out.close()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _spawned(index: int, args: TrainArgs, port: int) -> None:
+    os.environ.update(
+        RANK=str(index),
+        LOCAL_RANK=str(index),
+        WORLD_SIZE=str(args.spawn),
+        LOCAL_WORLD_SIZE=str(args.spawn),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    train(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.spawn:
+        train(args)
+        return 0
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    ranks = [ctx.Process(target=_spawned, args=(i, args, port), name=f"megatron-rank{i}") for i in range(args.spawn)]
+    for proc in ranks:
+        proc.start()
+    code = 0
+    live = list(ranks)
+    while live:
+        multiprocessing.connection.wait([proc.sentinel for proc in live])
+        for proc in [proc for proc in live if proc.exitcode is not None]:
+            live.remove(proc)
+            if proc.exitcode and not code:  # one rank failed: the others would wait forever
+                code = proc.exitcode if proc.exitcode > 0 else 1
+                print(f"{proc.name} exited with {proc.exitcode}; stopping the others", file=sys.stderr)
+                for other in live:
+                    other.terminate()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
