@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import importlib.util
 import logging
+import math
 import os
 import shutil
 from collections.abc import Callable, Coroutine
@@ -88,12 +89,12 @@ class Supervisor:
                 if device is not None:
                     device.inbox.put_nowait(WorkerReport(task, msg))
             case p.Progress(steps=steps, metrics=metrics):
-                task.metrics.update(metrics)
+                task.metrics.update(_finite(metrics))
                 task.steps = max(task.steps, steps)
             case p.Checkpointed(steps=steps, path=path):
                 logger.debug("[workers] task %d checkpointed at step %d to %s", task.task_id, steps, path)
             case p.TaskFinished(metrics=metrics):
-                task.metrics.update(metrics)
+                task.metrics.update(_finite(metrics))
                 task.state, task.runnable = "finished", False
                 logger.info("[workers] task %d (%s) finished after %d steps", task.task_id, task.name, task.steps)
                 self._notify(task)
@@ -311,6 +312,11 @@ class Supervisor:
         if live:
             logger.info("[shutdown] stopping %d side task(s)", len(live))
         await asyncio.gather(*(self._stop_task(t, "manager shutting down") for t in live))
+
+
+def _finite(metrics: dict[str, float]) -> dict[str, float]:
+    """Metrics a task reported, without NaN or infinities (JSON has no spelling for them)."""
+    return {k: v for k, v in metrics.items() if math.isfinite(v)}
 
 
 def _check_spec(spec: p.TaskSpec) -> str:

@@ -1,0 +1,28 @@
+"""Supervisor bookkeeping that needs no process."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from freeride import protocol as p
+from freeride.config import ServeConfig
+from freeride.observe import Observers
+from freeride.supervisor import Supervisor
+from freeride.tasks import TaskRecord
+from freeride.transport import Endpoints
+
+
+def test_non_finite_metrics_are_dropped_so_status_stays_valid_json(tmp_path: Path) -> None:
+    config = ServeConfig(endpoints=Endpoints.ipc(tmp_path), state_dir=tmp_path / "s")
+    sup = Supervisor(config, devices={}, send=lambda task, msg: True, observers=Observers())
+    task = TaskRecord(
+        task_id=1, spec=p.TaskSpec(kind="iterative", target="m:C"), name="t", checkpoint_path=tmp_path / "c"
+    )
+    sup.tasks[1] = task
+    sup.on_worker(task.ident, p.Progress(task_id=1, steps=3, metrics={"loss": math.nan, "acc": 0.5, "x": math.inf}))
+    assert task.metrics == {"acc": 0.5} and task.steps == 3
+    import msgspec
+
+    reply = msgspec.json.decode(msgspec.json.encode(task.status()), type=p.TaskStatus)
+    assert reply.metrics == {"acc": 0.5}
