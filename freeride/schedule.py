@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,6 +36,7 @@ __all__ = [
     "build_schedule",
     "gpipe",
     "interleaved",
+    "interleaved_from_table",
     "one_f_one_b",
     "simulate",
 ]
@@ -197,10 +198,24 @@ def interleaved(num_stages: int, num_microbatches: int, num_chunks: int) -> Sche
     if m % p:
         raise ValueError(f"num_microbatches ({m}) must be a multiple of num_stages ({p}) for interleaved")
     table = [(mb, c) for g in range(0, m, p) for c in range(v) for mb in range(g, g + p)]
+    return interleaved_from_table(p, m, v, table, group=p)
+
+
+def interleaved_from_table(
+    num_stages: int, num_microbatches: int, num_chunks: int, table: Sequence[tuple[int, int]], *, group: int
+) -> Schedule:
+    """Interleaved 1F1B from a forward table of ``(micro-batch, chunk)`` entries.
+
+    The k-th backward runs the k-th table entry on the mirrored chunk ``v-1-c``; rank
+    ``s`` starts with ``2 (p - s - 1) + (v - 1) group`` warm-up forwards (capped at
+    ``m v``). :func:`interleaved` is the case ``group = p``; other group sizes use the
+    table the framework itself computes.
+    """
+    p, m, v = num_stages, num_microbatches, num_chunks
     total = m * v
     rows: list[tuple[Action, ...]] = []
     for s in range(p):
-        warm = min(2 * (p - s - 1) + (v - 1) * p, total)
+        warm = min(2 * (p - s - 1) + (v - 1) * group, total)
         fwd = [Action(s, "F", mb, c) for mb, c in table]
         bwd = [Action(s, "B", mb, v - 1 - c) for mb, c in table]
         row = fwd[:warm]

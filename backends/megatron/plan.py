@@ -16,7 +16,17 @@ each action) are iterations of one action, where it equals
 from __future__ import annotations
 
 from freeride.backends.megatron import _compat
-from freeride.schedule import Action, Durations, Kind, Schedule, Timed, Timeline, interleaved, one_f_one_b
+from freeride.schedule import (
+    Action,
+    Durations,
+    Kind,
+    Schedule,
+    Timed,
+    Timeline,
+    interleaved,
+    interleaved_from_table,
+    one_f_one_b,
+)
 
 __all__ = ["iterations", "megatron_schedule", "megatron_timeline", "warmup_count"]
 
@@ -46,18 +56,7 @@ def megatron_schedule(name: str, p: int, m: int, v: int, group: int) -> Schedule
         raise ValueError(f"name must be '1f1b' or 'interleaved', got {name!r}")
     if group == p and m % p == 0:
         return interleaved(p, m, v)
-    table = _compat.schedule_table(m, v, group)
-    total = m * v
-    rows: list[tuple[Action, ...]] = []
-    for s in range(p):
-        warm = min(2 * (p - s - 1) + (v - 1) * group, total)
-        fwd = [Action(s, "F", mb, c) for mb, c in table]
-        bwd = [Action(s, "B", mb, v - 1 - c) for mb, c in table]
-        row = fwd[:warm]
-        for k in range(total - warm):
-            row += [fwd[warm + k], bwd[k]]
-        rows.append(tuple(row + bwd[total - warm :]))
-    return Schedule("interleaved", p, m, v, tuple(rows))
+    return interleaved_from_table(p, m, v, _compat.schedule_table(m, v, group), group=group)
 
 
 def iterations(
