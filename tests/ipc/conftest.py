@@ -7,6 +7,7 @@ short (ipc:// socket paths must stay under ~100 bytes).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -87,12 +88,11 @@ def poll(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
-@pytest.fixture
-def served(runtime_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """`freeride serve` as a real subprocess; reaped (and its group killed) afterwards."""
+@contextlib.contextmanager
+def serving(runtime_dir: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """`freeride serve --runtime-dir DIR ARGS` as a real subprocess, answering; reaped (group killed) afterwards."""
     proc = subprocess.Popen(
-        freeride_cmd("serve", "--runtime-dir", str(runtime_dir), "--checkpoint-every", "0.2s"),
-        start_new_session=True,
+        freeride_cmd("serve", "--runtime-dir", str(runtime_dir), *args), start_new_session=True, env=env
     )
     try:
         poll(lambda: (runtime_dir / "control").exists(), 30, "the manager's control socket")
@@ -106,3 +106,10 @@ def served(runtime_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+@pytest.fixture
+def served(runtime_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`freeride serve` with fast checkpoints, as a real subprocess."""
+    with serving(runtime_dir, "--checkpoint-every", "0.2s") as proc:
+        yield proc

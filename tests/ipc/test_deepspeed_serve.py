@@ -9,9 +9,7 @@ stages' bubbles, and training must finish with the losses it has alone.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -20,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from _deepspeed import SCRIPT, TrainRun
-from conftest import freeride_cmd, poll, status
+from conftest import freeride_cmd, poll, serving, status
 
 from freeride import protocol as p
 from freeride.profile import load_profile
@@ -53,22 +51,8 @@ def profiled(job_dir: Path) -> Path:
 
 @pytest.fixture
 def served_with_profile(runtime_dir: Path, profiled: Path) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(
-        freeride_cmd("serve", "--runtime-dir", str(runtime_dir), "--profile", str(profiled)),
-        start_new_session=True,
-    )
-    try:
-        poll(lambda: (runtime_dir / "control").exists(), 30, "the manager's control socket")
-        status(runtime_dir, timeout_s=30)
+    with serving(runtime_dir, "--profile", str(profiled)) as proc:
         yield proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
 
 
 def test_profile_describes_both_stages(profiled: Path) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import freeride_cmd, poll, status
+from conftest import freeride_cmd, poll, serving, status
 
 from freeride import protocol as p
 from freeride.backends.megatron.plan import iterations, megatron_schedule
@@ -96,23 +95,8 @@ def profiled(job_dir: Path, schedule: str) -> tuple[Path, list[float]]:
 
 @pytest.fixture
 def served_with_profile(runtime_dir: Path, profiled: tuple[Path, list[float]]) -> Iterator[None]:
-    proc = subprocess.Popen(
-        freeride_cmd("serve", "--runtime-dir", str(runtime_dir), "--profile", str(profiled[0])),
-        start_new_session=True,
-        env=_plain_env(),
-    )
-    try:
-        poll(lambda: (runtime_dir / "control").exists(), 30, "the manager's control socket")
-        status(runtime_dir, timeout_s=30)
+    with serving(runtime_dir, "--profile", str(profiled[0]), env=_plain_env()):
         yield
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
 
 
 def test_profile_has_the_bubbles_of_megatrons_schedule(schedule: str, profiled: tuple[Path, list[float]]) -> None:
