@@ -19,10 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
-import socket
 import statistics
 import sys
 import time
@@ -32,6 +29,7 @@ from typing import Any, TextIO, cast
 
 import torch
 import torch.nn.functional as F
+from _spawn import run_ranks  # tools/train is the script's directory
 from torch import nn
 
 __all__ = ["Block", "Embed", "Head", "SleepBlock", "TrainArgs", "main", "parse_args"]
@@ -361,49 +359,12 @@ def train(args: TrainArgs) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _spawned(index: int, args: TrainArgs, port: int) -> None:
-    os.environ.update(
-        RANK=str(index),
-        LOCAL_RANK=str(index),
-        WORLD_SIZE=str(args.spawn),
-        LOCAL_WORLD_SIZE=str(args.spawn),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    train(args)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.spawn:
         train(args)
         return 0
-    ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_spawned, args=(i, args, port), name=f"rank-{i}") for i in range(args.spawn)]
-    for proc in procs:
-        proc.start()
-    failed = 0
-    try:
-        waiting = {proc.sentinel: proc for proc in procs}
-        while waiting and not failed:
-            for sentinel in multiprocessing.connection.wait(list(waiting)):
-                proc = waiting.pop(cast(int, sentinel))
-                proc.join()
-                failed = failed or (proc.exitcode or 0)
-    finally:
-        for proc in procs:  # one rank failed: the others would wait for it forever
-            if proc.is_alive():
-                proc.terminate()
-            proc.join()
-    return 1 if failed else 0
+    return run_ranks(train, args, args.spawn, name="deepspeed")
 
 
 if __name__ == "__main__":

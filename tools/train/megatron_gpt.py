@@ -25,10 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
-import socket
 import statistics
 import sys
 import time
@@ -39,6 +36,7 @@ from typing import Any, TextIO
 
 import torch
 import torch.nn.functional as F
+from _spawn import run_ranks  # tools/train is the script's directory
 from torch import nn
 
 __all__ = ["Chunk", "RecvTimers", "TrainArgs", "main", "parse_args"]
@@ -431,47 +429,12 @@ def train(args: TrainArgs) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _spawned(index: int, args: TrainArgs, port: int) -> None:
-    os.environ.update(
-        RANK=str(index),
-        LOCAL_RANK=str(index),
-        WORLD_SIZE=str(args.spawn),
-        LOCAL_WORLD_SIZE=str(args.spawn),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    train(args)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.spawn:
         train(args)
         return 0
-    ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
-    ranks = [ctx.Process(target=_spawned, args=(i, args, port), name=f"megatron-rank{i}") for i in range(args.spawn)]
-    for proc in ranks:
-        proc.start()
-    code = 0
-    live = list(ranks)
-    while live:
-        multiprocessing.connection.wait([proc.sentinel for proc in live])
-        for proc in [proc for proc in live if proc.exitcode is not None]:
-            live.remove(proc)
-            if proc.exitcode and not code:  # one rank failed: the others would wait forever
-                code = proc.exitcode if proc.exitcode > 0 else 1
-                print(f"{proc.name} exited with {proc.exitcode}; stopping the others", file=sys.stderr)
-                for other in live:
-                    other.terminate()
-    return code
+    return run_ranks(train, args, args.spawn, name="megatron")
 
 
 if __name__ == "__main__":
