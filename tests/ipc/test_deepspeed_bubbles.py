@@ -138,4 +138,6 @@ def test_expected_durations_track_the_measured_ones(sleep_run: tuple[TrainRun, l
         assert statistics.median(errors) <= 0.20, errors
         expected = sum(s.expected_ns for s, _ in pairs)
         measured = sum(e.duration_ns for _, e in pairs)
-        assert expected == pytest.approx(measured, rel=0.15)
+        # the predictor errs low on purpose (shortest of the last three waits), so a jittery
+        # machine pulls the total down; it must still cover most of the time, and never run long
+        assert 0.70 * measured <= expected <= 1.05 * measured, (rank, expected, measured)
