@@ -26,8 +26,9 @@ the runtime decide when each step may start::
 The default :meth:`IterativeTask.run` loops ``async with gate.step(): self.step()``
 until :meth:`IterativeTask.done`. ``gate.step()`` is the cooperative yield: it
 returns only when a bubble is granted to the task *and* the task's estimated
-step time (the hint, then the slowest of the recently measured steps) fits in
-what is left of it minus a safety margin; otherwise the task is parked. Tasks
+step time (the hint, then a high percentile of the recently measured steps of
+the same kind, see :meth:`IterativeTask.step_kind`) fits in what is left of it
+minus a safety margin; otherwise the task is parked. Tasks
 with their own loop override :meth:`IterativeTask.run` and call ``gate.step()``
 around each unit of work.
 
@@ -52,6 +53,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 __all__ = [
     "IterativeTask",
+    "StepEstimates",
     "StepEstimator",
     "StepGate",
     "TaskContext",
@@ -89,8 +91,8 @@ class TaskContext:
 class StepGate(Protocol):
     """What a task awaits between steps."""
 
-    def step(self) -> Any:
-        """An async context manager around one step; entering may park the task."""
+    def step(self, kind: str = "") -> Any:
+        """An async context manager around one step of ``kind``; entering may park the task."""
         ...
 
     @property
@@ -123,6 +125,18 @@ class IterativeTask(abc.ABC):
         """Whether the task has finished its work (default: never)."""
         return False
 
+    def step_kind(self) -> str:
+        """What kind of work the next :meth:`step` does (default: ``""``, one kind).
+
+        Steps of one kind share a running time estimate. A task whose steps
+        differ widely by kind (a micro-batch's forward and backward vs. the
+        optimizer update, training vs. a periodic evaluation) names them, so
+        each must fit in a bubble on its own estimate rather than all on the
+        slowest one. Keep the number of kinds small (tens): a kind not seen
+        yet runs only at the start of a bubble until it has been measured.
+        """
+        return ""
+
     def metrics(self) -> dict[str, float]:
         """Numbers to report as progress (loss, accuracy, residual, ...)."""
         return {}
@@ -140,7 +154,7 @@ class IterativeTask(abc.ABC):
     async def run(self, gate: StepGate) -> None:
         """Run steps until :meth:`done`, each inside a granted bubble."""
         while not self.done():
-            async with gate.step():
+            async with gate.step(self.step_kind()):
                 result = self.step()
                 if inspect.isawaitable(result):
                     await result
@@ -173,6 +187,31 @@ class StepEstimator:
         return ordered[int(0.9 * (len(ordered) - 1))]
 
 
+class StepEstimates:
+    """One :class:`StepEstimator` per step kind; the hint applies to the default kind ``""``."""
+
+    def __init__(self, hint_ns: int = -1, *, window: int = 16) -> None:
+        self._window = window
+        self._by_kind: dict[str, StepEstimator] = {"": StepEstimator(hint_ns, window=window)}
+
+    def _of(self, kind: str) -> StepEstimator:
+        estimator = self._by_kind.get(kind)
+        if estimator is None:
+            estimator = self._by_kind[kind] = StepEstimator(window=self._window)
+        return estimator
+
+    def observe(self, kind: str, duration_ns: int) -> None:
+        self._of(kind).observe(duration_ns)
+
+    def estimate_ns(self, kind: str = "") -> int:
+        """The estimate for a step of ``kind``, or -1 if nothing is known yet."""
+        estimator = self._by_kind.get(kind)
+        return -1 if estimator is None else estimator.estimate_ns
+
+    def kinds(self) -> list[str]:
+        return list(self._by_kind)
+
+
 class UnboundedGate:
     """A gate that never parks: runs a task alone and measures its steps.
 
@@ -183,18 +222,21 @@ class UnboundedGate:
     def __init__(self, *, max_steps: int | None = None) -> None:
         self.max_steps = max_steps
         self.durations_ns: list[int] = []
+        self.kinds: list[str] = []
+        """The kind of each measured step, in order."""
 
     @property
     def steps(self) -> int:
         return len(self.durations_ns)
 
     @asynccontextmanager
-    async def step(self) -> AsyncIterator[None]:
+    async def step(self, kind: str = "") -> AsyncIterator[None]:
         if self.max_steps is not None and self.steps >= self.max_steps:
             raise TaskStopped(f"ran {self.max_steps} steps")
         t0 = time.monotonic_ns()
         yield
         self.durations_ns.append(time.monotonic_ns() - t0)
+        self.kinds.append(kind)
 
 
 async def run_alone(task: IterativeTask, *, steps: int, ctx: TaskContext | None = None) -> list[int]:

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from freeride import protocol as p
 from freeride._procutil import bind_to_parent
-from freeride.sidetask import IterativeTask, StepEstimator, TaskContext, TaskStopped
+from freeride.sidetask import IterativeTask, StepEstimates, TaskContext, TaskStopped
 from freeride.transport import BadFrame, WorkerLink, new_async_context
 
 __all__ = ["GrantGate", "load_target", "main"]
@@ -75,6 +75,36 @@ def _load_checkpoint(task: IterativeTask, path: Path) -> int:
     return int(saved["steps"])
 
 
+class _RunDelay:
+    """How long this thread has waited for a CPU while runnable (Linux schedstat), in ns.
+
+    A side task runs at the lowest priority on its stage's core: when the
+    stage wakes up mid-step, the step waits until the stage blocks again.
+    That wait says nothing about what the step costs, so it is taken out of
+    the step times the estimate learns from (never out of the time reported
+    as used).
+    """
+
+    def __init__(self) -> None:
+        try:
+            self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._fd = -1
+
+    def ns(self) -> int:
+        if self._fd < 0:
+            return 0
+        try:
+            return int(os.pread(self._fd, 64, 0).split()[1])
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 class GrantGate:
     """The :class:`~freeride.sidetask.StepGate` of a task run by the manager."""
 
@@ -86,7 +116,10 @@ class GrantGate:
         hint = assign.spec.step_time_ns
         if hint < 0 and task.step_time > 0:
             hint = int(task.step_time * 1e9)
-        self.estimator = StepEstimator(hint)
+        self.estimates = StepEstimates(hint)
+        self._run_delay = _RunDelay()
+        self._kind = task.step_kind()
+        """The kind of the step waiting to start (or of the next one)."""
         self._grant: p.Grant | None = None
         self._revoked = False
         self._stop: str | None = None
@@ -133,7 +166,7 @@ class GrantGate:
                 first_step_delay_ns=self._g_first,
                 overrun_ns=self._g_overrun,
                 reason=reason,
-                step_estimate_ns=self.estimator.estimate_ns,
+                step_estimate_ns=self.estimate_ns,
                 last_step_end_ns=self._g_last_end,
                 first_step_ns=grant.bubble_t_ns + self._g_first if self._g_first >= 0 else 0,
                 total_steps=self._steps,
@@ -147,8 +180,8 @@ class GrantGate:
         grant = self._grant
         if grant is None or self._revoked:
             return False
-        if need_ns < 0 or grant.probe:  # unknown or stale: one step, at the very start of a grant
-            return self._g_steps == 0
+        if need_ns < 0 or grant.probe:  # unknown or stale: one step, at the start of a grant still open
+            return self._g_steps == 0 and now + self._assign.margin_ns < grant.deadline_ns
         return now + need_ns + self._assign.margin_ns <= grant.deadline_ns
 
     def _progress(self, now: int) -> None:
@@ -183,7 +216,7 @@ class GrantGate:
             if due and self._checkpoint_ns >= 0 and self._fits(now, self._checkpoint_ns):
                 self._g_busy += self._timed(self.checkpoint)
                 continue
-            if self._fits(now, self.estimator.estimate_ns):
+            if self._fits(now, self.estimate_ns):
                 return
             if self._grant is not None:
                 self._give_back("revoked" if self._revoked else "no_fit")
@@ -203,15 +236,23 @@ class GrantGate:
         if grant is not None and end > grant.deadline_ns:
             self._g_overrun = end - grant.deadline_ns
 
+    @property
+    def estimate_ns(self) -> int:
+        """The running estimate of the pending step's kind (what the manager must fit)."""
+        return self.estimates.estimate_ns(self._kind)
+
     @asynccontextmanager
-    async def step(self) -> AsyncIterator[None]:
+    async def step(self, kind: str = "") -> AsyncIterator[None]:
+        self._kind = kind
         await self._wait_for_fit()
+        delay0 = self._run_delay.ns()
         t0 = time.monotonic_ns()
         if self._g_steps == 0 and self._grant is not None:
             self._g_first = t0 - self._grant.bubble_t_ns
         yield
         t1 = time.monotonic_ns()
-        self.estimator.observe(t1 - t0)
+        self.estimates.observe(kind, max(1, t1 - t0 - (self._run_delay.ns() - delay0)))
+        self._kind = self._task.step_kind()
         self._steps += 1
         self._g_steps += 1
         self._g_busy += t1 - t0
@@ -219,6 +260,7 @@ class GrantGate:
 
     def finish(self, reason: GiveBackReason) -> None:
         self._give_back(reason)
+        self._run_delay.close()
 
 
 def _lower_cpu_priority() -> None:
@@ -322,7 +364,7 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
                 task_id=assign.task_id,
                 pid=os.getpid(),
                 set_up=True,
-                step_estimate_ns=gate.estimator.estimate_ns,
+                step_estimate_ns=gate.estimate_ns,
                 steps=steps,
             )
         )

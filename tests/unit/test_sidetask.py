@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from freeride.backends.predict import BubblePredictor
-from freeride.sidetask import IterativeTask, StepEstimator, TaskStopped, UnboundedGate, run_alone
+from freeride.sidetask import IterativeTask, StepEstimates, StepEstimator, TaskStopped, UnboundedGate, run_alone
 
 
 class Counter(IterativeTask):
@@ -51,6 +51,18 @@ def test_estimator_ignores_a_single_outlier_but_not_a_slowdown() -> None:
     for _ in range(16):
         est.observe(1000)
     assert est.estimate_ns == 1000
+
+
+def test_each_step_kind_has_its_own_estimate() -> None:
+    est = StepEstimates(hint_ns=7)
+    assert est.estimate_ns() == 7 and est.estimate_ns("update") == -1  # the hint is the default kind's
+    for _ in range(5):
+        est.observe("micro", 1000)
+        est.observe("update", 30_000)
+    assert est.estimate_ns("micro") == 1000  # not held back by the slow kind
+    assert est.estimate_ns("update") == 30_000
+    assert est.estimate_ns() == 7
+    assert sorted(est.kinds()) == ["", "micro", "update"]
 
 
 def test_estimator_unknown_without_hint() -> None:
