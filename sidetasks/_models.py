@@ -108,6 +108,12 @@ class ResNet(nn.Module):
         y: torch.Tensor = self.fc(torch.flatten(self.avgpool(x), 1))
         return y
 
+    def segments(self) -> list[nn.Module]:
+        """The forward pass as a chain of modules (stem, each residual block, head), sharing this model's layers."""
+        stem = nn.Sequential(self.conv1, self.bn1, self.relu, self.maxpool)
+        blocks = [block for stage in (self.layer1, self.layer2, self.layer3, self.layer4) for block in stage]
+        return [stem, *blocks, nn.Sequential(self.avgpool, nn.Flatten(1), self.fc)]
+
 
 _VGG19_CONFIG: list[int] = [64, 64, 0, 128, 128, 0, 256, 256, 256, 256, 0, 512, 512, 512, 512, 0]
 _VGG19_CONFIG += [512, 512, 512, 512, 0]  # 0 marks a 2x2 max pool
@@ -150,6 +156,22 @@ class VGG(nn.Module):
         x = self.avgpool(self.features(x))
         y: torch.Tensor = self.classifier(torch.flatten(x, 1))
         return y
+
+    def segments(self) -> list[nn.Module]:
+        """The forward pass as a chain of modules, sharing this model's layers.
+
+        One segment per convolution (with its ReLU and any pooling after it)
+        and per linear layer (with its ReLU and dropout): every segment starts
+        with a layer whose input is not modified in place.
+        """
+        layers = [*self.features, nn.Sequential(self.avgpool, nn.Flatten(1)), *self.classifier]
+        groups: list[list[nn.Module]] = []
+        for layer in layers:
+            if not groups or isinstance(layer, nn.Conv2d | nn.Linear | nn.Sequential):
+                groups.append([layer])
+            else:
+                groups[-1].append(layer)
+        return [nn.Sequential(*group) for group in groups]
 
 
 def resnet18(num_classes: int = 1000) -> ResNet:

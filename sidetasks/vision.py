@@ -9,7 +9,11 @@ are always read, PNG and JPEG only when Pillow is installed. Every tenth file
 of a class is held out for evaluation.
 
 Training tasks do one SGD step (momentum, weight decay) per task step and
-report the loss. Inference tasks classify one batch of the held-out split per
+report the loss; with ``micro_batch_size`` and ``layer_steps`` that SGD step is
+split into task steps short enough for short bubbles (one micro-batch's forward
+and backward per step, or one model segment's forward or backward per step,
+then the update in chunks; see :mod:`freeride.sidetasks._staged`), with the
+same arithmetic and exact checkpoints at every step. Inference tasks classify one batch of the held-out split per
 step and report throughput and top-1 accuracy; their model comes from
 ``checkpoint`` (a saved training-task state or a bare model ``state_dict``) or,
 without one, from ``fit_steps`` training steps taken as their first steps.
@@ -38,6 +42,7 @@ from freeride.sidetasks._common import (
 )
 from freeride.sidetasks._data import ImageFolder, LabelledImages, SyntheticImages
 from freeride.sidetasks._models import build_model
+from freeride.sidetasks._staged import StagedSGD
 
 __all__ = [
     "ResNet18Inference",
@@ -51,6 +56,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _EMA = 0.9
+
+
+def _resnet_final_side(image_size: int) -> int:
+    """Side of the last stage's feature map: halved (rounding up) twice in the stem and once in three stages."""
+    side = image_size
+    for _ in range(5):
+        side = (side + 1) // 2
+    return side
 
 
 class _VisionTask(DeviceTask):
@@ -77,6 +90,8 @@ class _VisionTask(DeviceTask):
         train_size: int = 8192,
         eval_size: int = 1024,
         noise: float = 1.0,
+        micro_batch_size: int = 0,
+        layer_steps: bool = False,
     ) -> None:
         super().__init__()
         for name, value, low in (("batch_size", batch_size, 1), ("image_size", image_size, self.min_image_size)):
@@ -93,7 +108,23 @@ class _VisionTask(DeviceTask):
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if num_classes == 1 or num_classes < 0:
             raise ValueError(f"num_classes must be >= 2 (or 0 for automatic), got {num_classes}")
+        if not isinstance(layer_steps, bool):
+            raise ValueError(f"layer_steps must be true or false, got {layer_steps!r}")
+        if micro_batch_size < 0 or (micro_batch_size and batch_size % micro_batch_size):
+            raise ValueError(
+                f"micro_batch_size must divide batch_size ({batch_size}) (or be 0 for the whole batch),"
+                f" got {micro_batch_size}"
+            )
+        micro = micro_batch_size or batch_size
+        if self.arch.startswith("resnet") and micro * _resnet_final_side(image_size) ** 2 < 2:
+            raise ValueError(
+                f"{self.arch} at image_size {image_size} ends in a 1x1 feature map, and batch norm needs at least"
+                f" 2 values per channel when training: make the (micro-)batch >= 2 or image_size >= 33"
+            )
         self.batch_size, self.image_size, self.steps, self.seed = batch_size, image_size, steps, seed
+        self.micro_batch_size, self.layer_steps = micro, bool(layer_steps)
+        self.staged: StagedSGD | None = None
+        self._batch_position = 0
         self.lr = lr or self.default_lr
         self.momentum, self.weight_decay = momentum, weight_decay
         self.train: LabelledImages
@@ -129,10 +160,47 @@ class _VisionTask(DeviceTask):
             self.model.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
         )
 
+    @property
+    def _split(self) -> bool:
+        return self.layer_steps or self.micro_batch_size < self.batch_size
+
     def _build(self, ctx: TaskContext) -> None:
         self.model = build_model(self.arch, self.num_classes, seed=self.seed).to(self.device)
         self.optimizer = self._new_optimizer()
+        if self._split:
+            segments = self.model.segments()  # type: ignore[operator]
+            self.staged = StagedSGD(
+                self.model,
+                segments,
+                lr=self.lr,
+                momentum=self.momentum,
+                weight_decay=self.weight_decay,
+                micro_batch_size=self.micro_batch_size,
+                layer_steps=self.layer_steps,
+            )
+            self.optimizer = None
         logger.info("[setup] %s: %s on %s, batch %d", type(self).__name__, self.arch, self.device, self.batch_size)
+
+    def _fit_kind(self) -> str:
+        return "" if self.staged is None else self.staged.next_kind()
+
+    def _fetch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self._batch_position = self.cursor.position
+        x, y = self.train.batch(self.cursor.take(self.batch_size))
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def _fit_piece(self) -> bool:
+        """The next piece of an SGD step on the next training batch; True once the step is applied."""
+        if self.staged is None:
+            self._fit_step()
+            return True
+        self.model.train()
+        result = self.staged.advance(self._fetch)
+        if result is None:
+            return False
+        self.loss, self.batch_acc = result.loss, result.accuracy
+        self.loss_ema = self.loss if math.isnan(self.loss_ema) else _EMA * self.loss_ema + (1 - _EMA) * self.loss
+        return True
 
     def _fit_step(self) -> None:
         """One SGD step on the next training batch."""
@@ -151,16 +219,26 @@ class _VisionTask(DeviceTask):
         self.loss_ema = self.loss if math.isnan(self.loss_ema) else _EMA * self.loss_ema + (1 - _EMA) * self.loss
 
     def _capture_common(self) -> dict[str, Any]:
+        model = self.model.state_dict()
+        rng = capture_rng(self.device)
+        staged = None
+        in_batch = self.staged is not None and self.staged.in_batch
+        if self.staged is not None:
+            staged = self.staged.state_dict()
+            model.update(self.staged.model_buffers() or {})  # as of the step boundary it describes
+            rng = self.staged.rng() or rng
         return {
             "fingerprint": self._fingerprint(),
-            "model": self.model.state_dict(),
+            "model": model,
             "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
-            "position": self.cursor.position,
+            "staged": staged,
+            "position": self._batch_position if in_batch else self.cursor.position,
+            "in_batch": in_batch,
             "steps": self.done_steps,
             "loss": self.loss,
             "loss_ema": self.loss_ema,
             "batch_acc": self.batch_acc,
-            "rng": capture_rng(self.device),
+            "rng": rng,
         }
 
     def _restore_common(self, state: dict[str, Any]) -> None:
@@ -172,6 +250,14 @@ class _VisionTask(DeviceTask):
             self.optimizer = self.optimizer or self._new_optimizer()
             self.optimizer.load_state_dict(state["optimizer"])
         self.cursor.position = int(state["position"])
+        staged = state.get("staged")
+        if self.staged is not None and staged is not None:
+            self.staged.load_state_dict(staged, self._fetch() if state["in_batch"] else None)
+        elif self.staged is not None and state["optimizer"] is None:
+            self.staged = None  # nothing left to train (an inference task past its fitting steps)
+        elif self.staged is not None or staged is not None:
+            have = "micro_batch_size/layer_steps" if staged is not None else "one SGD step per task step"
+            raise ValueError(f"checkpoint was taken with {have}; give this task the same options to resume it")
         self.done_steps = int(state["steps"])
         self.loss, self.loss_ema = float(state["loss"]), float(state["loss_ema"])
         self.batch_acc = float(state["batch_acc"])
@@ -179,7 +265,7 @@ class _VisionTask(DeviceTask):
 
 
 class _Training(_VisionTask):
-    """Train the network with SGD; one step is one optimizer step.
+    """Train the network with SGD; one step is one optimizer step, or a piece of one.
 
     Options (keyword arguments): ``batch_size`` (8), ``image_size`` (32,
     square), ``num_classes`` (0: 10 synthetic classes, or the class folders of
@@ -187,15 +273,22 @@ class _Training(_VisionTask):
     ``weight_decay`` (5e-4), ``steps`` (0: train until stopped), ``seed`` (0:
     weights, data and order), ``data_dir`` ("": synthetic data),
     ``train_size``/``eval_size`` (synthetic set sizes), ``noise`` (synthetic
-    pixel noise).
+    pixel noise), ``micro_batch_size`` (0: the whole batch; else a divisor of
+    ``batch_size``: gradients are accumulated over micro-batches, one per task
+    step, and the update is a task step of its own), ``layer_steps`` (false;
+    true: each task step runs one model segment's forward or backward, or one
+    chunk of the update). ``steps`` counts optimizer steps.
 
     Metrics: ``loss`` (last batch), ``loss_ema`` (smoothed), ``batch_acc``,
     ``samples``, ``epoch``, ``steps``.
     """
 
     def step(self) -> None:
-        self._fit_step()
-        self.done_steps += 1
+        if self._fit_piece():
+            self.done_steps += 1
+
+    def step_kind(self) -> str:
+        return self._fit_kind()
 
     def done(self) -> bool:
         return self.steps > 0 and self.done_steps >= self.steps
@@ -248,6 +341,8 @@ class _Inference(_VisionTask):
         train_size: int = 8192,
         eval_size: int = 1024,
         noise: float = 1.0,
+        micro_batch_size: int = 0,
+        layer_steps: bool = False,
     ) -> None:
         super().__init__(
             batch_size=batch_size,
@@ -262,6 +357,8 @@ class _Inference(_VisionTask):
             train_size=train_size,
             eval_size=eval_size,
             noise=noise,
+            micro_batch_size=micro_batch_size,
+            layer_steps=layer_steps,
         )
         if fit_steps < -1:
             raise ValueError(f"fit_steps must be >= 0 (or -1 for automatic), got {fit_steps}")
@@ -274,6 +371,10 @@ class _Inference(_VisionTask):
         self.top1_last = math.nan
         self.infer_images = 0
         self.infer_seconds = 0.0
+        self._act: torch.Tensor | None = None
+        """With layer steps: the batch's activation after ``_segment`` segments."""
+        self._segment = 0
+        self._labels = torch.empty(0, dtype=torch.int64)
 
     def _build(self, ctx: TaskContext) -> None:
         super()._build(ctx)
@@ -283,21 +384,40 @@ class _Inference(_VisionTask):
             self.model.load_state_dict(weights)
             logger.info("[setup] %s: weights from %s", type(self).__name__, self.checkpoint)
         if self.fit_steps == 0:
-            self.optimizer = None
+            self.optimizer = self.staged = None
+        self._segments = self.model.segments() if self.layer_steps else []  # type: ignore[operator]
+
+    def step_kind(self) -> str:
+        if self.done_steps < self.fit_steps:
+            return self._fit_kind()
+        return f"infer{self._segment}" if self.layer_steps else "infer"
 
     def step(self) -> None:
         if self.done_steps < self.fit_steps:
-            self._fit_step()
-            self.done_steps += 1
-            if self.done_steps == self.fit_steps:
-                self.optimizer = None  # its momentum buffers are not needed for inference
+            if self._fit_piece():
+                self.done_steps += 1
+                if self.done_steps == self.fit_steps:
+                    self.optimizer = self.staged = None  # momentum buffers are not needed for inference
             return
         stop = min(self.offset + self.batch_size, len(self.eval))
-        x, y = self.eval.batch(range(self.offset, stop))
         self.model.eval()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            pred = self.model(x.to(self.device, non_blocking=True)).argmax(1).cpu()
+            if not self._segments:
+                x, y = self.eval.batch(range(self.offset, stop))
+                logits = self.model(x.to(self.device, non_blocking=True))
+            else:
+                if self._act is None:
+                    x, self._labels = self.eval.batch(range(self.offset, stop))
+                    self._act = x.to(self.device, non_blocking=True)
+                self._act = self._segments[self._segment](self._act)
+                self._segment += 1
+                if self._segment < len(self._segments):
+                    synchronize(self.device)
+                    self.infer_seconds += time.perf_counter() - t0
+                    return
+                logits, y, self._act, self._segment = self._act, self._labels, None, 0
+            pred = logits.argmax(1).cpu()
         synchronize(self.device)
         self.infer_seconds += time.perf_counter() - t0
         self.infer_images += stop - self.offset
