@@ -94,7 +94,9 @@ class GraphSGD(DeviceTask):
     (see :func:`read_ratings`); ``dim`` (16, embedding width), ``lr`` (0.1),
     ``l2`` (0.01), ``batch_edges`` (4096), ``holdout`` (0.1 of the edges kept
     for testing), ``steps`` (0: until stopped), ``seed`` (0), ``eval_every``
-    (0: the test RMSE is computed once per epoch; else every that many steps).
+    (0: the test RMSE is computed once per epoch; else every that many steps),
+    each evaluation a task step of its own (kind ``"eval"``); ``steps`` counts
+    training steps.
 
     Metrics: ``train_rmse`` (smoothed, on batches before their update),
     ``test_rmse`` (held-out edges), ``baseline_rmse`` (predicting the mean
@@ -161,6 +163,7 @@ class GraphSGD(DeviceTask):
         self.done_steps = 0
         self.train_rmse = math.nan
         self.test_rmse = math.nan
+        self._eval_due = False
         self.p = torch.empty(0)
         self.q = torch.empty(0)
 
@@ -186,7 +189,14 @@ class GraphSGD(DeviceTask):
         err = self.values[idx] - self.mu - (self.p[u] * self.q[i]).sum(1)
         return err.square().mean().sqrt()
 
+    def step_kind(self) -> str:
+        return "eval" if self._eval_due else ""
+
     def step(self) -> None:
+        if self._eval_due:  # a step of its own: it takes many training steps' time
+            self.test_rmse = float(self._rmse(self.test_idx))
+            self._eval_due = False
+            return
         epoch = self.cursor.epoch
         batch = torch.tensor(self.cursor.take(self.batch_edges), device=self.device)
         idx = self.train_idx[batch]
@@ -199,11 +209,10 @@ class GraphSGD(DeviceTask):
         self.train_rmse = rmse if math.isnan(self.train_rmse) else _EMA * self.train_rmse + (1 - _EMA) * rmse
         self.done_steps += 1
         due = self.done_steps % self.eval_every == 0 if self.eval_every else self.cursor.epoch != epoch
-        if due or self.done():
-            self.test_rmse = float(self._rmse(self.test_idx))
+        self._eval_due = due or (self.steps > 0 and self.done_steps >= self.steps)
 
     def done(self) -> bool:
-        return self.steps > 0 and self.done_steps >= self.steps
+        return self.steps > 0 and self.done_steps >= self.steps and not self._eval_due
 
     def factors(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """The learned ``(user, item)`` embeddings and the mean; prediction is ``mu + p_u . q_i``."""
@@ -230,6 +239,7 @@ class GraphSGD(DeviceTask):
             "steps": self.done_steps,
             "train_rmse": self.train_rmse,
             "test_rmse": self.test_rmse,
+            "eval_due": self._eval_due,
         }
 
     def _restore(self, state: dict[str, Any]) -> None:
@@ -240,3 +250,4 @@ class GraphSGD(DeviceTask):
         self.done_steps = int(state["steps"])
         self.train_rmse = float(state["train_rmse"])
         self.test_rmse = float(state["test_rmse"])
+        self._eval_due = bool(state.get("eval_due", False))

@@ -99,7 +99,7 @@ async def test_resume_from_disk_is_bit_identical(tmp_path: Path) -> None:
 async def test_steps_option_ends_the_task(tmp_path: Path) -> None:
     task = GraphSGD(**SMALL, steps=4)
     durations = await run_alone(task, steps=100, ctx=_ctx(tmp_path))
-    assert len(durations) == 4 and task.done()
+    assert len(durations) == 4 + 1 and task.done()  # 4 training steps, then the evaluation
     assert not math.isnan(task.metrics()["test_rmse"])  # evaluated when done
 
 
@@ -117,7 +117,7 @@ async def test_ratings_file(tmp_path: Path) -> None:
     assert edges.tolist() == [[0, 0], [0, 1], [1, 0], [1, 2]]
     assert values.tolist() == [4.0, 2.5, 1.0, 5.0]
     task = GraphSGD(ratings_file=str(path), holdout=0.25, dim=2)
-    await run_alone(task, steps=3, ctx=_ctx(tmp_path))
+    await run_alone(task, steps=6, ctx=_ctx(tmp_path))  # every step ends an epoch: 3 training steps, 3 evaluations
     assert (task.users, task.items) == (2, 3) and task.metrics()["steps"] == 3.0
 
 
