@@ -1,0 +1,99 @@
+"""Every packaged workload, run by the manager in a simulated pipeline's bubbles.
+
+Each workload runs in its own worker process on stage 1's device while the
+simulated stages (real processes, sleeping compute) produce bubbles. Every
+grant the task used must have started its first step inside a bubble of that
+device, no earlier than the bubble's start and before its expected end, and
+the task must make progress there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from conftest import wait_until
+
+from freeride import protocol as p
+from freeride.backends.sim import SimConfig, SimPipeline
+from freeride.manager import Manager
+from freeride.sidetasks import CATALOG
+
+STAGE = 1
+
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "pagerank": {"nodes": 2000},
+    "graph-sgd": {},
+    "imaging": {"batch_size": 2, "image_size": 32},
+    "resnet18-train": {"image_size": 16, "batch_size": 4, "micro_batch_size": 2, "layer_steps": True},
+    "resnet50-train": {"image_size": 16, "batch_size": 4, "micro_batch_size": 2, "layer_steps": True},
+    # its first linear layer (103M weights) is one segment: its backward needs bubbles of ~100+ ms on a CPU core
+    "vgg19-train": {"batch_size": 1, "layer_steps": True},
+}
+LONG_BUBBLES = {"vgg19-train"}
+
+
+class _Seen:
+    """Observer: the device's bubbles as announced, and the grants its side task used."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.bubbles: list[tuple[int, int]] = []
+        self.grants: list[p.GrantDone] = []
+
+    def backend_event(self, event: p.BackendEvent) -> None:
+        if isinstance(event, p.BubbleStarted) and event.device == self.device:
+            self.bubbles.append((event.t_ns, event.t_ns + event.expected_ns))
+
+    def grant_done(self, device: str, task_id: int, task_name: str, done: p.GrantDone) -> None:
+        if device == self.device and done.steps > 0:
+            self.grants.append(done)
+
+    def task_status(self, status: p.TaskStatus) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+async def test_workload_runs_only_inside_bubbles(manager: Manager, name: str) -> None:
+    long = name in LONG_BUBBLES
+    sim_config = SimConfig(
+        endpoint=manager.config.endpoints.events,
+        num_stages=2,
+        num_microbatches=4,
+        forward_s=0.120 if long else 0.015,
+        backward_s=0.240 if long else 0.030,
+        steps=8 if long else 20,
+    )
+    devices = [sim_config.device(stage) for stage in range(2)]
+    for stage, device in enumerate(devices):
+        manager.declare_device(device, stage=stage, spare_memory=8 << 30, cpu_affinity=[sim_config.core(stage)])
+    device = devices[STAGE]
+    seen = _Seen(device)
+    manager.observers.add(seen)
+    spec = p.TaskSpec(kind="iterative", target=CATALOG[name], device=device, options=WORKLOADS[name])
+    reply = manager.submit(spec)
+    assert isinstance(reply, p.Submitted), reply
+    await wait_until(lambda: all(t.state == "running" for t in manager.tasks.values()), 120, f"{name} set up")
+
+    sim = SimPipeline(sim_config).start()
+    try:
+        await asyncio.to_thread(sim.join, 180)
+    finally:
+        sim.terminate()
+    await wait_until(lambda: not manager.live_backends(), 10, "goodbyes")
+    task = next(iter(manager.tasks.values()))
+    assert task.state in ("running", "finished"), f"{name}: {task.state} {task.error}"
+    steps = task.steps
+    if task.state == "running":
+        assert isinstance(await manager.cancel(task.task_id), p.Cancelled)
+
+    assert seen.bubbles and seen.grants, f"{name}: {len(seen.bubbles)} bubbles, {len(seen.grants)} grants used"
+    for done in seen.grants:
+        start = done.first_step_ns
+        inside = [(b, e) for b, e in seen.bubbles if b <= start < e]
+        assert inside, f"{name}: grant {done.grant_id} started its first step outside every bubble"
+    assert steps >= (5 if long else 20), f"{name}: only {steps} steps"
