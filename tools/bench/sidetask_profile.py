@@ -6,6 +6,9 @@ another's) through :func:`freeride.sidetask.run_alone`: construct, set up, run
 
 * setup: seconds from construction to the first step (building models, graphs);
 * step median / p90 / max: over the steps after ``--warmup`` warm-up steps;
+* slowest kind: for a task whose steps come in kinds (see
+  ``IterativeTask.step_kind``), the kind with the longest median step: the
+  piece that must fit in a bubble;
 * peak memory: on a CPU device, the peak resident set of the child
   (``VmHWM`` in ``/proc/self/status``, reset with ``/proc/self/clear_refs``
   once the imports are done) minus its resident set at that moment, i.e. what
@@ -54,7 +57,7 @@ def _child(name: str, options: dict[str, Any], steps: int, warmup: int, threads:
 
     import torch
 
-    from freeride.sidetask import TaskContext, run_alone
+    from freeride.sidetask import TaskContext, TaskStopped, UnboundedGate
     from freeride.sidetasks import CATALOG
 
     if threads:
@@ -71,25 +74,45 @@ def _child(name: str, options: dict[str, Any], steps: int, warmup: int, threads:
     ctx = TaskContext(task_id=0, device=name_of_device, torch_device=device, workdir=Path.cwd())
     asyncio.run(task.setup(ctx))  # the sample tasks build once; run_alone's setup() is then a no-op
     setup_s = time.perf_counter() - t0
-    durations = asyncio.run(run_alone(task, steps=steps + warmup, ctx=ctx))
+    gate = UnboundedGate(max_steps=steps + warmup)
+
+    async def run() -> None:
+        try:
+            await task.run(gate)
+        except TaskStopped:
+            pass
+        finally:
+            await task.teardown()
+
+    asyncio.run(run())
+    durations = gate.durations_ns
     peak = (
         torch.cuda.max_memory_allocated(device)
         if device.startswith("cuda")
         else (_status_kib("VmHWM") - base_kib) * 1024
     )
     measured = [d / 1e6 for d in durations[warmup:]] or [d / 1e6 for d in durations]
+    by_kind: dict[str, list[float]] = {}
+    for kind, d in list(zip(gate.kinds, durations, strict=True))[warmup:]:
+        by_kind.setdefault(kind, []).append(d / 1e6)
+    slowest = max(by_kind.items(), key=lambda kv: statistics.median(kv[1]), default=("", measured))
     return {
         "setup_s": setup_s,
         "steps": len(durations),
         "median_ms": statistics.median(measured),
         "p90_ms": sorted(measured)[max(0, round(0.9 * len(measured)) - 1)],
         "max_ms": max(measured),
+        "kinds": len(by_kind),
+        "slowest_kind": slowest[0],
+        "slowest_kind_ms": statistics.median(slowest[1]),
         "peak_bytes": peak,
         "metrics": task.metrics(),
     }
 
 
 def _parse_value(raw: str) -> Any:
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
     for conv in (int, float):
         try:
             return conv(raw)
@@ -130,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         f"device {args.device}, torch threads {args.threads or 'default'}, "
         f"{args.steps} measured steps after {args.warmup} warm-up\n"
     )
-    print("| task | options | setup s | step median ms | p90 ms | max ms | peak memory MiB |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| task | options | setup s | step median ms | p90 ms | max ms | slowest kind (ms) | peak memory MiB |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | --- | ---: |")
     for name in names:
         payload = json.dumps({"__name": name, **overrides[name]})
         cmd = [
@@ -151,12 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         opts = " ".join(f"{k}={v}" for k, v in overrides[name].items()) or "defaults"
         if proc.returncode != 0:
-            print(f"| {name} | {opts} | failed: {proc.stderr.strip().splitlines()[-1:]} | | | | |")
+            print(f"| {name} | {opts} | failed: {proc.stderr.strip().splitlines()[-1:]} | | | | | |")
             continue
         r = json.loads(proc.stdout.strip().splitlines()[-1])
+        slowest = f"{r['slowest_kind']} ({r['slowest_kind_ms']:.1f}) of {r['kinds']}" if r["kinds"] > 1 else "-"
         print(
             f"| {name} | {opts} | {r['setup_s']:.2f} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} "
-            f"| {r['max_ms']:.1f} | {r['peak_bytes'] / 2**20:.0f} |",
+            f"| {r['max_ms']:.1f} | {slowest} | {r['peak_bytes'] / 2**20:.0f} |",
             flush=True,
         )
     return 0
