@@ -66,6 +66,8 @@ class _GrantState:
     busy_ns: int = 0
     """Side-task time the grant reported."""
     busy_before_ns: int = 0
+    overrun_ns: int = 0
+    """What the worker reported as past the grant's deadline (used if the bubble's end is never seen)."""
 
 
 class DeviceScheduler:
@@ -186,6 +188,10 @@ class DeviceScheduler:
     def _on_bubble_started(self, ev: p.BubbleStarted) -> None:
         if self._bubble is not None:  # the end of the previous one was lost
             self._revoke_current()
+            for grant_id, state in list(self._grants.items()):
+                if state.returned and not state.bubble_end_ns:
+                    self._account_overrun(state)  # against the deadline: the best left to go by
+                    del self._grants[grant_id]
         self._bubble = ev
         self._deadline_ns = ev.t_ns + ev.expected_ns
         self._tried.clear()
@@ -236,8 +242,11 @@ class DeviceScheduler:
             state.returned = True
             state.busy_ns = done.busy_ns
             state.last_step_end_ns = done.last_step_end_ns
-            if state.bubble_end_ns or done.overrun_ns:
-                self._account_overrun(state, fallback_ns=done.overrun_ns)
+            state.overrun_ns = done.overrun_ns
+            # time past the bubble's actual end is not "used"; until that end is known the
+            # grant waits (the deadline is an expectation, erring early on purpose)
+            if state.bubble_end_ns:
+                self._account_overrun(state)
                 self._grants.pop(done.grant_id)
         if self._holder == done.grant_id:
             self._holder = None
@@ -246,9 +255,9 @@ class DeviceScheduler:
 
     # -- granting -------------------------------------------------------------
 
-    def _account_overrun(self, state: _GrantState, fallback_ns: int = 0) -> None:
+    def _account_overrun(self, state: _GrantState) -> None:
         end = state.bubble_end_ns
-        late = state.last_step_end_ns - end if end and state.last_step_end_ns else fallback_ns
+        late = state.last_step_end_ns - end if end and state.last_step_end_ns else state.overrun_ns
         if late > 0:
             self.overruns += 1
             self.overrun_ns += late
