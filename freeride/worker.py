@@ -244,9 +244,14 @@ class GrantGate:
     @asynccontextmanager
     async def step(self, kind: str = "") -> AsyncIterator[None]:
         self._kind = kind
-        await self._wait_for_fit()
-        delay0 = self._run_delay.ns()
-        t0 = time.monotonic_ns()
+        while True:
+            await self._wait_for_fit()
+            delay0 = self._run_delay.ns()
+            t0 = time.monotonic_ns()
+            # checked again with the step's own start time: the worker runs at the lowest
+            # priority and may have been preempted since the fit was decided
+            if self._fits(t0, self.estimate_ns):
+                break
         if self._g_steps == 0 and self._grant is not None:
             self._g_first = t0 - self._grant.bubble_t_ns
         yield
