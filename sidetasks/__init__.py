@@ -32,9 +32,18 @@ PROGRAMS: dict[str, tuple[str, ...]] = {
 """
 
 DESCRIPTIONS: dict[str, str] = {
-    "resnet18-train": "Train ResNet-18 with SGD on synthetic or folder images; reports loss.",
-    "resnet50-train": "Train ResNet-50 with SGD on synthetic or folder images; reports loss.",
-    "vgg19-train": "Train VGG-19 with SGD on synthetic or folder images; reports loss.",
+    "resnet18-train": (
+        "Train ResNet-18 with SGD on synthetic or folder images; reports loss."
+        " Options micro_batch_size and layer_steps split its steps."
+    ),
+    "resnet50-train": (
+        "Train ResNet-50 with SGD on synthetic or folder images; reports loss."
+        " Options micro_batch_size and layer_steps split its steps."
+    ),
+    "vgg19-train": (
+        "Train VGG-19 with SGD on synthetic or folder images; reports loss."
+        " Options micro_batch_size and layer_steps split its steps."
+    ),
     "resnet18-infer": "Batch inference with ResNet-18 on held-out images; reports images/s and top-1.",
     "resnet50-infer": "Batch inference with ResNet-50 on held-out images; reports images/s and top-1.",
     "vgg19-infer": "Batch inference with VGG-19 on held-out images; reports images/s and top-1.",
