@@ -95,6 +95,18 @@ class StagedSGD:
         self._start_totals = (0.0, 0)
         self._start_buffers: dict[str, torch.Tensor] | None = None
         self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._rows = [_row_blocks(seg, chunk_elems) if layer_steps else [] for seg in segments]
+        """Per segment: the row blocks its leading linear layer runs in, one per step ([]: not split)."""
+        self._piece = 0
+        self._linear_out = torch.empty(0)
+        self._linear_leaf: dict[int, torch.Tensor] = {}
+        self._linear_grad = torch.empty(0)
+        self._input_grad: torch.Tensor | None = None
+        self._recycled = {
+            self._index[id(p)] for k, seg in enumerate(segments) if self._rows[k] for p in seg.parameters()
+        }
+        """Parameters of the split linear layers, whose gradient buffers are kept from batch to batch."""
+        self._spare: dict[int, torch.Tensor] = {}
         self._device = self.params[0].device if self.params else torch.device("cpu")
 
     @property
@@ -112,6 +124,8 @@ class StagedSGD:
             return f"update{self._chunk}" if self.layer_steps else "update"
         if not self.layer_steps:
             return "micro"
+        if self._rows[self._segment]:
+            return f"{self._phase}{self._segment}.{self._piece}"
         return f"{self._phase}{self._segment}"
 
     def advance(self, fetch: Callable[[], Batch]) -> BatchResult | None:
@@ -152,17 +166,21 @@ class StagedSGD:
     def _layer_step(self) -> None:
         k = self._segment
         if self._phase == "forward":
-            if k == 0:
-                self._start_rng = capture_rng(self._device)
-                self._start_totals = (self._loss_sum, self._correct)
-                self._start_buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
-                x, _ = self._micro_slice()
-                self.model.train()
-                inp = x
+            if len(self._inputs) == k:  # the segment's first piece
+                if k == 0:
+                    self._start_rng = capture_rng(self._device)
+                    self._start_totals = (self._loss_sum, self._correct)
+                    self._start_buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
+                    x, _ = self._micro_slice()
+                    self.model.train()
+                    self._inputs.append(x)
+                else:
+                    self._inputs.append(self._outputs[-1].detach().requires_grad_())
+            if self._rows[k]:
+                if not self._forward_rows(k):
+                    return
             else:
-                inp = self._outputs[-1].detach().requires_grad_()
-            self._inputs.append(inp)
-            self._outputs.append(self.segments[k](inp))
+                self._outputs.append(self.segments[k](self._inputs[k]))
             if k + 1 < len(self.segments):
                 self._segment += 1
             else:
@@ -170,18 +188,11 @@ class StagedSGD:
                 self._loss = self._scaled_loss(self._outputs[-1], y)
                 self._phase = "backward"
             return
-        # backward through segment k, from its output's gradient to its input's and its parameters'
-        out = self._loss if k == len(self.segments) - 1 else self._outputs[k]
-        assert out is not None
-        wrt = self._segment_params[k] + ([self._inputs[k]] if k > 0 else [])
-        grads = torch.autograd.grad(out, wrt, grad_outputs=self._grad, allow_unused=True) if wrt else ()
-        params = self._segment_params[k]
-        for param, grad in zip(params, grads[: len(params)], strict=True):
-            if grad is not None:
-                i = self._index[id(param)]
-                held = self._pending.get(i)
-                self._pending[i] = grad if held is None else held + grad
-        self._grad = grads[-1] if k > 0 else None
+        if self._rows[k]:
+            if not self._backward_rows(k):
+                return
+        else:
+            self._backward_segment(k)
         self._inputs.pop()
         self._outputs.pop()
         if k > 0:
@@ -189,11 +200,91 @@ class StagedSGD:
             return
         for i, grad in self._pending.items():
             param = self.params[i]
-            param.grad = grad if param.grad is None else param.grad.add_(grad)
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)
+                if i in self._recycled:
+                    self._spare[i] = grad
         self._pending.clear()
         self._loss = None
         self._start_rng = self._start_buffers = None
         self._next_micro()
+
+    def _hold(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        i = self._index[id(param)]
+        held = self._pending.get(i)
+        self._pending[i] = grad if held is None else held + grad
+
+    def _backward_segment(self, k: int) -> None:
+        """Backward through segment ``k``, from its output's gradient to its input's and its parameters'."""
+        out = self._loss if k == len(self.segments) - 1 else self._outputs[k]
+        assert out is not None
+        params = self._segment_params[k]
+        wrt = params + ([self._inputs[k]] if k > 0 else [])
+        grads = torch.autograd.grad(out, wrt, grad_outputs=self._grad, allow_unused=True) if wrt else ()
+        for param, grad in zip(params, grads[: len(params)], strict=True):
+            if grad is not None:
+                self._hold(param, grad)
+        self._grad = grads[-1] if k > 0 else None
+
+    # -- a large linear layer, a block of its output rows per step
+
+    def _split_segment(self, k: int) -> tuple[nn.Linear, nn.Module]:
+        segment = self.segments[k]
+        assert isinstance(segment, nn.Sequential) and isinstance(segment[0], nn.Linear)
+        return segment[0], segment[1:]
+
+    def _forward_rows(self, k: int) -> bool:
+        """One block of rows of segment ``k``'s linear layer; the rest of the segment after the last. True when done."""
+        linear, rest = self._split_segment(k)
+        x = self._inputs[k]
+        if self._piece == 0:
+            self._linear_out = x.new_empty(x.shape[0], linear.out_features)
+        lo, hi = self._rows[k][self._piece]
+        with torch.no_grad():
+            bias = None if linear.bias is None else linear.bias[lo:hi]
+            self._linear_out[:, lo:hi] = F.linear(x.detach(), linear.weight[lo:hi], bias)
+        self._piece += 1
+        if self._piece < len(self._rows[k]):
+            return False
+        self._piece = 0
+        leaf = self._linear_out.requires_grad_()
+        self._linear_leaf[k] = leaf
+        self._outputs.append(rest(leaf.clone()))  # a copy: the rest may work in place
+        return True
+
+    def _backward_rows(self, k: int) -> bool:
+        """One block of rows of segment ``k``'s linear layer's backward. True when the segment is done."""
+        linear, _ = self._split_segment(k)
+        x = self._inputs[k].detach()
+        if self._piece == 0:
+            out = self._loss if k == len(self.segments) - 1 else self._outputs[k]
+            assert out is not None
+            (self._linear_grad,) = torch.autograd.grad(out, [self._linear_leaf[k]], grad_outputs=self._grad)
+            self._input_grad = torch.zeros_like(x) if k > 0 else None
+            for param in (linear.weight, linear.bias):
+                if param is not None:
+                    # every row block is written once per micro-batch, so the buffer needs no zeroing;
+                    # reusing last batch's (a fresh one costs a page fault per 4 KiB)
+                    i = self._index[id(param)]
+                    spare = self._spare.pop(i, None)
+                    self._pending[i] = spare if spare is not None else torch.empty_like(param)
+        lo, hi = self._rows[k][self._piece]
+        g = self._linear_grad[:, lo:hi]
+        with torch.no_grad():
+            torch.mm(g.t(), x, out=self._pending[self._index[id(linear.weight)]][lo:hi])
+            if linear.bias is not None:
+                torch.sum(g, 0, out=self._pending[self._index[id(linear.bias)]][lo:hi])
+            if self._input_grad is not None:
+                self._input_grad.addmm_(g, linear.weight[lo:hi])
+        self._piece += 1
+        if self._piece < len(self._rows[k]):
+            return False
+        self._piece = 0
+        self._grad = self._input_grad
+        del self._linear_leaf[k]
+        return True
 
     def _next_micro(self) -> None:
         self._micro += 1
@@ -214,7 +305,9 @@ class StagedSGD:
             return None
         assert self._batch is not None
         result = BatchResult(self._loss_sum, self._correct / len(self._batch[1]))
-        for param in self.params:
+        for i, param in enumerate(self.params):
+            if i in self._recycled and param.grad is not None:
+                self._spare[i] = param.grad
             param.grad = None
         self._batch = None
         self._phase, self._micro, self._chunk = "forward", 0, 0
@@ -270,6 +363,9 @@ class StagedSGD:
         self._pending.clear()
         self._loss = self._grad = None
         self._start_rng = self._start_buffers = None
+        self._piece = 0
+        self._linear_leaf.clear()
+        self._input_grad = None
         self.momentum_buffers = list(state["momentum"])
         for param, grad in zip(self.params, state["grads"], strict=True):
             param.grad = None if grad is None else grad.to(param.device)
@@ -294,3 +390,14 @@ def _plan_chunks(sizes: list[int], limit: float) -> list[list[tuple[int, int, in
             room -= hi - lo
             lo = hi
     return chunks
+
+
+def _row_blocks(segment: nn.Module, limit: int) -> list[tuple[int, int]]:
+    """Row blocks of at most ``limit`` weights for a segment led by a large linear layer, else []."""
+    if not isinstance(segment, nn.Sequential) or not len(segment) or not isinstance(segment[0], nn.Linear):
+        return []
+    linear = segment[0]
+    if linear.weight.numel() <= limit or any(True for _ in segment[1:].parameters()):
+        return []
+    rows = max(1, limit // linear.in_features)
+    return [(lo, min(lo + rows, linear.out_features)) for lo in range(0, linear.out_features, rows)]

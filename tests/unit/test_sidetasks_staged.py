@@ -111,6 +111,34 @@ def test_micro_batches_accumulate_the_batch_gradient() -> None:
             assert torch.allclose(value, model.state_dict()[key], rtol=1e-5, atol=1e-7), key
 
 
+def test_a_large_linear_layer_runs_a_block_of_rows_per_step() -> None:
+    """A linear layer of over 1000 weights, forward and backward in blocks of rows: same numbers up to rounding."""
+
+    def net() -> tuple[nn.Module, list[nn.Module]]:
+        torch.manual_seed(0)
+        segments = [
+            nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True)),
+            nn.Sequential(nn.Flatten(1)),
+            nn.Sequential(nn.Linear(256, 40), nn.ReLU(inplace=True), nn.Dropout(0.3)),
+            nn.Sequential(nn.Linear(40, 5)),
+        ]
+        return nn.Sequential(*segments), segments
+
+    batches = _batches(3, 4)
+    ref_model, _ = net()
+    ref = _reference(ref_model, batches)
+    blocks = -(-40 // (1000 // 256))  # 3 rows of 256 weights per step
+    for micro in (4, 2):  # with two micro-batches, the second adds to the gradient buffers the first filled
+        model, segments = net()
+        losses, kinds = _staged(model, segments, batches, micro_batch_size=micro, layer_steps=True, chunk_elems=1000)
+        forward = ["forward0", "forward1", *(f"forward2.{j}" for j in range(blocks)), "forward3"]
+        assert kinds[: len(forward)] == forward
+        assert kinds.count("backward2.0") == 3 * (4 // micro)
+        assert losses == pytest.approx(ref, rel=1e-5)
+        for key, value in _params(ref_model).items():
+            assert torch.allclose(value, model.state_dict()[key], rtol=1e-5, atol=1e-6), (micro, key)
+
+
 def test_chunks_cover_every_element_once() -> None:
     sizes = [5, 3, 10, 1]
     chunks = _plan_chunks(sizes, 4)
