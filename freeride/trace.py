@@ -16,7 +16,9 @@ Timestamps are the ranks' and workers' ``CLOCK_MONOTONIC`` nanoseconds, written
 as exact microseconds. The observer calls only buffer small tuples; a writer
 thread encodes them and appends to the file in bulk, rewriting the closing
 brackets after each batch, so the file is valid JSON after every flush (about
-once a second) and a crash loses at most the last second.
+once a second) and a crash loses at most the last second. (A reader that
+races a write, e.g. polling the file, can see it half written and should
+read again.)
 """
 
 from __future__ import annotations

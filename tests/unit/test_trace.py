@@ -225,7 +225,14 @@ def test_a_full_batch_is_written_without_a_flush(tmp_path: Path) -> None:
     try:
         run_steps(writer, 3)  # > 8 events: compute, bubbles and step markers
         deadline = time.monotonic() + 10
-        while not json.loads(path.read_text())["traceEvents"]:
+
+        def written() -> bool:
+            try:
+                return bool(json.loads(path.read_text())["traceEvents"])
+            except json.JSONDecodeError:  # read while the writer thread was mid-write: look again
+                return False
+
+        while not written():
             assert time.monotonic() < deadline, "the writer thread never wrote the full batch"
             time.sleep(0.01)
     finally:
