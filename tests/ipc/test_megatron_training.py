@@ -210,9 +210,13 @@ def _check_positions_and_totals(run: Run, rank: int) -> None:
         f"rank {rank}: announced {measured} vs long waits {long_total}"
     )
     # predictions err low (a bubble predicted too long makes side tasks overrun into training,
-    # one too short only leaves some of it unused): never 10% over; under by how noisy the core is
+    # one too short only leaves some of it unused)
+    # never 10% over in all; under, per bubble, by what the shared core's one-off stalls add
+    # (a few stalls can double a run's total, so the typical bubble is judged, not the sum)
     expected = sum(s.expected_ns for s, _ in bubbles)
-    assert 0.5 * measured <= expected <= 1.10 * measured, f"rank {rank}: expected {expected} vs measured {measured}"
+    assert expected <= 1.10 * measured, f"rank {rank}: expected {expected} vs measured {measured}"
+    ratios = [s.expected_ns / max(1, e.duration_ns) for s, e in bubbles]
+    assert statistics.median(ratios) >= 0.6, f"rank {rank}: predicted / measured per bubble {sorted(ratios)}"
 
 
 def _check_schedule_places(observations: list[RankObservations], name: str, chunks: int) -> None:
