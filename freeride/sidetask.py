@@ -239,15 +239,21 @@ class UnboundedGate:
         self.kinds.append(kind)
 
 
-async def run_alone(task: IterativeTask, *, steps: int, ctx: TaskContext | None = None) -> list[int]:
+async def run_alone(
+    task: IterativeTask, *, steps: int, ctx: TaskContext | None = None, gate: UnboundedGate | None = None
+) -> list[int]:
     """Set up ``task`` and run at most ``steps`` steps back to back.
+
+    Pass ``gate`` to read more than the durations afterwards (the kind of each step).
 
     Returns:
         The measured duration of each step in nanoseconds.
     """
     if ctx is None:
         ctx = TaskContext(task_id=0, device="cpu:0", torch_device="cpu", workdir=Path.cwd())
-    gate = UnboundedGate(max_steps=steps)
+    if gate is None:
+        gate = UnboundedGate()
+    gate.max_steps = steps
     await task.setup(ctx)
     try:
         await task.run(gate)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freeride.sidetask import IterativeTask, TaskContext, TaskStopped, UnboundedGate, run_alone
+from freeride.sidetask import IterativeTask, TaskContext, UnboundedGate, run_alone
 from freeride.sidetasks._staged import StagedSGD, _plan_chunks
 from freeride.sidetasks.vision import ResNet18Inference, ResNet18Training, ResNet50Training
 
@@ -150,10 +149,8 @@ def test_chunks_cover_every_element_once() -> None:
 
 async def _run(task: IterativeTask, steps: int) -> list[str]:
     """Run up to ``steps`` task steps; the kind of each."""
-    gate = UnboundedGate(max_steps=steps)
-    await task.setup(_ctx())
-    with contextlib.suppress(TaskStopped):
-        await task.run(gate)
+    gate = UnboundedGate()
+    await run_alone(task, steps=steps, ctx=_ctx(), gate=gate)
     return gate.kinds
 
 

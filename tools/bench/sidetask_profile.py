@@ -57,7 +57,7 @@ def _child(name: str, options: dict[str, Any], steps: int, warmup: int, threads:
 
     import torch
 
-    from freeride.sidetask import TaskContext, TaskStopped, UnboundedGate
+    from freeride.sidetask import TaskContext, UnboundedGate, run_alone
     from freeride.sidetasks import CATALOG
 
     if threads:
@@ -74,18 +74,8 @@ def _child(name: str, options: dict[str, Any], steps: int, warmup: int, threads:
     ctx = TaskContext(task_id=0, device=name_of_device, torch_device=device, workdir=Path.cwd())
     asyncio.run(task.setup(ctx))  # the sample tasks build once; run_alone's setup() is then a no-op
     setup_s = time.perf_counter() - t0
-    gate = UnboundedGate(max_steps=steps + warmup)
-
-    async def run() -> None:
-        try:
-            await task.run(gate)
-        except TaskStopped:
-            pass
-        finally:
-            await task.teardown()
-
-    asyncio.run(run())
-    durations = gate.durations_ns
+    gate = UnboundedGate()
+    durations = asyncio.run(run_alone(task, steps=steps + warmup, ctx=ctx, gate=gate))
     peak = (
         torch.cuda.max_memory_allocated(device)
         if device.startswith("cuda")
