@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import io
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _torchfix import deterministic_one_thread  # noqa: F401 - autouse fixture
 from torch import nn
 
 from freeride.sidetask import IterativeTask, TaskContext, UnboundedGate, run_alone
@@ -18,16 +18,6 @@ from freeride.sidetasks._staged import StagedSGD, _plan_chunks
 from freeride.sidetasks.vision import ResNet18Inference, ResNet18Training, ResNet50Training
 
 TINY: dict[str, Any] = {"image_size": 16, "num_classes": 4, "batch_size": 4, "train_size": 64, "seed": 0}
-
-
-@pytest.fixture(autouse=True)
-def _deterministic_one_thread() -> Iterator[None]:
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(deterministic)
-    torch.set_num_threads(threads)
 
 
 def _small_net(*, batch_norm: bool, dropout: float = 0.3) -> tuple[nn.Module, list[nn.Module]]:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from _torchfix import deterministic_one_thread  # noqa: F401 - autouse fixture
 
 from freeride.sidetask import TaskContext, run_alone
 from freeride.sidetasks._imageio import write_pnm
@@ -24,16 +24,6 @@ SMALL: dict[str, Any] = {
     "seed": 0,
 }
 CHANCE = 1 / SMALL["num_classes"]
-
-
-@pytest.fixture(autouse=True)
-def _deterministic_one_thread() -> Iterator[None]:
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(deterministic)
-    torch.set_num_threads(threads)
 
 
 def _ctx(tmp_path: Path) -> TaskContext:

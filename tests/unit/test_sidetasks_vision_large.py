@@ -4,25 +4,14 @@ from __future__ import annotations
 
 import gc
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
+from _torchfix import deterministic_one_thread  # noqa: F401 - autouse fixture
 
 from freeride.sidetask import TaskContext, run_alone
 from freeride.sidetasks.vision import ResNet50Training, VGG19Inference, VGG19Training
-
-
-@pytest.fixture(autouse=True)
-def _deterministic_one_thread() -> Iterator[None]:
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(deterministic)
-    torch.set_num_threads(threads)
 
 
 def _ctx(tmp_path: Path) -> TaskContext:
