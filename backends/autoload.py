@@ -11,15 +11,15 @@ import importlib
 import logging
 from types import ModuleType
 
-from freeride.backends import importhook
+from backends import importhook
 
 __all__ = ["HOOKS", "activate"]
 
 logger = logging.getLogger(__name__)
 
 HOOKS: dict[str, str] = {
-    "deepspeed.runtime.pipe.engine": "freeride.backends.deepspeed",
-    "megatron.core.pipeline_parallel.schedules": "freeride.backends.megatron",
+    "deepspeed.runtime.pipe.engine": "backends.deepspeed",
+    "megatron.core.pipeline_parallel.schedules": "backends.megatron",
 }
 """Framework module -> adapter package whose ``on_import`` patches it."""
 

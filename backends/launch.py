@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from freeride.backends.session import ENV_EVENTS
+from backends.session import ENV_EVENTS
 
 __all__ = ["ENV_MODE", "ENV_PROFILE_DIR", "Mode", "launch_env", "read_mode"]
 

@@ -1,6 +1,6 @@
 """Expected bubble durations: the schedule's prediction, then what was measured.
 
-A rank knows where it will wait from its schedule (see :mod:`freeride.schedule`)
+A rank knows where it will wait from its schedule (see :mod:`backends.schedule`)
 and, after the first step, how long each of those waits lasted. The predictor
 keys each wait by its place in the step (for example the action it precedes)
 and predicts from the last few measurements, falling back to the schedule's

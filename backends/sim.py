@@ -1,7 +1,7 @@
 """A simulated pipeline-parallel job: real processes, real waits, no framework.
 
 Each stage is a process that runs its rank's actions of a GPipe, 1F1B or
-interleaved schedule (see :mod:`freeride.schedule`) in real time. A forward
+interleaved schedule (see :mod:`backends.schedule`) in real time. A forward
 waits for the activation message of the previous stage and a backward for the
 gradient message of the next, over pipes, so bubbles emerge the way they do in
 a real job: a stage blocked in a receive leaves its core idle. A barrier ends
@@ -29,10 +29,10 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
+from backends.predict import BubblePredictor
+from backends.schedule import Action, Durations, bubbles, build_schedule, simulate
+from backends.session import BackendConfig, BackendSession
 from freeride._procutil import bind_to_parent
-from freeride.backends.predict import BubblePredictor
-from freeride.backends.session import BackendConfig, BackendSession
-from freeride.schedule import Action, Durations, bubbles, build_schedule, simulate
 
 __all__ = ["SimConfig", "SimPipeline", "StageResult", "run_stage"]
 

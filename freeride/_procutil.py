@@ -1,4 +1,4 @@
-"""Process plumbing for :mod:`freeride.imperative` (Linux only).
+"""Process plumbing for :mod:`freeride.serve.imperative` (Linux only).
 
 A deadline timer on ``timerfd`` (microsecond precision, where the event loops'
 own timers round to milliseconds), reading a process's state from ``/proc``,

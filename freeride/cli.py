@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 
 from freeride import protocol as p
-from freeride.config import ServeConfig
+from freeride.serve.config import ServeConfig
 from freeride.transport import ControlClient, Endpoints, ManagerUnreachable, default_runtime_dir
 from freeride.units import format_ns, parse_bytes, parse_duration_ns
 
@@ -29,7 +29,7 @@ _EPILOG = """\
 typical use:
   freeride serve &                                   # one per node, beside the training job
   freeride launch -- torchrun --nproc_per_node 4 train.py ...   # unmodified training script
-  freeride submit freeride.sidetasks.pagerank:PageRank --opt nodes=200000
+  freeride submit sidetasks.pagerank:PageRank --opt nodes=200000
   freeride status
 try it without a training job: freeride demo
 """
@@ -66,7 +66,7 @@ def _control(args: argparse.Namespace) -> ControlClient:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvloop
 
-    from freeride.manager import Manager
+    from freeride.serve.manager import Manager
 
     runtime_dir = _runtime_dir(args)
     config = ServeConfig(
@@ -118,7 +118,7 @@ def _parse_opts(pairs: Sequence[str]) -> dict[str, str | int | float | bool]:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from freeride.sidetasks import CATALOG, PROGRAMS, describe
+    from sidetasks import CATALOG, PROGRAMS, describe, resolve
 
     if args.list:
         for name, target in CATALOG.items():
@@ -136,9 +136,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     else:
         if not args.target:
             raise SystemExit("freeride: give a side task as module:Class (see freeride submit --list)")
-        target = args.target
-        if ":" not in target:
-            target = CATALOG.get(target, target)
+        try:
+            target = resolve(args.target)
+        except ValueError as exc:
+            raise SystemExit(f"freeride: {exc}") from None
         spec = p.TaskSpec(
             kind="iterative",
             target=target,
@@ -211,7 +212,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             return reply
 
         if args.watch:
-            from freeride.watch import watch
+            from freeride.observe.watch import watch
 
             return watch(fetch, interval_s=args.interval, count=args.count)
         reply = fetch()
@@ -225,8 +226,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     import json
 
-    from freeride.report import Prices, ReportOptions, build_report, parse_throughputs
-    from freeride.timeline import load_trace
+    from freeride.observe.report import Prices, ReportOptions, build_report, parse_throughputs
+    from freeride.observe.timeline import load_trace
 
     options = ReportOptions(
         prices=Prices(
@@ -250,7 +251,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from freeride.backends.launch import launch_env
+    from backends.launch import launch_env
 
     if not args.command:
         raise SystemExit("freeride: give the training command after --, e.g. freeride launch -- torchrun ...")
@@ -259,7 +260,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from freeride.backends.launch import launch_env
+    from backends.launch import launch_env
     from freeride.profile import build_profile, read_observations, write_profile
 
     if not args.command:
@@ -277,7 +278,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    from freeride.backends.sim import SimConfig, SimPipeline
+    from backends.sim import SimConfig, SimPipeline
 
     config = SimConfig(
         endpoint=_endpoints(args).events,

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from backends.sim import SimConfig, SimPipeline, StageResult
 from freeride import protocol as p
-from freeride.backends.sim import SimConfig, SimPipeline, StageResult
-from freeride.config import ServeConfig
-from freeride.manager import Manager
+from freeride.serve.config import ServeConfig
+from freeride.serve.manager import Manager
 from freeride.transport import Endpoints
 from freeride.units import format_ns
 
@@ -91,13 +91,9 @@ class DemoReport:
 
 
 def _target(task: str) -> str:
-    if ":" in task:
-        return task
-    from freeride.sidetasks import CATALOG
+    from sidetasks import resolve
 
-    if task not in CATALOG:
-        raise ValueError(f"unknown side task {task!r}; choose one of {', '.join(CATALOG)} or give module:Class")
-    return CATALOG[task]
+    return resolve(task)
 
 
 async def _wait_for(predicate: object, timeout_s: float, what: str) -> None:

@@ -8,23 +8,23 @@ name to the command line of a plain program that runs as an imperative task
 
 from __future__ import annotations
 
-__all__ = ["CATALOG", "DESCRIPTIONS", "PROGRAMS", "describe"]
+__all__ = ["CATALOG", "DESCRIPTIONS", "PROGRAMS", "describe", "resolve"]
 
 CATALOG: dict[str, str] = {
-    "resnet18-train": "freeride.sidetasks.vision:ResNet18Training",
-    "resnet50-train": "freeride.sidetasks.vision:ResNet50Training",
-    "vgg19-train": "freeride.sidetasks.vision:VGG19Training",
-    "resnet18-infer": "freeride.sidetasks.vision:ResNet18Inference",
-    "resnet50-infer": "freeride.sidetasks.vision:ResNet50Inference",
-    "vgg19-infer": "freeride.sidetasks.vision:VGG19Inference",
-    "pagerank": "freeride.sidetasks.pagerank:PageRank",
-    "graph-sgd": "freeride.sidetasks.graph_sgd:GraphSGD",
-    "imaging": "freeride.sidetasks.imaging:ImageProcessing",
+    "resnet18-train": "sidetasks.vision:ResNet18Training",
+    "resnet50-train": "sidetasks.vision:ResNet50Training",
+    "vgg19-train": "sidetasks.vision:VGG19Training",
+    "resnet18-infer": "sidetasks.vision:ResNet18Inference",
+    "resnet50-infer": "sidetasks.vision:ResNet50Inference",
+    "vgg19-infer": "sidetasks.vision:VGG19Inference",
+    "pagerank": "sidetasks.pagerank:PageRank",
+    "graph-sgd": "sidetasks.graph_sgd:GraphSGD",
+    "imaging": "sidetasks.imaging:ImageProcessing",
 }
 """Short name to ``module:Class`` of an iterative task."""
 
 PROGRAMS: dict[str, tuple[str, ...]] = {
-    "imaging-cli": ("python", "-m", "freeride.sidetasks.imaging_cli"),
+    "imaging-cli": ("python", "-m", "sidetasks.imaging_cli"),
 }
 """Short name to the command (before its own arguments) of an imperative sample program.
 
@@ -64,3 +64,29 @@ def describe(name: str) -> str:
     if name not in DESCRIPTIONS:
         raise KeyError(f"unknown side task {name!r}; known: {', '.join(DESCRIPTIONS)}")
     return DESCRIPTIONS[name]
+
+
+def resolve(name: str) -> str:
+    """The ``module:Class`` of an iterative task named by catalog name or as ``module:Class``.
+
+    The one place names are resolved: the CLI, the demo, the manager's check at
+    submit and the worker all call it, so a name accepted by one is accepted by
+    all. ``freeride.sidetasks.x:Y`` (the samples' name before 0.2) still works.
+
+    Raises:
+        ValueError: ``name`` is neither a catalog name nor of the form ``module:Class``.
+    """
+    name = name.strip()
+    if name in CATALOG:
+        return CATALOG[name]
+    module, sep, cls = name.partition(":")
+    if not sep:
+        raise ValueError(
+            f"unknown side task {name!r}: give a catalog name ({', '.join(CATALOG)}) or module:Class"
+            " (freeride submit --list shows the catalog)"
+        )
+    if not cls.isidentifier() or not all(part.isidentifier() for part in module.split(".")):
+        raise ValueError(f"side task {name!r} is not of the form module:Class")
+    if module.startswith("freeride.sidetasks."):
+        module = module.removeprefix("freeride.")
+    return f"{module}:{cls}"

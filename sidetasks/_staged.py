@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freeride.sidetasks._common import capture_rng
+from sidetasks._common import capture_rng
 
 __all__ = ["BatchResult", "StagedSGD"]
 

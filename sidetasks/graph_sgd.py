@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from freeride.sidetask import TaskContext
-from freeride.sidetasks._common import DeviceTask, ShuffledCursor, check_fingerprint, sample_seed
+from sidetasks._common import DeviceTask, ShuffledCursor, check_fingerprint, sample_seed
 
 __all__ = ["GraphSGD", "planted_ratings", "read_ratings"]
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from freeride.sidetask import TaskContext
-from freeride.sidetasks._common import DeviceTask, check_fingerprint, synchronize
+from sidetasks._common import DeviceTask, check_fingerprint, synchronize
 
 __all__ = ["PageRank", "generate_graph", "read_edge_list"]
 

@@ -2,7 +2,7 @@
 
 Data never comes from the network. By default it is a synthetic labelled set
 (noisy, shifted copies of one smooth random pattern per class; see
-:class:`~freeride.sidetasks._data.SyntheticImages`) that a network can learn
+:class:`~sidetasks._data.SyntheticImages`) that a network can learn
 within a few hundred steps. With ``data_dir`` it is a folder holding one
 sub-folder of images per class; ``.ppm``/``.pgm``/``.pnm`` and ``.npy`` files
 are always read, PNG and JPEG only when Pillow is installed. Every tenth file
@@ -12,7 +12,7 @@ Training tasks do one SGD step (momentum, weight decay) per task step and
 report the loss; with ``micro_batch_size`` and ``layer_steps`` that SGD step is
 split into task steps short enough for short bubbles (one micro-batch's forward
 and backward per step, or one model segment's forward or backward per step,
-then the update in chunks; see :mod:`freeride.sidetasks._staged`), with the
+then the update in chunks; see :mod:`sidetasks._staged`), with the
 same arithmetic and exact checkpoints at every step. Inference tasks classify one batch of the held-out split per
 step and report throughput and top-1 accuracy; their model comes from
 ``checkpoint`` (a saved training-task state or a bare model ``state_dict``) or,
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freeride.sidetask import TaskContext
-from freeride.sidetasks._common import (
+from sidetasks._common import (
     DeviceTask,
     ShuffledCursor,
     capture_rng,
@@ -40,9 +40,9 @@ from freeride.sidetasks._common import (
     restore_rng,
     synchronize,
 )
-from freeride.sidetasks._data import ImageFolder, LabelledImages, SyntheticImages
-from freeride.sidetasks._models import build_model
-from freeride.sidetasks._staged import StagedSGD
+from sidetasks._data import ImageFolder, LabelledImages, SyntheticImages
+from sidetasks._models import build_model
+from sidetasks._staged import StagedSGD
 
 __all__ = [
     "ResNet18Inference",

@@ -6,7 +6,7 @@ bubbles of the device it ran on, one colour per task::
 
     python tools/render_timeline.py trace.json --out timeline.png --start-step 5 --steps 3
 
-The trace is one written by ``freeride serve --trace`` (see freeride/trace.py).
+The trace is one written by ``freeride serve --trace`` (see freeride/observe/trace.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import matplotlib
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from freeride.timeline import Span, Trace, load_trace
+from freeride.observe.timeline import Span, Trace, load_trace
 
 __all__ = ["main", "render"]
 

@@ -9,7 +9,7 @@ import os
 import sys
 
 try:
-    from freeride.backends import autoload
+    from backends import autoload
 
     autoload.activate()
 except Exception as exc:  # never stop the user's program from starting

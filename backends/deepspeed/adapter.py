@@ -13,7 +13,7 @@ One :class:`DeepSpeedAdapter` watches one engine. Each training batch it
   that blocks before that action, or ``tail:opt<i>`` / ``tail:loss`` for the
   end-of-step syncs;
 * predicts from the measured history at that place (:class:`BubblePredictor`),
-  and before there is any, from :func:`freeride.schedule.simulate` of the 1F1B
+  and before there is any, from :func:`backends.schedule.simulate` of the 1F1B
   schedule with this rank's measured forward and backward times;
 * reports ``StepFinished`` per ``train_batch`` and, in profile mode, records
   every wait for :func:`freeride.profile.build_profile`.
@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from freeride.backends.deepspeed import _compat
-from freeride.backends.deepspeed._device import device_memory, device_name
-from freeride.backends.launch import Mode, read_mode
-from freeride.backends.predict import BubblePredictor
-from freeride.backends.session import BackendConfig, BackendSession, events_endpoint_from_env
+from backends.deepspeed import _compat
+from backends.deepspeed._device import device_memory, device_name
+from backends.launch import Mode, read_mode
+from backends.predict import BubblePredictor
+from backends.schedule import Action, Durations, bubbles, one_f_one_b, simulate
+from backends.session import BackendConfig, BackendSession, events_endpoint_from_env
 from freeride.profile import RankObservations, StepRecord, WaitRecord, write_observations
-from freeride.schedule import Action, Durations, bubbles, one_f_one_b, simulate
 
 __all__ = ["TAIL_LOSS", "DeepSpeedAdapter", "tail_key"]
 

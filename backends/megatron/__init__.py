@@ -7,7 +7,7 @@ Two ways to attach, neither needs a change to the training loop:
   is imported, before the script can call ``get_forward_backward_func()``.
 * one line in the script, before ``get_forward_backward_func()``::
 
-      from freeride.backends.megatron import attach
+      from backends.megatron import attach
       attach()
 
   or, for a schedule function obtained earlier,
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, TypeVar, overload
 
-from freeride.backends.megatron import _compat
+from backends.megatron import _compat
 
 __all__ = ["attach", "on_import"]
 
@@ -49,7 +49,7 @@ def on_import(module: ModuleType) -> None:
         module: ``megatron.core.pipeline_parallel.schedules``.
     """
     try:
-        from freeride.backends.megatron.patches import patch_schedules
+        from backends.megatron.patches import patch_schedules
 
         if patch_schedules(module):
             logger.debug("[attach] megatron schedules patched")
@@ -86,7 +86,7 @@ def attach(forward_backward_func: _F | None = None) -> _F | None:
     if forward_backward_func is None:
         return None
     try:
-        from freeride.backends.megatron.patches import wrap_schedule
+        from backends.megatron.patches import wrap_schedule
 
         name = getattr(forward_backward_func, "__name__", "")
         return wrap_schedule(forward_backward_func, name)  # type: ignore[return-value]

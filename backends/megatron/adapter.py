@@ -1,10 +1,10 @@
 """The Megatron-core adapter of one training process.
 
-The patches of :mod:`freeride.backends.megatron.patches` report every
+The patches of :mod:`backends.megatron.patches` report every
 ``forward_backward`` call, compute action and receive wait of the process to
 one :class:`MegatronAdapter`, which keeps a
-:class:`~freeride.backends.megatron.tracker.StepTracker` and a
-:class:`~freeride.backends.session.BackendSession` (and, in profile mode, the
+:class:`~backends.megatron.tracker.StepTracker` and a
+:class:`~backends.session.BackendSession` (and, in profile mode, the
 observations ``freeride profile`` reads).
 
 Nothing here may break training: every FreeRide error is logged and turns the
@@ -19,14 +19,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from freeride.backends.launch import read_mode
-from freeride.backends.megatron import _compat
-from freeride.backends.megatron._device import RankDevice
-from freeride.backends.megatron.plan import iterations, megatron_schedule
-from freeride.backends.megatron.tracker import StepPlan, StepTracker
-from freeride.backends.session import BackendConfig, BackendSession, events_endpoint_from_env
+from backends.launch import read_mode
+from backends.megatron import _compat
+from backends.megatron._device import RankDevice
+from backends.megatron.plan import iterations, megatron_schedule
+from backends.megatron.tracker import StepPlan, StepTracker
+from backends.schedule import Kind
+from backends.session import BackendConfig, BackendSession, events_endpoint_from_env
 from freeride.profile import RankObservations, StepRecord, write_observations
-from freeride.schedule import Kind
 
 __all__ = ["MegatronAdapter", "current_adapter", "reset_adapter"]
 

@@ -6,8 +6,8 @@ rank) and ``forward_step`` / ``backward_step`` (where in the schedule the rank
 is, and how long its compute takes); :func:`patch_p2p` wraps the receiving
 methods of ``P2PCommunicator`` and the request handles of ``_p2p_ops`` (the
 waits, also with ``overlap_p2p_comm``). Each wrapper runs the megatron call
-unchanged and tells :func:`~freeride.backends.megatron.adapter.current_adapter`
-about it. The names come from :mod:`freeride.backends.megatron._compat`.
+unchanged and tells :func:`~backends.megatron.adapter.current_adapter`
+about it. The names come from :mod:`backends.megatron._compat`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from freeride.backends.megatron import _compat
-from freeride.backends.megatron.adapter import current_adapter
-from freeride.schedule import Kind
+from backends.megatron import _compat
+from backends.megatron.adapter import current_adapter
+from backends.schedule import Kind
 
 __all__ = ["patch_p2p", "patch_schedules", "wrap_schedule"]
 

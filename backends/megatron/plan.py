@@ -10,13 +10,13 @@ waits before an iteration for all of its inputs, and its outputs leave only
 when the iteration is over. :func:`megatron_timeline` simulates exactly that;
 1F1B (and interleaved with ``overlap_p2p_comm``, whose waits sit right before
 each action) are iterations of one action, where it equals
-:func:`freeride.schedule.simulate`.
+:func:`backends.schedule.simulate`.
 """
 
 from __future__ import annotations
 
-from freeride.backends.megatron import _compat
-from freeride.schedule import (
+from backends.megatron import _compat
+from backends.schedule import (
     Action,
     Durations,
     Kind,
@@ -44,7 +44,7 @@ def megatron_schedule(name: str, p: int, m: int, v: int, group: int) -> Schedule
     """The per-rank order megatron-core runs for ``1f1b`` or ``interleaved``.
 
     Megatron's default ``microbatch_group_size_per_vp_stage = p`` is exactly
-    :func:`freeride.schedule.interleaved`; other group sizes follow megatron's
+    :func:`backends.schedule.interleaved`; other group sizes follow megatron's
     own schedule table.
 
     Raises:

@@ -5,7 +5,7 @@ Pure logic, no megatron and no torch: the adapter reports compute actions
 :class:`StepTracker` maps every wait to its place in the rank's schedule, the
 action that follows it (``2F0`` notation), or ``None`` for the tail. The
 expected duration of a wait comes from the last waits at the same place
-(:class:`~freeride.backends.predict.BubblePredictor`, which errs low: at places
+(:class:`~backends.predict.BubblePredictor`, which errs low: at places
 where waits are mostly p2p latency, an occasional long one is not announced),
 and before any was measured from the gap the schedule simulator finds there
 with this rank's measured forward and backward times.
@@ -26,10 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from freeride.backends.megatron.plan import megatron_timeline
-from freeride.backends.predict import BubblePredictor
+from backends.megatron.plan import megatron_timeline
+from backends.predict import BubblePredictor
+from backends.schedule import Action, Durations, Kind, Schedule, bubbles, simulate
 from freeride.profile import StepRecord, WaitRecord
-from freeride.schedule import Action, Durations, Kind, Schedule, bubbles, simulate
 
 __all__ = ["TAIL_KEY", "BubbleSink", "PlanKey", "StepPlan", "StepTracker", "place_key", "schedule_priors"]
 
@@ -40,7 +40,7 @@ PlanKey = tuple[str, int, int, int, int]
 
 
 class BubbleSink(Protocol):
-    """What the tracker reports to (a :class:`~freeride.backends.session.BackendSession`)."""
+    """What the tracker reports to (a :class:`~backends.session.BackendSession`)."""
 
     def bubble_started(self, step: int, expected_ns: int, *, spare_memory: int | None = None) -> bool: ...
 
@@ -59,7 +59,7 @@ class StepPlan:
     """No sync ends the step, so the tail bubble lands in the next step's first wait."""
     groups: tuple[tuple[int, ...], ...] | None = None
     """Per rank, the actions run between two blocking p2p calls (see
-    :func:`~freeride.backends.megatron.plan.iterations`); None: one each."""
+    :func:`~backends.megatron.plan.iterations`); None: one each."""
 
     @property
     def key(self) -> PlanKey:

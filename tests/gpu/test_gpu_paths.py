@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from freeride.memcap import plan_memory_cap
-from freeride.mps import MpsDaemon
-from freeride.nvml import NvmlMonitor
+from freeride.gpu.memcap import plan_memory_cap
+from freeride.gpu.mps import MpsDaemon
+from freeride.gpu.nvml import NvmlMonitor
 
 pytestmark = pytest.mark.gpu
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from freeride import protocol as p
-from freeride.config import ServeConfig
-from freeride.manager import Manager
+from freeride.serve.config import ServeConfig
+from freeride.serve.manager import Manager
 from freeride.transport import ControlClient, Endpoints
 
 HERE = Path(__file__).resolve().parent

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from _deepspeed import TrainRun, run_training, train_cmd
 
+from backends.launch import launch_env
+from backends.schedule import Durations, bubbles, one_f_one_b, simulate
 from freeride import protocol as p
-from freeride.backends.launch import launch_env
 from freeride.profile import RankObservations, build_profile, read_observations
-from freeride.schedule import Durations, bubbles, one_f_one_b, simulate
 from freeride.transport import Endpoints
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from freeride.imperative import ImperativeProcess, sync_every_env
+from freeride.serve.imperative import ImperativeProcess, sync_every_env
 
 HEARTBEAT = struct.Struct("<QQ")
 
@@ -392,7 +392,7 @@ print(len(calls))
 RUNTIME = """
 import asyncio, os, signal, sys, time
 from pathlib import Path
-from freeride.imperative import ImperativeProcess
+from freeride.serve.imperative import ImperativeProcess
 own, child, spin, parent, logs = sys.argv[1:]
 
 async def main():

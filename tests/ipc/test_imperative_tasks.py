@@ -8,9 +8,9 @@ from pathlib import Path
 
 from conftest import wait_until
 
+from backends.sim import SimConfig, SimPipeline
 from freeride import protocol as p
-from freeride.backends.sim import SimConfig, SimPipeline
-from freeride.manager import Manager
+from freeride.serve.manager import Manager
 
 BUSY = [sys.executable, "-c", "while True: pass"]
 

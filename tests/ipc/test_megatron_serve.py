@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 from conftest import freeride_cmd, poll, serving, status
 
+from backends.megatron.plan import iterations, megatron_schedule
+from backends.megatron.tracker import schedule_priors
+from backends.schedule import Durations
 from freeride import protocol as p
-from freeride.backends.megatron.plan import iterations, megatron_schedule
-from freeride.backends.megatron.tracker import schedule_priors
 from freeride.profile import load_profile
-from freeride.schedule import Durations
 
 pytestmark = pytest.mark.slow
 

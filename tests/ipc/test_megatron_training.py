@@ -22,13 +22,13 @@ from typing import Any
 
 import pytest
 
+from backends.launch import launch_env
+from backends.megatron.plan import iterations, megatron_schedule
+from backends.megatron.tracker import schedule_priors
+from backends.schedule import Durations
+from backends.session import ENV_EVENTS
 from freeride import protocol as p
-from freeride.backends.launch import launch_env
-from freeride.backends.megatron.plan import iterations, megatron_schedule
-from freeride.backends.megatron.tracker import schedule_priors
-from freeride.backends.session import ENV_EVENTS
 from freeride.profile import RankObservations, read_observations
-from freeride.schedule import Durations
 from freeride.transport import EventReceiver, new_async_context
 
 pytestmark = pytest.mark.slow

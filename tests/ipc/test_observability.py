@@ -22,15 +22,15 @@ from conftest import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
+from backends.sim import SimConfig, SimPipeline, StageResult
 from freeride import protocol as p
-from freeride.backends.sim import SimConfig, SimPipeline, StageResult
-from freeride.config import ServeConfig
-from freeride.manager import Manager
-from freeride.metrics import MetricsExporter
-from freeride.report import ReportOptions, build_report
-from freeride.timeline import load_trace
+from freeride.observe.metrics import MetricsExporter
+from freeride.observe.report import ReportOptions, build_report
+from freeride.observe.timeline import load_trace
+from freeride.observe.watch import watch
+from freeride.serve.config import ServeConfig
+from freeride.serve.manager import Manager
 from freeride.transport import ControlClient, Endpoints
-from freeride.watch import watch
 
 MS = 1_000_000
 STEP_MS = 2.0

@@ -13,9 +13,9 @@ import pytest
 import zmq
 from conftest import poll, status, wait_until
 
+from backends.sim import SimConfig, SimPipeline
 from freeride import protocol as p
-from freeride.backends.sim import SimConfig, SimPipeline
-from freeride.manager import Manager
+from freeride.serve.manager import Manager
 from freeride.transport import Endpoints, EventEmitter
 
 
@@ -183,7 +183,7 @@ def _alive(pid: int) -> bool:
 # Race pinned: an exception raised while starting a task's worker used to escape
 # the supervision coroutine into the manager's TaskGroup and end the manager.
 async def test_a_task_that_cannot_start_fails_alone(runtime_dir: Path) -> None:
-    from freeride.config import ServeConfig
+    from freeride.serve.config import ServeConfig
 
     config = ServeConfig(
         endpoints=Endpoints.ipc(runtime_dir), state_dir=runtime_dir / "state", python=str(runtime_dir / "no-python")
@@ -206,7 +206,7 @@ async def test_a_task_that_cannot_start_fails_alone(runtime_dir: Path) -> None:
 
 async def test_a_silent_rank_that_cannot_be_watched_is_declared_lost(runtime_dir: Path) -> None:
     """A rank whose pid is not ours to watch (another PID namespace) is judged by its silence."""
-    from freeride.config import ServeConfig
+    from freeride.serve.config import ServeConfig
 
     config = ServeConfig(endpoints=Endpoints.ipc(runtime_dir), state_dir=runtime_dir / "state", backend_timeout_s=0.5)
     stop = asyncio.Event()

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 from conftest import wait_until
 
+from backends.sim import SimConfig, SimPipeline
 from freeride import protocol as p
-from freeride.backends.sim import SimConfig, SimPipeline
-from freeride.manager import Manager
-from freeride.sidetasks import CATALOG
+from freeride.serve.manager import Manager
+from sidetasks import CATALOG
 
 STAGE = 1
 

@@ -1,6 +1,6 @@
 """An independent checker of the Trace Event Format (JSON Object Format), for tests.
 
-Written from the format's description, not from freeride/trace.py: required
+Written from the format's description, not from freeride/observe/trace.py: required
 fields per phase, numeric timestamps, durations >= 0, metadata with the args
 Perfetto reads, and per track (pid, tid) timestamps that never go back and
 complete slices that do not overlap (FreeRide writes no nested slices).

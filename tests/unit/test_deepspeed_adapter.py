@@ -24,14 +24,14 @@ import deepspeed.comm
 import torch
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
+from backends import session as session_mod
+from backends.deepspeed import _compat
+from backends.deepspeed import adapter as adapter_mod
+from backends.deepspeed.adapter import TAIL_LOSS, DeepSpeedAdapter, tail_key
+from backends.schedule import Action, Durations, bubbles, one_f_one_b, simulate
+from backends.session import BackendConfig, BackendSession
 from freeride import protocol as p
-from freeride.backends import session as session_mod
-from freeride.backends.deepspeed import _compat
-from freeride.backends.deepspeed import adapter as adapter_mod
-from freeride.backends.deepspeed.adapter import TAIL_LOSS, DeepSpeedAdapter, tail_key
-from freeride.backends.session import BackendConfig, BackendSession
 from freeride.profile import build_profile
-from freeride.schedule import Action, Durations, bubbles, one_f_one_b, simulate
 from freeride.transport import EventEmitter
 
 MS = 1_000_000
@@ -333,7 +333,7 @@ def test_patch_is_idempotent_and_reversible() -> None:
 
 
 def test_attach_refuses_what_is_not_a_pipeline_engine() -> None:
-    from freeride.backends.deepspeed import attach, attached
+    from backends.deepspeed import attach, attached
 
     with pytest.raises(TypeError, match="PipelineEngine"):
         attach(object())
@@ -341,7 +341,7 @@ def test_attach_refuses_what_is_not_a_pipeline_engine() -> None:
 
 
 def test_device_names_and_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    from freeride.backends.deepspeed._device import device_memory, device_name
+    from backends.deepspeed._device import device_memory, device_name
 
     facts = _compat.EngineFacts(
         rank=3,

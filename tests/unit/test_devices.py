@@ -6,9 +6,9 @@ import time
 from pathlib import Path
 
 from freeride import protocol as p
-from freeride.devices import DeviceScheduler, TaskChanged, WorkerReport
-from freeride.stats import LatencyRecorder
-from freeride.tasks import TaskRecord
+from freeride.observe.stats import LatencyRecorder
+from freeride.serve.scheduler import DeviceScheduler, TaskChanged, WorkerReport
+from freeride.serve.tasks import TaskRecord
 
 MS = 1_000_000
 
@@ -199,7 +199,7 @@ def test_a_lost_backend_revokes_and_stops_granting() -> None:
 
 
 def test_a_task_shut_out_by_its_estimate_gets_a_probe_now_and_then() -> None:
-    from freeride.devices import PROBE_AFTER_BUBBLES
+    from freeride.serve.scheduler import PROBE_AFTER_BUBBLES
 
     sched, wire, _ = make()
     t = task(1, 80 * MS, sched)  # a stale estimate, larger than any bubble

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from freeride.backends.megatron.tracker import TAIL_KEY, StepPlan, StepTracker, place_key, schedule_priors
+from backends.megatron.tracker import TAIL_KEY, StepPlan, StepTracker, place_key, schedule_priors
+from backends.schedule import Action, Durations, Schedule, interleaved, one_f_one_b, simulate
 from freeride.profile import StepRecord
-from freeride.schedule import Action, Durations, Schedule, interleaved, one_f_one_b, simulate
 
 MS = 1_000_000
 

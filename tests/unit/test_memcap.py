@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from freeride.memcap import DEFAULT_AS_OVERHEAD, plan_memory_cap
-from freeride.mps import torch_memory_fraction
+from freeride.gpu.memcap import DEFAULT_AS_OVERHEAD, plan_memory_cap
+from freeride.gpu.mps import torch_memory_fraction
 
 GIB = 1 << 30
 

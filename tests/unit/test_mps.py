@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from freeride.mps import MpsDaemon, MpsError, MpsUnavailable, client_env, torch_memory_fraction
+from freeride.gpu.mps import MpsDaemon, MpsError, MpsUnavailable, client_env, torch_memory_fraction
 
 STANDIN = Path(__file__).resolve().parents[1] / "standins" / "fake_mps_control.py"
 

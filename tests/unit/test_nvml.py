@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-import freeride.nvml as nvml_mod
-from freeride.nvml import NvmlMonitor
+import freeride.gpu.nvml as nvml_mod
+from freeride.gpu.nvml import NvmlMonitor
 
 SOURCE = Path(__file__).resolve().parents[1] / "standins" / "fake_nvml.c"
 GIB = 1 << 30
@@ -45,7 +45,7 @@ def run_monitor(lib_dir: Path, script: str, **env: str) -> tuple[Any, str]:
     prelude = (
         "import json, logging, sys\n"
         "logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format='%(levelname)s %(message)s')\n"
-        "from freeride.nvml import NvmlMonitor\n"
+        "from freeride.gpu.nvml import NvmlMonitor\n"
         "def emit(obj): print(json.dumps(obj))\n"
         "mon = NvmlMonitor.open()\n"
     )
@@ -151,7 +151,7 @@ def test_without_pynvml_open_returns_none_and_logs_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)
-    with caplog.at_level(logging.INFO, logger="freeride.nvml"):
+    with caplog.at_level(logging.INFO, logger="freeride.gpu.nvml"):
         assert NvmlMonitor.open() is None
         assert NvmlMonitor.open() is None
     assert len(caplog.records) == 1
@@ -168,6 +168,6 @@ def test_without_the_library_open_returns_none(
         raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
 
     monkeypatch.setattr(pynvml, "nvmlInit", missing)
-    with caplog.at_level(logging.INFO, logger="freeride.nvml"):
+    with caplog.at_level(logging.INFO, logger="freeride.gpu.nvml"):
         assert NvmlMonitor.open() is None
     assert "not available" in caplog.text

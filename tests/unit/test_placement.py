@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from freeride.placement import DeviceView, NoFit, place
+from freeride.serve.placement import DeviceView, NoFit, place
 
 G = 1 << 30
 

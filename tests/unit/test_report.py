@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from freeride.cli import main
-from freeride.report import Prices, ReportOptions, build_report, parse_throughputs
-from freeride.timeline import parse_trace
+from freeride.observe.report import Prices, ReportOptions, build_report, parse_throughputs
+from freeride.observe.timeline import parse_trace
 
 MS = 1_000_000
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 import freeride.sidetask
-import freeride.sidetasks
+import sidetasks
 from freeride.sidetask import IterativeTask
-from freeride.sidetasks import CATALOG, PROGRAMS, describe
+from sidetasks import CATALOG, PROGRAMS, describe
 
-SAMPLES = Path(freeride.sidetasks.__file__).resolve().parent
+SAMPLES = Path(sidetasks.__file__).resolve().parent
 
 
 @pytest.mark.parametrize("name", sorted(CATALOG))
@@ -39,7 +39,7 @@ def test_every_program_resolves_and_is_described(name: str) -> None:
 def test_every_iterative_task_class_is_listed() -> None:
     listed = set(CATALOG.values())
     for module_name in ("vision", "pagerank", "graph_sgd", "imaging"):
-        module = importlib.import_module(f"freeride.sidetasks.{module_name}")
+        module = importlib.import_module(f"sidetasks.{module_name}")
         for attr in module.__all__:
             obj = getattr(module, attr)
             if inspect.isclass(obj) and issubclass(obj, IterativeTask):
@@ -54,21 +54,21 @@ def test_unknown_name() -> None:
 def _freeride_imports(path: Path) -> set[tuple[str, str]]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("freeride"):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(("freeride", "sidetasks")):
             found |= {(node.module, alias.name) for alias in node.names}
         elif isinstance(node, ast.Import):
-            found |= {(alias.name, "") for alias in node.names if alias.name.startswith("freeride")}
+            found |= {(alias.name, "") for alias in node.names if alias.name.startswith(("freeride", "sidetasks"))}
     return found
 
 
 @pytest.mark.parametrize("path", sorted(SAMPLES.glob("*.py")), ids=lambda p: p.name)
 def test_samples_use_only_the_public_task_api(path: Path) -> None:
     for module, name in _freeride_imports(path):
-        if module.startswith("freeride.sidetasks"):
+        if module.startswith("sidetasks"):
             continue  # the samples' own private modules
         assert module == "freeride.sidetask" and name in freeride.sidetask.__all__, (module, name)
 
 
 def test_the_imperative_sample_does_not_touch_freeride_at_all() -> None:
     imports = _freeride_imports(SAMPLES / "imaging_cli.py")
-    assert imports and all(module.startswith("freeride.sidetasks._image") for module, _ in imports)
+    assert imports and all(module.startswith("sidetasks._image") for module, _ in imports)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from freeride.sidetask import TaskContext, run_alone
-from freeride.sidetasks.graph_sgd import GraphSGD, planted_ratings, read_ratings
+from sidetasks.graph_sgd import GraphSGD, planted_ratings, read_ratings
 
 
 @pytest.fixture(autouse=True)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from freeride.sidetask import TaskContext, run_alone
-from freeride.sidetasks._imageio import read_image, write_pnm
-from freeride.sidetasks._imageops import (
+from sidetasks._imageio import read_image, write_pnm
+from sidetasks._imageops import (
     edge_pipeline,
     equalize_hist,
     gaussian_blur,
@@ -21,7 +21,7 @@ from freeride.sidetasks._imageops import (
     synthetic_scene,
     to_gray,
 )
-from freeride.sidetasks.imaging import ImageProcessing
+from sidetasks.imaging import ImageProcessing
 
 
 @pytest.fixture(autouse=True)

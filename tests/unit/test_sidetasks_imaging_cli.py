@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from freeride.sidetasks._imageio import read_image, write_pnm
-from freeride.sidetasks._imageops import edge_pipeline, synthetic_scene
-from freeride.sidetasks.imaging_cli import PROGRESS_FILE, main
+from sidetasks._imageio import read_image, write_pnm
+from sidetasks._imageops import edge_pipeline, synthetic_scene
+from sidetasks.imaging_cli import PROGRESS_FILE, main
 
 
 @pytest.fixture(autouse=True)

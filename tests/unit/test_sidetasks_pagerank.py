@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from freeride.sidetask import TaskContext, run_alone
-from freeride.sidetasks.pagerank import PageRank, generate_graph, read_edge_list
+from sidetasks.pagerank import PageRank, generate_graph, read_edge_list
 
 
 @pytest.fixture(autouse=True)

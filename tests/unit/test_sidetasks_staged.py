@@ -14,8 +14,8 @@ from _torchfix import deterministic_one_thread  # noqa: F401 - autouse fixture
 from torch import nn
 
 from freeride.sidetask import IterativeTask, TaskContext, UnboundedGate, run_alone
-from freeride.sidetasks._staged import StagedSGD, _plan_chunks
-from freeride.sidetasks.vision import ResNet18Inference, ResNet18Training, ResNet50Training
+from sidetasks._staged import StagedSGD, _plan_chunks
+from sidetasks.vision import ResNet18Inference, ResNet18Training, ResNet50Training
 
 TINY: dict[str, Any] = {"image_size": 16, "num_classes": 4, "batch_size": 4, "train_size": 64, "seed": 0}
 

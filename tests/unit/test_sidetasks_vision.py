@@ -12,8 +12,8 @@ import torch
 from _torchfix import deterministic_one_thread  # noqa: F401 - autouse fixture
 
 from freeride.sidetask import TaskContext, run_alone
-from freeride.sidetasks._imageio import write_pnm
-from freeride.sidetasks.vision import ResNet18Inference, ResNet18Training, VGG19Training
+from sidetasks._imageio import write_pnm
+from sidetasks.vision import ResNet18Inference, ResNet18Training, VGG19Training
 
 SMALL: dict[str, Any] = {
     "image_size": 16,

@@ -6,10 +6,10 @@ import math
 from pathlib import Path
 
 from freeride import protocol as p
-from freeride.config import ServeConfig
-from freeride.observe import Observers
-from freeride.supervisor import Supervisor
-from freeride.tasks import TaskRecord
+from freeride.observe.base import Observers
+from freeride.serve.config import ServeConfig
+from freeride.serve.supervisor import Supervisor
+from freeride.serve.tasks import TaskRecord
 from freeride.transport import Endpoints
 
 

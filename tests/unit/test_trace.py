@@ -11,8 +11,8 @@ import pytest
 from _traceformat import load_checked
 
 from freeride import protocol as p
-from freeride.timeline import load_trace, parse_trace
-from freeride.trace import SIDE_TASKS_PID, TRAINING_PID, TraceWriter
+from freeride.observe.timeline import load_trace, parse_trace
+from freeride.observe.trace import SIDE_TASKS_PID, TRAINING_PID, TraceWriter
 
 MS = 1_000_000
 T0 = 1_000_000_123_456_789  # a monotonic clock a few days after boot, with sub-µs digits

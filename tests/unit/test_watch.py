@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from freeride import protocol as p
-from freeride.watch import render
+from freeride.observe.watch import render
 
 S = 1_000_000_000
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from freeride.worker import _RunDelay
+from freeride.worker.main import _RunDelay
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="needs Linux schedstat")

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=3, help="alone/with rounds, interleaved in time")
     ap.add_argument("--steps", type=int, default=30, help="training steps per run")
-    ap.add_argument("--task", default="freeride.sidetasks.graph_sgd:GraphSGD")
+    ap.add_argument("--task", default="sidetasks.graph_sgd:GraphSGD")
     ap.add_argument("--opt", action="append", default=None, help="side-task option KEY=VALUE (repeatable)")
     ap.add_argument("--step-time", default="2ms", help="the side task's expected step time, until measured")
     ap.add_argument("--keep", action="store_true", help="keep the runtime directory (logs, profile)")

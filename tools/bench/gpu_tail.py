@@ -1,7 +1,7 @@
 """GPU work a stopped PyTorch side task leaves running, per ``sync_every`` K. CUDA only.
 
 A PyTorch training loop runs as an imperative side task
-(:class:`freeride.imperative.ImperativeProcess`, ``sync_every=K``). After every
+(:class:`freeride.serve.imperative.ImperativeProcess`, ``sync_every=K``). After every
 step it queues, on its own stream, a device-side increment of a step counter and
 an asynchronous copy of that counter into shared host memory registered with
 ``cudaHostRegister``. That copy is done by the GPU's copy engine, so the counter
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from freeride.imperative import ImperativeProcess
+from freeride.serve.imperative import ImperativeProcess
 
 __all__ = ["main"]
 

@@ -58,7 +58,7 @@ def _child(name: str, options: dict[str, Any], steps: int, warmup: int, threads:
     import torch
 
     from freeride.sidetask import TaskContext, UnboundedGate, run_alone
-    from freeride.sidetasks import CATALOG
+    from sidetasks import CATALOG
 
     if threads:
         torch.set_num_threads(threads)
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
 
-    from freeride.sidetasks import CATALOG
+    from sidetasks import CATALOG
 
     names = args.names or list(CATALOG)
     overrides: dict[str, dict[str, Any]] = {n: dict(_PROFILE_DEFAULTS.get(n, {})) for n in names}

@@ -1,7 +1,7 @@
 """How fast and how completely an imperative side task is stopped at a bubble's end.
 
 Drives a CPU-bound program through synthetic bubbles with
-:class:`freeride.imperative.ImperativeProcess` (resume at bubble start, deadline
+:class:`freeride.serve.imperative.ImperativeProcess` (resume at bubble start, deadline
 timer at its end) and reports, as a markdown table:
 
 * stop latency: bubble deadline -> program observed in state ``T``;
@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from freeride.imperative import ImperativeProcess
+from freeride.serve.imperative import ImperativeProcess
 
 __all__ = ["main"]
 

@@ -71,7 +71,7 @@ class TrainArgs:
     spawn: int
     """Start this many ranks here instead of being started by a launcher."""
     attach: bool
-    """Attach FreeRide explicitly (``freeride.backends.deepspeed.attach``) instead of
+    """Attach FreeRide explicitly (``backends.deepspeed.attach``) instead of
     relying on ``freeride launch``."""
 
     def __post_init__(self) -> None:
@@ -274,9 +274,9 @@ def train(args: TrainArgs) -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     handle = None
     if args.attach:
-        import freeride.backends.deepspeed
+        import backends.deepspeed
 
-        handle = freeride.backends.deepspeed.attach(engine)
+        handle = backends.deepspeed.attach(engine)
     data = _batches(args)
     out = open(args.jsonl.format(rank=rank), "a", encoding="utf-8") if args.jsonl else None  # noqa: SIM115
     try:

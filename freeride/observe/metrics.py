@@ -2,7 +2,7 @@
 
 :class:`MetricsExporter` is an :class:`~freeride.observe.Observer` and serves
 ``/metrics`` over HTTP from a thread of its own. Most numbers are read from the
-manager's :meth:`~freeride.manager.Manager.status` at scrape time (a custom
+manager's :meth:`~freeride.serve.manager.Manager.status` at scrape time (a custom
 collector, so they are never out of date and cost nothing between scrapes);
 what status does not keep, the latency histogram and the recent throughput of
 each task, is recorded from the observer calls.

@@ -1,6 +1,6 @@
 """``freeride report``: what a traced run's bubbles held, what it cost, what it saved.
 
-Reads a trace written by :class:`~freeride.trace.TraceWriter` (``freeride serve
+Reads a trace written by :class:`~freeride.observe.trace.TraceWriter` (``freeride serve
 --trace``) and, optionally, the trace of a baseline run of the same job without
 side tasks. Per stage it reports the bubble share (announced bubble time inside
 training steps over step time) and the harvested share (side-task busy time
@@ -26,7 +26,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from freeride.timeline import Span, Trace
+from freeride.observe.timeline import Span, Trace
 from freeride.units import format_ns
 
 __all__ = [

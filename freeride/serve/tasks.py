@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from freeride import protocol as p
-from freeride.imperative import ImperativeProcess
+from freeride.serve.imperative import ImperativeProcess
 from freeride.transport import worker_identity
 
 __all__ = ["TaskRecord", "spawn_worker", "stop_process", "task_name"]

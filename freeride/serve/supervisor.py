@@ -18,14 +18,16 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, assert_never
 
+import msgspec
+
 from freeride import protocol as p
-from freeride.config import ServeConfig
-from freeride.devices import DeviceScheduler, TaskChanged, WorkerReport
-from freeride.imperative import ImperativeProcess
-from freeride.memcap import MemoryCap, plan_memory_cap
-from freeride.observe import Observers
-from freeride.placement import DeviceView, NoFit, place
-from freeride.tasks import TaskRecord, spawn_worker, stop_process, task_name
+from freeride.gpu.memcap import MemoryCap, plan_memory_cap
+from freeride.observe.base import Observers
+from freeride.serve.config import ServeConfig
+from freeride.serve.imperative import ImperativeProcess
+from freeride.serve.placement import DeviceView, NoFit, place
+from freeride.serve.scheduler import DeviceScheduler, TaskChanged, WorkerReport
+from freeride.serve.tasks import TaskRecord, spawn_worker, stop_process, task_name
 
 __all__ = ["Supervisor"]
 
@@ -126,6 +128,10 @@ class Supervisor:
         problem = _check_spec(spec)
         if problem:
             return p.Rejected(reason=problem)
+        if spec.kind == "iterative":  # one spelling per task: its name keys its checkpoint
+            from sidetasks import resolve
+
+            spec = msgspec.structs.replace(spec, target=resolve(spec.target))
         name = self._free_name(task_name(spec))
         task = TaskRecord(
             task_id=self._next_task,
@@ -322,9 +328,12 @@ def _finite(metrics: dict[str, float]) -> dict[str, float]:
 def _check_spec(spec: p.TaskSpec) -> str:
     """Why ``spec`` cannot run, or an empty string."""
     if spec.kind == "iterative":
-        module, sep, cls = spec.target.partition(":")
-        if not sep or not module or not cls:
-            return f"target {spec.target!r} is not of the form module:Class"
+        from sidetasks import resolve
+
+        try:
+            module = resolve(spec.target).partition(":")[0]
+        except ValueError as exc:
+            return str(exc)
         try:
             found = importlib.util.find_spec(module)
         except (ImportError, ValueError):

@@ -7,7 +7,7 @@ Usage::
 
 Three sockets, each owned by one object and read by one task: backend events
 (PULL), side-task workers (ROUTER) and control clients (ROUTER). Each device
-gets a :class:`~freeride.devices.DeviceScheduler` coroutine that hands its
+gets a :class:`~freeride.serve.scheduler.DeviceScheduler` coroutine that hands its
 bubbles to the side tasks placed there. Everything runs in one TaskGroup; on
 exit every side task is asked to checkpoint and stop, then terminated if it
 does not, and every socket is closed.
@@ -26,14 +26,14 @@ from types import TracebackType
 from typing import assert_never
 
 from freeride import protocol as p
-from freeride.config import ServeConfig
-from freeride.devices import DeviceScheduler
-from freeride.mps import MpsDaemon
-from freeride.nvml import NvmlMonitor
-from freeride.observe import Observers
-from freeride.stats import LatencyRecorder
-from freeride.supervisor import Supervisor
-from freeride.tasks import TaskRecord
+from freeride.gpu.mps import MpsDaemon
+from freeride.gpu.nvml import NvmlMonitor
+from freeride.observe.base import Observers
+from freeride.observe.stats import LatencyRecorder
+from freeride.serve.config import ServeConfig
+from freeride.serve.scheduler import DeviceScheduler
+from freeride.serve.supervisor import Supervisor
+from freeride.serve.tasks import TaskRecord
 from freeride.transport import (
     BadFrame,
     ControlServer,
@@ -81,7 +81,7 @@ class Manager:
         self._nvml: NvmlMonitor | None = None
         self._mps: MpsDaemon | None = None
         self.observers = Observers()
-        """Trace writers and metrics exporters; see :mod:`freeride.observe`."""
+        """Trace writers and metrics exporters; see :mod:`freeride.observe.base`."""
         self.supervisor = Supervisor(config, devices=self.devices, send=self._send, observers=self.observers)
 
     # -- lifetime -------------------------------------------------------------
@@ -104,11 +104,11 @@ class Manager:
             self._hub = WorkerHub(self._ctx, self.config.endpoints.workers)
             self._control = ControlServer(self._ctx, self.config.endpoints.control)
             if self.config.trace is not None:
-                from freeride.trace import TraceWriter
+                from freeride.observe.trace import TraceWriter
 
                 self.observers.add(TraceWriter(self.config.trace))
             if self.config.metrics_port is not None:
-                from freeride.metrics import MetricsExporter
+                from freeride.observe.metrics import MetricsExporter
 
                 self.observers.add(MetricsExporter(port=self.config.metrics_port, status=self.status))
         except Exception:

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from freeride import protocol as p
-from freeride.observe import Observers
-from freeride.stats import LatencyRecorder
-from freeride.tasks import TaskRecord
+from freeride.observe.base import Observers
+from freeride.observe.stats import LatencyRecorder
+from freeride.serve.tasks import TaskRecord
 
 __all__ = ["PROBE_AFTER_BUBBLES", "DeviceInput", "DeviceScheduler", "TaskChanged"]
 

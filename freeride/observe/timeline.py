@@ -1,6 +1,6 @@
 """Reading a FreeRide trace back: bubbles, steps and side-task grants per track.
 
-The inverse of :mod:`freeride.trace`, for ``freeride report`` and
+The inverse of :mod:`freeride.observe.trace`, for ``freeride report`` and
 ``tools/render_timeline.py``. Accepts the JSON Object and JSON Array forms of
 the Trace Event Format, and a file cut short by a crash (it is cut back to its
 last whole event).
@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from freeride.trace import SIDE_TASKS_PID, TRAINING_PID
+from freeride.observe.trace import SIDE_TASKS_PID, TRAINING_PID
 
 __all__ = ["DeviceTimeline", "Grant", "Span", "TaskTimeline", "Trace", "load_trace", "parse_trace"]
 

@@ -29,7 +29,7 @@ delay this until it exits.)
 Memory on a CPU device is capped with ``RLIMIT_AS`` applied to the stopped shim
 before the program starts. Never cap a CUDA program that way: CUDA reserves a
 huge virtual range at init and fails with out-of-memory under a small
-``RLIMIT_AS``; on a GPU the cap is MPS's (see :mod:`freeride.mps`).
+``RLIMIT_AS``; on a GPU the cap is MPS's (see :mod:`freeride.gpu.mps`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from freeride.mps import client_env, torch_memory_fraction
+from freeride.gpu.mps import client_env, torch_memory_fraction
 
 __all__ = ["DEFAULT_AS_OVERHEAD", "MemoryCap", "plan_memory_cap"]
 
@@ -40,7 +40,7 @@ class MemoryCap:
     env: dict[str, str] = field(default_factory=dict)
     """Variables to add to the process's environment."""
     rlimit_as: int = -1
-    """``memory_limit`` for :class:`freeride.imperative.ImperativeProcess`; -1 for none."""
+    """``memory_limit`` for :class:`freeride.serve.imperative.ImperativeProcess`; -1 for none."""
 
 
 def _parse_device(device: str) -> tuple[str, int]:

@@ -40,13 +40,10 @@ GiveBackReason = Literal["no_fit", "revoked", "expired", "finished", "stopping"]
 
 
 def load_target(target: str) -> type[IterativeTask]:
-    """Import ``module:Class`` and check it is an :class:`IterativeTask`.
+    """Import ``module:Class`` (or a catalog name) and check it is an :class:`IterativeTask`."""
+    from sidetasks import resolve
 
-    ``sidetasks.x:Y`` is accepted as a short form of ``freeride.sidetasks.x:Y``.
-    """
-    module_name, _, cls_name = target.partition(":")
-    if module_name.startswith("sidetasks."):
-        module_name = "freeride." + module_name
+    module_name, _, cls_name = resolve(target).partition(":")
     obj = getattr(importlib.import_module(module_name), cls_name)
     if not (isinstance(obj, type) and issubclass(obj, IterativeTask)):
         raise TypeError(f"{target} is not a subclass of freeride.IterativeTask")

@@ -1,0 +1,7 @@
+"""``python -m freeride``: the same as the ``freeride`` command."""
+
+import sys
+
+from freeride.cli import main
+
+sys.exit(main())
