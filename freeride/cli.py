@@ -13,6 +13,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -20,6 +21,9 @@ from freeride import protocol as p
 from freeride.serve.config import ServeConfig
 from freeride.transport import ControlClient, Endpoints, ManagerUnreachable, default_runtime_dir
 from freeride.units import format_ns, parse_bytes, parse_duration_ns
+
+if TYPE_CHECKING:
+    from backends.sim import SimConfig
 
 __all__ = ["build_parser", "main"]
 
@@ -277,11 +281,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_sim(args: argparse.Namespace) -> int:
-    from backends.sim import SimConfig, SimPipeline
+def _sim_config(args: argparse.Namespace, endpoint: str) -> SimConfig:
+    """The simulated job of ``freeride sim`` and ``freeride demo``, from their shared flags."""
+    from backends.sim import SimConfig
 
-    config = SimConfig(
-        endpoint=_endpoints(args).events,
+    return SimConfig(
+        endpoint=endpoint,
         schedule=args.schedule,
         num_stages=args.stages,
         num_microbatches=args.microbatches,
@@ -291,7 +296,12 @@ def cmd_sim(args: argparse.Namespace) -> int:
         steps=args.steps,
         compute=args.compute,
     )
-    with SimPipeline(config) as sim:
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from backends.sim import SimPipeline
+
+    with SimPipeline(_sim_config(args, _endpoints(args).events)) as sim:
         results = sim.join()
     for r in results:
         med = sorted(r.step_ns)[len(r.step_ns) // 2] if r.step_ns else 0
@@ -302,16 +312,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from freeride.demo import DemoOptions, run_demo
 
-    options = DemoOptions(
-        schedule=args.schedule,
-        num_stages=args.stages,
-        num_microbatches=args.microbatches,
-        steps=args.steps,
-        forward_s=parse_duration_ns(args.forward) / 1e9,
-        backward_s=parse_duration_ns(args.backward) / 1e9,
-        compute=args.compute,
-        task=args.task,
-    )
+    # the demo runs its own manager, which fills in the endpoint
+    options = DemoOptions(sim=_sim_config(args, endpoint=""), task=args.task)
     if args.opt:
         options = dataclasses.replace(options, task_options=_parse_opts(args.opt))
     report = run_demo(options)

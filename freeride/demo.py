@@ -11,9 +11,8 @@ from __future__ import annotations
 import asyncio
 import statistics
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
 
 from backends.sim import SimConfig, SimPipeline, StageResult
 from freeride import protocol as p
@@ -25,15 +24,15 @@ from freeride.units import format_ns
 __all__ = ["DemoOptions", "DemoReport", "run_demo"]
 
 
+def _default_sim() -> SimConfig:
+    # slower than `freeride sim`'s defaults so a sample task's step fits in a bubble
+    return SimConfig(endpoint="", forward_s=0.010, backward_s=0.020, steps=40)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DemoOptions:
-    schedule: str = "1f1b"
-    num_stages: int = 2
-    num_microbatches: int = 4
-    steps: int = 40
-    forward_s: float = 0.010
-    backward_s: float = 0.020
-    compute: Literal["sleep", "spin"] = "sleep"
+    sim: SimConfig = field(default_factory=_default_sim)
+    """The simulated pipeline job; its ``endpoint`` is replaced by the demo manager's."""
     task: str = "graph-sgd"
     """A name from ``freeride submit --list`` or ``module:Class``."""
     task_options: dict[str, str | int | float | bool] = field(default_factory=lambda: {"eval_every": 25})
@@ -54,11 +53,14 @@ class DemoReport:
         )
 
     def text(self) -> str:
-        o = self.options
-        theory = (o.num_stages - 1) / (o.num_microbatches + o.num_stages - 1)
+        o, sim = self.options, self.options.sim
+        # an interleaved schedule with v chunks per rank shrinks the bubble to (p-1)/(v*m) of the ideal time
+        work = sim.num_chunks * sim.num_microbatches
+        theory = (sim.num_stages - 1) / (work + sim.num_stages - 1)
+        chunks = f" x {sim.num_chunks} chunks" if sim.num_chunks > 1 else ""
         lines = [
-            f"FreeRide demo: {o.schedule} pipeline, {o.num_stages} stages x {o.num_microbatches} micro-batches, "
-            f"{o.steps} steps ({o.compute} compute); side task: {o.task}",
+            f"FreeRide demo: {sim.schedule} pipeline, {sim.num_stages} stages x {sim.num_microbatches} micro-batches"
+            f"{chunks}, {sim.steps} steps ({sim.compute} compute); side task: {o.task}",
             "",
             f"{'stage':>5} {'device':8} {'step (median)':>13} {'bubble share':>12} {'bubble time':>11} "
             f"{'used by side task':>17} {'overruns':>8}",
@@ -74,7 +76,8 @@ class DemoReport:
                 f"{d.stage:>5} {d.device:8} {format_ns(int(step)):>13} {share:>12.1%} {format_ns(d.bubble_ns):>11} "
                 f"{used:>17.1%} {d.overruns:>8}"
             )
-        lines.append(f"(bubble share measured after step 0; the schedule's (p-1)/(m+p-1) is {theory:.1%})")
+        formula = "(p-1)/(v*m+p-1)" if sim.num_chunks > 1 else "(p-1)/(m+p-1)"
+        lines.append(f"(bubble share measured after step 0; the schedule's {formula} is {theory:.1%})")
         lines.append("")
         for t in self.status.tasks:
             metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(t.metrics.items()))
@@ -109,23 +112,16 @@ async def _wait_for(predicate: object, timeout_s: float, what: str) -> None:
 async def _demo(options: DemoOptions) -> DemoReport:
     runtime_dir = Path(tempfile.mkdtemp(prefix="freeride-demo-"))
     config = ServeConfig(endpoints=Endpoints.ipc(runtime_dir), state_dir=runtime_dir / "state")
-    sim_config = SimConfig(
-        endpoint=config.endpoints.events,
-        schedule=options.schedule,
-        num_stages=options.num_stages,
-        num_microbatches=options.num_microbatches,
-        forward_s=options.forward_s,
-        backward_s=options.backward_s,
-        steps=options.steps,
-        compute=options.compute,
-    )
+    sim_config = replace(options.sim, endpoint=config.endpoints.events)
     target = _target(options.task)
     stop = asyncio.Event()
     async with Manager(config) as manager, asyncio.TaskGroup() as tg:
         tg.create_task(manager.run(stop), name="demo-manager")
-        for stage in range(options.num_stages):
+        for stage in range(sim_config.num_stages):
             device = sim_config.device(stage)
-            manager.declare_device(device, stage=stage, spare_memory=sim_config.spare_memory, cpu_affinity=[stage])
+            manager.declare_device(
+                device, stage=stage, spare_memory=sim_config.spare_memory, cpu_affinity=[sim_config.core(stage)]
+            )
             reply = manager.submit(
                 p.TaskSpec(
                     kind="iterative",
