@@ -254,13 +254,28 @@ def cmd_report(args: argparse.Namespace) -> int:
 # -- launch / profile / sim / demo ------------------------------------------------
 
 
+def _find_command(command: Sequence[str], env: dict[str, str]) -> str:
+    from backends.launch import CommandNotFound, find_command
+
+    try:
+        return find_command(command[0], env)
+    except CommandNotFound as exc:
+        print(f"freeride: {exc}", file=sys.stderr)
+        raise SystemExit(exc.exit_code) from None
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from backends.launch import launch_env
 
     if not args.command:
         raise SystemExit("freeride: give the training command after --, e.g. freeride launch -- torchrun ...")
     env = launch_env(os.environ, events=_endpoints(args).events)
-    os.execvpe(args.command[0], list(args.command), env)
+    path = _find_command(args.command, env)
+    try:
+        os.execve(path, list(args.command), env)
+    except OSError as exc:  # found but not runnable, e.g. a script with a bad #! line
+        print(f"freeride: cannot run {args.command[0]!r}: {exc.strerror}", file=sys.stderr)
+        return 126
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -271,6 +286,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise SystemExit("freeride: give the training command after --")
     with tempfile.TemporaryDirectory(prefix="freeride-profile-") as tmp:
         env = launch_env(os.environ, events=_endpoints(args).events, mode="profile", profile_dir=Path(tmp))
+        _find_command(args.command, env)
         code = subprocess.call(list(args.command), env=env)
         if code != 0:
             print(f"freeride: training command exited with {code}; no profile written", file=sys.stderr)

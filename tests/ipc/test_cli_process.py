@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 FREERIDE = [sys.executable, "-m", "freeride"]
 
@@ -21,3 +24,30 @@ def test_python_dash_m_freeride_prints_usage() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: freeride")
     assert "launch" in done.stdout and "submit" in done.stdout
+
+
+@pytest.mark.parametrize("command", ["launch", "profile"])
+def test_a_typo_in_the_command_is_one_line_and_127(command: str, tmp_path: Path) -> None:
+    extra = ["--out", str(tmp_path / "profile.json")] if command == "profile" else []
+    done = _run(command, "--runtime-dir", str(tmp_path), *extra, "--", "pythn-no-such-command", "train.py")
+    assert done.returncode == 127
+    assert done.stderr.splitlines() == [
+        "freeride: command 'pythn-no-such-command' not found; check its spelling and that it is on PATH"
+    ]
+
+
+def test_a_command_that_is_not_executable_is_126(tmp_path: Path) -> None:
+    script = tmp_path / "train.sh"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o644)
+    done = _run("launch", "--runtime-dir", str(tmp_path), "--", str(script))
+    assert done.returncode == 126
+    assert done.stderr.splitlines() == [f"freeride: command '{script}' is not executable; check its permissions"]
+
+
+def test_launch_execs_the_command_with_the_hooks_environment(tmp_path: Path) -> None:
+    # the lookup before exec must not change what runs: the named program, with FreeRide's environment
+    program = "import os, sys; print(os.environ['FREERIDE_MODE'], sys.argv[1])"
+    done = _run("launch", "--runtime-dir", str(tmp_path), "--", "python3", "-c", program, "arg")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "emit arg"
