@@ -449,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     # everything after the first `--` is a command to run, never our options
@@ -471,6 +471,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"freeride: {exc}", file=sys.stderr)
         return 2
+
+
+def _stdout_to_devnull() -> None:
+    # Python flushes stdout again at exit; into a closed pipe that prints "Exception ignored ... BrokenPipeError"
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is not a file (embedded use): nothing is flushed at exit
+        pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one ``freeride`` command; returns its exit status.
+
+    A reader that closes our stdout early (``freeride report trace.json | head``)
+    ends the command quietly with 141, the status a shell gives a process ended
+    by SIGPIPE.
+    """
+    try:
+        try:
+            return _run(argv)
+        finally:
+            # flush here, where a closed pipe can be caught, rather than at interpreter exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return 141
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ None of these needs a manager: ``--help``, ``submit --list``, ``report`` and
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +52,24 @@ def test_launch_execs_the_command_with_the_hooks_environment(tmp_path: Path) -> 
     done = _run("launch", "--runtime-dir", str(tmp_path), "--", "python3", "-c", program, "arg")
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "emit arg"
+
+
+# `freeride report trace.json | head -1` once printed a BrokenPipeError traceback.
+# The reader here is closed before the command writes anything, so every run
+# hits the closed pipe (a reader that leaves after one line races the writer,
+# which may have written all its output into the pipe's buffer by then).
+@pytest.mark.parametrize("command", ["submit", "report"])
+def test_a_closed_stdout_ends_quietly(command: str, tmp_path: Path) -> None:
+    trace = tmp_path / "trace.json"
+    trace.write_text('{"traceEvents": []}')
+    args = ["submit", "--list"] if command == "submit" else ["report", str(trace)]
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [*FREERIDE, *args], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120, check=False
+        )
+    finally:
+        os.close(write_end)
+    assert done.stderr == ""
+    assert done.returncode == 141
