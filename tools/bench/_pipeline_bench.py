@@ -10,6 +10,7 @@ launch``, interleaved in time, and returns a markdown section.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -20,15 +21,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from freeride import protocol as p
 from freeride.profile import Profile, load_profile
 from freeride.transport import ControlClient, Endpoints, ManagerUnreachable
+from freeride.units import parse_duration_ns
+from sidetasks import resolve
 
-__all__ = ["SKIP_STEPS", "Job", "RunResult", "SideTask", "bench"]
+__all__ = ["SKIP_STEPS", "TASK_DEFAULTS", "Job", "RunResult", "SideTask", "add_side_task_args", "bench", "side_task"]
 
 ROOT = Path(__file__).resolve().parents[2]
 SKIP_STEPS = 3
@@ -58,6 +61,43 @@ class SideTask:
     options: tuple[str, ...]
     step_time: str
     """Expected step time until measured."""
+
+
+TASK_DEFAULTS: dict[str, tuple[str, ...]] = {
+    # the default batch steps far longer than a small job's bubbles
+    "sidetasks.graph_sgd:GraphSGD": ("batch_edges=2048",),
+}
+"""Options a benchmark gives a side task (``module:Class``) unless ``--opt`` sets them; other tasks get none."""
+
+
+def add_side_task_args(ap: argparse.ArgumentParser) -> None:
+    """The ``--task``, ``--opt`` and ``--step-time`` flags both benchmarks take (see :func:`side_task`)."""
+    ap.add_argument("--task", default="graph-sgd", help="a side task from `freeride submit --list`, or module:Class")
+    ap.add_argument(
+        "--opt",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="side-task option (repeatable); graph-sgd defaults to batch_edges=2048",
+    )
+    ap.add_argument("--step-time", default="2ms", help="the side task's expected step time, until measured")
+
+
+def side_task(task: str, opts: Sequence[str], step_time: str) -> SideTask:
+    """The side task to submit: ``task``'s defaults from :data:`TASK_DEFAULTS`, overridden key by key by ``opts``.
+
+    Raises:
+        ValueError: ``task`` is no side task name, an option is not ``KEY=VALUE`` or ``step_time`` no duration.
+    """
+    parse_duration_ns(step_time)
+    target = resolve(task)
+    options: dict[str, str] = {}
+    for pair in (*TASK_DEFAULTS.get(target, ()), *opts):
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--opt expects KEY=VALUE, got {pair!r}")
+        options[key.replace("-", "_")] = value  # as `freeride submit` spells the key
+    return SideTask(target=target, options=tuple(f"{k}={v}" for k, v in options.items()), step_time=step_time)
 
 
 @dataclass(slots=True)

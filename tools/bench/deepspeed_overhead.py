@@ -20,9 +20,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from _pipeline_bench import Job, SideTask, bench  # tools/bench is the script's directory
-
-from freeride.units import parse_duration_ns
+from _pipeline_bench import Job, add_side_task_args, bench, side_task  # tools/bench is the script's directory
 
 __all__ = ["main"]
 
@@ -34,16 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=3, help="alone/with rounds, interleaved in time")
     ap.add_argument("--steps", type=int, default=30, help="training steps per run")
-    ap.add_argument("--task", default="sidetasks.graph_sgd:GraphSGD")
-    ap.add_argument("--opt", action="append", default=None, help="side-task option KEY=VALUE (repeatable)")
-    ap.add_argument("--step-time", default="2ms", help="the side task's expected step time, until measured")
+    add_side_task_args(ap)
     ap.add_argument("--keep", action="store_true", help="keep the runtime directory (logs, profile)")
     ap.add_argument("--hooked", action="store_true", help="also time the hooks with no manager listening")
     ap.add_argument("train_args", nargs="*", help="after --: arguments for tools/train/deepspeed_gpt.py")
     ns = ap.parse_args(argv)
     try:
-        parse_duration_ns(ns.step_time)
-        task = SideTask(target=ns.task, options=tuple(ns.opt or ["batch_edges=2048"]), step_time=ns.step_time)
+        task = side_task(ns.task, ns.opt, ns.step_time)
         job = Job(
             title="## DeepSpeed: training with side tasks in its bubbles", script=SCRIPT, args=tuple(ns.train_args)
         )

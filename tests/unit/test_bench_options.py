@@ -1,0 +1,92 @@
+"""The side task the pipeline benchmarks submit: defaults only for the task they belong to.
+
+``deepspeed_overhead.py --task pagerank`` once crashed: the default
+``batch_edges=2048`` of graph SGD was passed to every task. The scripts live in
+tools/bench and import their harness as a sibling module, so they are imported
+with that directory on sys.path; ``bench`` itself is replaced (nothing runs).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "tools" / "bench"
+
+
+@pytest.fixture
+def bench_module(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], ModuleType]:
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    return importlib.import_module
+
+
+def test_graph_sgd_gets_its_default(bench_module: Callable[[str], ModuleType]) -> None:
+    harness = bench_module("_pipeline_bench")
+    task = harness.side_task("graph-sgd", [], "2ms")
+    assert task.target == "sidetasks.graph_sgd:GraphSGD"
+    assert task.options == ("batch_edges=2048",)
+
+
+def test_other_tasks_get_no_graph_sgd_default(bench_module: Callable[[str], ModuleType]) -> None:
+    harness = bench_module("_pipeline_bench")
+    assert harness.side_task("pagerank", [], "2ms").options == ()
+    assert harness.side_task("sidetasks.pagerank:PageRank", ["nodes=1000"], "2ms").options == ("nodes=1000",)
+
+
+def test_options_override_defaults_key_by_key(bench_module: Callable[[str], ModuleType]) -> None:
+    harness = bench_module("_pipeline_bench")
+    task = harness.side_task("graph-sgd", ["batch-edges=64", "eval_every=5"], "2ms")
+    assert task.options == ("batch_edges=64", "eval_every=5")
+
+
+@pytest.mark.parametrize(
+    ("task", "opts", "step_time", "message"),
+    [
+        ("no-such-task", [], "2ms", "unknown side task 'no-such-task'"),
+        ("pagerank", ["nodes"], "2ms", "--opt expects KEY=VALUE, got 'nodes'"),
+        ("pagerank", [], "soon", "soon"),
+    ],
+)
+def test_bad_input_is_a_value_error(
+    bench_module: Callable[[str], ModuleType], task: str, opts: list[str], step_time: str, message: str
+) -> None:
+    harness = bench_module("_pipeline_bench")
+    with pytest.raises(ValueError, match=message):
+        harness.side_task(task, opts, step_time)
+
+
+@pytest.mark.parametrize("script", ["deepspeed_overhead", "megatron_overhead"])
+@pytest.mark.parametrize(
+    ("argv", "target", "options"),
+    [
+        ([], "sidetasks.graph_sgd:GraphSGD", ("batch_edges=2048",)),
+        (["--task", "pagerank"], "sidetasks.pagerank:PageRank", ()),
+        (["--task", "pagerank", "--opt", "nodes=1000"], "sidetasks.pagerank:PageRank", ("nodes=1000",)),
+    ],
+)
+def test_scripts_submit_the_task_they_were_given(
+    bench_module: Callable[[str], ModuleType],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    script: str,
+    argv: list[str],
+    target: str,
+    options: tuple[str, ...],
+) -> None:
+    module = bench_module(script)
+    seen: list[Any] = []
+
+    def fake_bench(job: object, task: object, **kwargs: object) -> str:
+        seen.append(task)
+        return "## section\n\nbody"
+
+    monkeypatch.setattr(module, "bench", fake_bench)
+    assert module.main(argv) == 0
+    assert seen, "the script ran no benchmark"
+    assert {(t.target, t.options, t.step_time) for t in seen} == {(target, options, "2ms")}
+    capsys.readouterr()
