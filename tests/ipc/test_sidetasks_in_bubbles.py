@@ -32,6 +32,8 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "vgg19-train": {"batch_size": 1, "layer_steps": True},
 }
 LONG_BUBBLES = {"vgg19-train"}
+SLOW = {"resnet50-train", "vgg19-train"}
+"""Full-size vision models: minutes of CPU training each, so only in runs that take slow tests."""
 
 
 class _Seen:
@@ -57,7 +59,9 @@ class _Seen:
         pass
 
 
-@pytest.mark.parametrize("name", sorted(WORKLOADS))
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=pytest.mark.slow if name in SLOW else ()) for name in sorted(WORKLOADS)]
+)
 async def test_workload_runs_only_inside_bubbles(manager: Manager, name: str) -> None:
     long = name in LONG_BUBBLES
     sim_config = SimConfig(
