@@ -4,28 +4,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _sidetaskfix import cpu_context, deterministic_one_thread  # noqa: F401 - autouse fixture
 
-from freeride.sidetask import TaskContext, run_alone
+from freeride.sidetask import run_alone
 from sidetasks.graph_sgd import GraphSGD, planted_ratings, read_ratings
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _ctx(tmp_path: Path) -> TaskContext:
-    return TaskContext(task_id=0, device="cpu:0", torch_device="cpu", workdir=tmp_path)
-
 
 SMALL: dict[str, Any] = {
     "users": 300,
@@ -42,9 +29,9 @@ async def test_one_step_applies_the_gardenia_edge_updates(tmp_path: Path) -> Non
     opts: dict[str, Any] = {"users": 6, "items": 5, "rank": 2, "density": 0.8, "lr": 0.3, "l2": 0.05, "holdout": 0.2}
     n_train = len(GraphSGD(**opts).train_idx)
     task = GraphSGD(**opts, batch_edges=n_train)  # one step visits every training edge once
-    await task.setup(_ctx(tmp_path))
+    await task.setup(cpu_context(tmp_path))
     p0, q0 = task.p.clone(), task.q.clone()
-    await run_alone(task, steps=1, ctx=_ctx(tmp_path))
+    await run_alone(task, steps=1, ctx=cpu_context(tmp_path))
     # Reference: the textbook per-edge update from the factors before the step, summed per row.
     exp_p, exp_q = p0.clone(), q0.clone()
     for e_id in task.train_idx.tolist():
@@ -60,7 +47,7 @@ async def test_one_step_applies_the_gardenia_edge_updates(tmp_path: Path) -> Non
 
 async def test_recovers_a_planted_low_rank_matrix(tmp_path: Path) -> None:
     task = GraphSGD(**SMALL, dim=8)
-    await run_alone(task, steps=60, ctx=_ctx(tmp_path))
+    await run_alone(task, steps=60, ctx=cpu_context(tmp_path))
     m = task.metrics()
     assert m["baseline_rmse"] > 0.9  # the planted entries spread about 1 around their mean
     assert m["test_rmse"] < 0.35 * m["baseline_rmse"]
@@ -75,7 +62,7 @@ async def test_training_error_goes_down(tmp_path: Path) -> None:
     task = GraphSGD(**SMALL)
     seen: list[float] = []
     for _ in range(6):
-        await run_alone(task, steps=10, ctx=_ctx(tmp_path))
+        await run_alone(task, steps=10, ctx=cpu_context(tmp_path))
         seen.append(task.metrics()["train_rmse"])
     assert seen[-1] < 0.5 * seen[0]
     assert all(b < a for a, b in itertools.pairwise(seen[1:]))
@@ -83,14 +70,14 @@ async def test_training_error_goes_down(tmp_path: Path) -> None:
 
 async def test_resume_from_disk_is_bit_identical(tmp_path: Path) -> None:
     straight = GraphSGD(**SMALL)
-    await run_alone(straight, steps=12, ctx=_ctx(tmp_path))
+    await run_alone(straight, steps=12, ctx=cpu_context(tmp_path))
 
     first = GraphSGD(**SMALL)
-    await run_alone(first, steps=5, ctx=_ctx(tmp_path))
+    await run_alone(first, steps=5, ctx=cpu_context(tmp_path))
     torch.save(first.state_dict(), tmp_path / "ckpt.pt")
     second = GraphSGD(**SMALL)
     second.load_state_dict(torch.load(tmp_path / "ckpt.pt"))
-    await run_alone(second, steps=7, ctx=_ctx(tmp_path))
+    await run_alone(second, steps=7, ctx=cpu_context(tmp_path))
 
     assert torch.equal(second.p, straight.p) and torch.equal(second.q, straight.q)
     assert second.metrics() == straight.metrics()
@@ -98,7 +85,7 @@ async def test_resume_from_disk_is_bit_identical(tmp_path: Path) -> None:
 
 async def test_steps_option_ends_the_task(tmp_path: Path) -> None:
     task = GraphSGD(**SMALL, steps=4)
-    durations = await run_alone(task, steps=100, ctx=_ctx(tmp_path))
+    durations = await run_alone(task, steps=100, ctx=cpu_context(tmp_path))
     assert len(durations) == 4 + 1 and task.done()  # 4 training steps, then the evaluation
     assert not math.isnan(task.metrics()["test_rmse"])  # evaluated when done
 
@@ -117,7 +104,9 @@ async def test_ratings_file(tmp_path: Path) -> None:
     assert edges.tolist() == [[0, 0], [0, 1], [1, 0], [1, 2]]
     assert values.tolist() == [4.0, 2.5, 1.0, 5.0]
     task = GraphSGD(ratings_file=str(path), holdout=0.25, dim=2)
-    await run_alone(task, steps=6, ctx=_ctx(tmp_path))  # every step ends an epoch: 3 training steps, 3 evaluations
+    await run_alone(
+        task, steps=6, ctx=cpu_context(tmp_path)
+    )  # every step ends an epoch: 3 training steps, 3 evaluations
     assert (task.users, task.items) == (2, 3) and task.metrics()["steps"] == 3.0
 
 

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from _sidetaskfix import cpu_context, deterministic_one_thread  # noqa: F401 - autouse fixture
 
-from freeride.sidetask import TaskContext, run_alone
+from freeride.sidetask import run_alone
 from sidetasks._imageio import read_image, write_pnm
 from sidetasks._imageops import (
     edge_pipeline,
@@ -22,19 +22,6 @@ from sidetasks._imageops import (
     to_gray,
 )
 from sidetasks.imaging import ImageProcessing
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _ctx(tmp_path: Path) -> TaskContext:
-    return TaskContext(task_id=0, device="cpu:0", torch_device="cpu", workdir=tmp_path)
-
 
 # --- references: direct formulas, pixel by pixel, in float64 numpy --------------------------------
 
@@ -160,7 +147,7 @@ OPTS: dict[str, Any] = {"images": 11, "batch_size": 3, "image_size": 24, "sigma"
 
 async def test_task_processes_every_image_once(tmp_path: Path) -> None:
     task = ImageProcessing(**OPTS, output_dir="edges")
-    durations = await run_alone(task, steps=100, ctx=_ctx(tmp_path))
+    durations = await run_alone(task, steps=100, ctx=cpu_context(tmp_path))
     assert len(durations) == 4 and task.done()  # 3 + 3 + 3 + 2
     files = sorted((tmp_path / "edges").glob("*.pgm"))
     assert [f.name for f in files] == [f"edges_{i:08d}.pgm" for i in range(11)]
@@ -173,14 +160,14 @@ async def test_task_processes_every_image_once(tmp_path: Path) -> None:
 
 async def test_resume_from_disk_gives_identical_results(tmp_path: Path) -> None:
     straight = ImageProcessing(**OPTS, output_dir="a")
-    await run_alone(straight, steps=100, ctx=_ctx(tmp_path))
+    await run_alone(straight, steps=100, ctx=cpu_context(tmp_path))
 
     first = ImageProcessing(**OPTS, output_dir="b")
-    await run_alone(first, steps=2, ctx=_ctx(tmp_path))
+    await run_alone(first, steps=2, ctx=cpu_context(tmp_path))
     torch.save(first.state_dict(), tmp_path / "ckpt.pt")
     second = ImageProcessing(**OPTS, output_dir="b")
     second.load_state_dict(torch.load(tmp_path / "ckpt.pt"))
-    steps = await run_alone(second, steps=100, ctx=_ctx(tmp_path))
+    steps = await run_alone(second, steps=100, ctx=cpu_context(tmp_path))
 
     assert len(steps) == 2
     for key in ("processed", "edge_mean", "steps"):
@@ -198,7 +185,7 @@ async def test_task_reads_a_folder(tmp_path: Path) -> None:
     (data / "notes.txt").write_text("not an image")
     task = ImageProcessing(data_dir=str(data), image_size=16, batch_size=2)
     assert task.images == 3
-    await run_alone(task, steps=10, ctx=_ctx(tmp_path))
+    await run_alone(task, steps=10, ctx=cpu_context(tmp_path))
     assert task.metrics()["processed"] == 3.0 and task.done()
     assert task.metrics()["edge_mean"] > 0.0
 

@@ -4,25 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _sidetaskfix import deterministic_one_thread  # noqa: F401 - autouse fixture
 
 from sidetasks._imageio import read_image, write_pnm
 from sidetasks._imageops import edge_pipeline, synthetic_scene
 from sidetasks.imaging_cli import PROGRESS_FILE, main
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 ARGS = ["--images", "6", "--size", "32", "--sigma", "1.0", "--seed", "3"]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,21 +9,10 @@ import networkx as nx
 import numpy as np
 import pytest
 import torch
+from _sidetaskfix import cpu_context, deterministic_one_thread  # noqa: F401 - autouse fixture
 
-from freeride.sidetask import TaskContext, run_alone
+from freeride.sidetask import run_alone
 from sidetasks.pagerank import PageRank, generate_graph, read_edge_list
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _ctx(tmp_path: Path) -> TaskContext:
-    return TaskContext(task_id=0, device="cpu:0", torch_device="cpu", workdir=tmp_path)
 
 
 def _networkx_reference(graph: nx.DiGraph, alpha: float) -> dict[int, float]:
@@ -49,7 +37,7 @@ async def test_matches_networkx_on_graph_with_dangling_nodes(tmp_path: Path) -> 
     dangling = [n for n in graph if graph.out_degree(n) == 0]
     assert len(dangling) >= 5, "the generated graph should exercise dangling-node handling"
     task = PageRank(nodes=60, avg_degree=2.5, seed=3, tol=1e-12, max_iters=1000)
-    await run_alone(task, steps=1000, ctx=_ctx(tmp_path))
+    await run_alone(task, steps=1000, ctx=cpu_context(tmp_path))
     assert task.metrics()["converged"] == 1.0
     ours = task.result()
     ref = _networkx_reference(graph, 0.85)
@@ -61,7 +49,7 @@ async def test_matches_networkx_pagerank_directly(tmp_path: Path) -> None:
     pytest.importorskip("scipy")  # networkx.pagerank needs scipy, which torch does not bring
     edges = generate_graph(80, 3.0, seed=5)
     task = PageRank(nodes=80, avg_degree=3.0, seed=5, tol=1e-12, max_iters=1000, alpha=0.9)
-    await run_alone(task, steps=1000, ctx=_ctx(tmp_path))
+    await run_alone(task, steps=1000, ctx=cpu_context(tmp_path))
     ref = nx.pagerank(_digraph(edges, 80), alpha=0.9, tol=1e-12, max_iter=1000)
     ours = task.result()
     assert max(abs(ours[n] - ref[n]) for n in ref) < 1e-6
@@ -75,7 +63,7 @@ async def test_edge_list_file_with_labels_comments_and_duplicates(tmp_path: Path
     assert labels.tolist() == [10, 20, 30, 40, 50]
     assert edges.shape == (6, 2)
     task = PageRank(graph_file=str(path), tol=1e-12, max_iters=1000)
-    await run_alone(task, steps=1000, ctx=_ctx(tmp_path))
+    await run_alone(task, steps=1000, ctx=cpu_context(tmp_path))
     graph = nx.DiGraph([(10, 20), (20, 30), (30, 10), (40, 10), (30, 50)])
     ref = _networkx_reference(graph, 0.85)
     ours = task.result()
@@ -94,14 +82,14 @@ def test_edge_list_rejects_a_line_without_two_ids(tmp_path: Path) -> None:
 async def test_resume_from_disk_is_bit_identical(tmp_path: Path) -> None:
     opts: dict[str, Any] = {"nodes": 3000, "avg_degree": 6.0, "seed": 1, "tol": 1e-10, "iters_per_step": 2}
     straight = PageRank(**opts)
-    await run_alone(straight, steps=10, ctx=_ctx(tmp_path))
+    await run_alone(straight, steps=10, ctx=cpu_context(tmp_path))
 
     first = PageRank(**opts)
-    await run_alone(first, steps=4, ctx=_ctx(tmp_path))
+    await run_alone(first, steps=4, ctx=cpu_context(tmp_path))
     torch.save(first.state_dict(), tmp_path / "ckpt.pt")
     second = PageRank(**opts)
     second.load_state_dict(torch.load(tmp_path / "ckpt.pt"))
-    await run_alone(second, steps=6, ctx=_ctx(tmp_path))
+    await run_alone(second, steps=6, ctx=cpu_context(tmp_path))
 
     assert second.iterations == straight.iterations == 20
     assert torch.equal(second.ranks, straight.ranks)
@@ -110,11 +98,11 @@ async def test_resume_from_disk_is_bit_identical(tmp_path: Path) -> None:
 
 async def test_stops_at_tolerance_or_max_iters_and_saves(tmp_path: Path) -> None:
     capped = PageRank(nodes=2000, seed=2, tol=1e-15, max_iters=7)
-    durations = await run_alone(capped, steps=100, ctx=_ctx(tmp_path))
+    durations = await run_alone(capped, steps=100, ctx=cpu_context(tmp_path))
     assert len(durations) == 7 and capped.done() and capped.metrics()["converged"] == 0.0
 
     loose = PageRank(nodes=2000, seed=2, tol=1e-3, output="out/ranks.pt")
-    await run_alone(loose, steps=100, ctx=_ctx(tmp_path))
+    await run_alone(loose, steps=100, ctx=cpu_context(tmp_path))
     assert loose.residual < 1e-3 and loose.iterations < 100
     saved = torch.load(tmp_path / "out" / "ranks.pt")
     assert torch.equal(saved["ranks"], loose.ranks)
@@ -132,11 +120,11 @@ def test_generated_graph_is_heavy_tailed() -> None:
 
 async def test_checkpoint_of_another_graph_is_refused(tmp_path: Path) -> None:
     other = PageRank(nodes=99, seed=0)
-    await run_alone(other, steps=1, ctx=_ctx(tmp_path))
+    await run_alone(other, steps=1, ctx=cpu_context(tmp_path))
     task = PageRank(nodes=100, seed=0)
     task.load_state_dict(other.state_dict())
     with pytest.raises(ValueError, match="nodes=99"):
-        await task.setup(_ctx(tmp_path))
+        await task.setup(cpu_context(tmp_path))
 
 
 @pytest.mark.parametrize(
