@@ -29,7 +29,8 @@ from typing import Any, TextIO
 
 import torch
 import torch.nn.functional as F
-from _layers import Block, SleepBlock  # tools/train is the script's directory
+from _args import CommonArgs, add_common_args  # tools/train is the script's directory
+from _layers import Block, SleepBlock
 from _spawn import run_ranks
 from torch import nn
 
@@ -37,86 +38,31 @@ __all__ = ["Block", "Embed", "Head", "SleepBlock", "TrainArgs", "main", "parse_a
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TrainArgs:
-    """Command-line options, validated."""
+class TrainArgs(CommonArgs):
+    """Command-line options, validated (the shared ones in :class:`CommonArgs`).
 
-    steps: int
-    """Training steps (``train_batch`` calls)."""
-    micro_batches: int
-    """Micro-batches per step (gradient accumulation steps)."""
-    micro_batch_size: int
+    ``recv_timers`` times DeepSpeed's p2p receives (``recv_ms``), sends (``send_ms``)
+    and all-reduces (``allreduce_ms``); ``attach`` calls ``backends.deepspeed.attach``.
+    """
+
     stages: int
     """Pipeline stages; the world size must be a multiple."""
-    layers: int
-    """Transformer blocks, split evenly over the stages."""
-    hidden: int
-    heads: int
-    seq: int
-    vocab: int
-    compute: str
-    """``matmul`` (real math) or ``sleep``."""
-    sleep_forward_ms: float
-    """Per block and micro-batch, in sleep mode."""
-    sleep_backward_ms: float
-    seed: int
-    lr: float
     gradient_clipping: float
-    device: str
-    """``cpu`` (gloo, one pinned core per rank) or ``cuda`` (nccl)."""
-    recv_timers: bool
-    """Time, per step, the waits inside DeepSpeed's p2p receives (``recv_ms``), sends
-    (``send_ms``) and all-reduces (``allreduce_ms``), measured here, independently of FreeRide."""
-    jsonl: str
-    """Also append the JSON lines to this file; ``{rank}`` is replaced by the rank."""
-    spawn: int
-    """Start this many ranks here instead of being started by a launcher."""
-    attach: bool
-    """Attach FreeRide explicitly (``backends.deepspeed.attach``) instead of
-    relying on ``freeride launch``."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "micro_batches", "micro_batch_size", "stages", "layers", "hidden", "heads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("seq", "vocab"):
-            if getattr(self, name) < 2:
-                raise ValueError(f"{name} must be >= 2, got {getattr(self, name)}")
+        # not super(): slots=True rebuilds the class, which zero-argument super() does not follow (before 3.14)
+        CommonArgs.__post_init__(self)
+        if self.stages < 1:
+            raise ValueError(f"stages must be >= 1, got {self.stages}")
         if self.layers % self.stages:
             raise ValueError(f"layers ({self.layers}) must be a multiple of stages ({self.stages})")
-        if self.hidden % self.heads:
-            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
-        if self.compute not in ("matmul", "sleep"):
-            raise ValueError(f"compute must be 'matmul' or 'sleep', got {self.compute!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.sleep_forward_ms < 0 or self.sleep_backward_ms < 0:
-            raise ValueError("sleep_forward_ms and sleep_backward_ms must be >= 0")
-        if self.spawn < 0:
-            raise ValueError(f"spawn must be >= 0, got {self.spawn}")
 
 
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--micro-batches", type=int, default=4)
-    ap.add_argument("--micro-batch-size", type=int, default=4)
+    add_common_args(ap)
     ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=32)
-    ap.add_argument("--vocab", type=int, default=128)
-    ap.add_argument("--compute", choices=("matmul", "sleep"), default="matmul")
-    ap.add_argument("--sleep-forward-ms", type=float, default=5.0)
-    ap.add_argument("--sleep-backward-ms", type=float, default=10.0)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--gradient-clipping", type=float, default=1.0)
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--recv-timers", action="store_true")
-    ap.add_argument("--jsonl", default="")
-    ap.add_argument("--spawn", type=int, default=0)
-    ap.add_argument("--attach", action="store_true")
     ap.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # `deepspeed` passes it
     ns = ap.parse_args(argv)
     values = {k: v for k, v in vars(ns).items() if k != "local_rank"}

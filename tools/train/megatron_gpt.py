@@ -36,7 +36,8 @@ from typing import Any, TextIO
 
 import torch
 import torch.nn.functional as F
-from _layers import Block, SleepBlock  # tools/train is the script's directory
+from _args import CommonArgs, add_common_args  # tools/train is the script's directory
+from _layers import Block, SleepBlock
 from _spawn import run_ranks
 from torch import nn
 
@@ -55,88 +56,38 @@ _RECV_TIMERS = (
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TrainArgs:
-    """Command-line options, validated."""
+class TrainArgs(CommonArgs):
+    """Command-line options, validated (the shared ones in :class:`CommonArgs`).
 
-    steps: int
-    """Training steps (``forward_backward_func`` calls plus optimizer steps)."""
-    micro_batches: int
-    micro_batch_size: int
+    A step is a ``forward_backward_func`` call plus an optimizer step; on CPU
+    megatron also runs under FreeRide's CPU shim; ``recv_timers`` uses megatron's
+    own ``config.timers`` hooks.
+    """
+
     schedule: str
     """``1f1b`` or ``interleaved``."""
     vpp: int
     """Model chunks per rank with ``interleaved``."""
     overlap_p2p: bool
     """``overlap_p2p_comm`` (interleaved only; implies unbatched p2p)."""
-    layers: int
-    """Transformer blocks, split evenly over the ``world * chunks`` virtual stages."""
-    hidden: int
-    heads: int
-    seq: int
-    vocab: int
-    compute: str
-    """``matmul`` (real math) or ``sleep``."""
-    sleep_forward_ms: float
-    """Per block and micro-batch, in sleep mode."""
-    sleep_backward_ms: float
-    seed: int
-    lr: float
-    device: str
-    """``cpu`` (gloo, one pinned core per rank, CPU shim) or ``cuda`` (nccl)."""
-    attach: bool
-    """Attach FreeRide with its one-line ``attach()``."""
-    recv_timers: bool
-    jsonl: str
-    """Also append the JSON lines to this file; ``{rank}`` is replaced by the rank."""
-    spawn: int
-    """Start this many ranks here instead of being started by a launcher."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "micro_batches", "micro_batch_size", "layers", "hidden", "heads", "vpp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("seq", "vocab"):
-            if getattr(self, name) < 2:
-                raise ValueError(f"{name} must be >= 2, got {getattr(self, name)}")
+        # not super(): slots=True rebuilds the class, which zero-argument super() does not follow (before 3.14)
+        CommonArgs.__post_init__(self)
+        if self.vpp < 1:
+            raise ValueError(f"vpp must be >= 1, got {self.vpp}")
         if self.schedule not in ("1f1b", "interleaved"):
             raise ValueError(f"schedule must be '1f1b' or 'interleaved', got {self.schedule!r}")
         if self.schedule == "1f1b" and (self.vpp != 1 or self.overlap_p2p):
             raise ValueError("vpp and overlap_p2p need --schedule interleaved")
-        if self.hidden % self.heads:
-            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
-        if self.compute not in ("matmul", "sleep"):
-            raise ValueError(f"compute must be 'matmul' or 'sleep', got {self.compute!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.sleep_forward_ms < 0 or self.sleep_backward_ms < 0:
-            raise ValueError("sleep_forward_ms and sleep_backward_ms must be >= 0")
-        if self.spawn < 0:
-            raise ValueError(f"spawn must be >= 0, got {self.spawn}")
 
 
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--micro-batches", type=int, default=4)
-    ap.add_argument("--micro-batch-size", type=int, default=4)
+    add_common_args(ap)
     ap.add_argument("--schedule", choices=("1f1b", "interleaved"), default="1f1b")
     ap.add_argument("--vpp", type=int, default=None, help="model chunks per rank (interleaved; default 2)")
     ap.add_argument("--overlap-p2p", action="store_true")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=32)
-    ap.add_argument("--vocab", type=int, default=128)
-    ap.add_argument("--compute", choices=("matmul", "sleep"), default="matmul")
-    ap.add_argument("--sleep-forward-ms", type=float, default=5.0)
-    ap.add_argument("--sleep-backward-ms", type=float, default=10.0)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--attach", action="store_true")
-    ap.add_argument("--recv-timers", action="store_true")
-    ap.add_argument("--jsonl", default="")
-    ap.add_argument("--spawn", type=int, default=0)
     ns = ap.parse_args(argv)
     if ns.vpp is None:
         ns.vpp = 2 if ns.schedule == "interleaved" else 1
