@@ -37,6 +37,7 @@ __all__ = [
     "Goodbye",
     "Grant",
     "GrantDone",
+    "GrantDoneReason",
     "Heartbeat",
     "Hello",
     "LatencySummary",
@@ -56,6 +57,7 @@ __all__ = [
     "TaskFinished",
     "TaskKind",
     "TaskSpec",
+    "TERMINAL_STATES",
     "TaskState",
     "TaskStatus",
     "WorkerReady",
@@ -168,6 +170,9 @@ BackendEvent = Hello | BubbleStarted | BubbleEnded | StepFinished | Heartbeat | 
 TaskKind = Literal["iterative", "imperative"]
 TaskState = Literal["pending", "starting", "running", "finished", "failed", "cancelled"]
 
+TERMINAL_STATES: frozenset[TaskState] = frozenset({"finished", "failed", "cancelled"})
+"""States a task never leaves."""
+
 
 class TaskSpec(_Msg, frozen=True, tag="task_spec"):
     """What a user submits: a side task and what it needs."""
@@ -256,6 +261,10 @@ class WorkerReady(_Msg, frozen=True, tag="worker_ready"):
     """Steps already done (restored from a checkpoint)."""
 
 
+GrantDoneReason = Literal["no_fit", "revoked", "expired", "finished", "stopping"]
+"""Why a worker gives a grant back."""
+
+
 class GrantDone(_Msg, frozen=True, tag="grant_done"):
     """The worker gives a grant back and says what it did with it."""
 
@@ -268,7 +277,7 @@ class GrantDone(_Msg, frozen=True, tag="grant_done"):
     """Bubble start to first step start; -1 if no step ran."""
     overrun_ns: int
     """How far the last step ran past the deadline (0 if it did not)."""
-    reason: Literal["no_fit", "revoked", "expired", "finished", "stopping"]
+    reason: GrantDoneReason
     step_estimate_ns: int = -1
     """What the worker now expects its next step to take."""
     last_step_end_ns: int = 0

@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import get_args
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -125,7 +126,7 @@ def _task_metrics(status: p.StatusReply, throughput: dict[int, float]) -> Iterat
             user.add_metric([*key, name], float(value))
         by_state[t.state] += 1
     tasks = GaugeMetricFamily("freeride_tasks", "Side tasks by state", labels=["state"])
-    for name in ("pending", "starting", "running", "finished", "failed", "cancelled"):
+    for name in get_args(p.TaskState):
         tasks.add_metric([name], float(by_state[name]))
     pending = GaugeMetricFamily("freeride_pending_tasks", "Side tasks waiting for a device that fits")
     pending.add_metric([], float(by_state["pending"]))
@@ -224,7 +225,7 @@ class MetricsExporter:
                     recent.popleft()
 
     def task_status(self, status: p.TaskStatus) -> None:
-        if status.state in ("finished", "failed", "cancelled"):
+        if status.state in p.TERMINAL_STATES:
             with self._lock:
                 self._recent.pop(status.task_id, None)
 

@@ -16,7 +16,7 @@ import msgspec
 
 from freeride.observe.trace import SIDE_TASKS_PID, TRAINING_PID
 
-__all__ = ["DeviceTimeline", "Grant", "Span", "TaskTimeline", "Trace", "load_trace", "parse_trace"]
+__all__ = ["DeviceTimeline", "GrantSpan", "Span", "TaskTimeline", "Trace", "load_trace", "parse_trace"]
 
 Span = tuple[int, int]
 """``(start_ns, end_ns)``."""
@@ -34,7 +34,7 @@ class DeviceTimeline:
 
 
 @dataclass(frozen=True, slots=True)
-class Grant:
+class GrantSpan:
     """A side task's work inside one grant: first step start to last step end."""
 
     start_ns: int
@@ -49,7 +49,7 @@ class TaskTimeline:
     task_id: int
     name: str
     device: str = ""
-    grants: list[Grant] = field(default_factory=list)
+    grants: list[GrantSpan] = field(default_factory=list)
     state: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -110,7 +110,9 @@ def parse_trace(data: bytes) -> Trace:
             task.device = str(args.get("device") or task.device)
             if cat == "side_task":
                 task.grants.append(
-                    Grant(ts_ns, ts_ns + dur_ns, int(args.get("steps", 0)), int(args.get("busy_ns", 0)), task.device)
+                    GrantSpan(
+                        ts_ns, ts_ns + dur_ns, int(args.get("steps", 0)), int(args.get("busy_ns", 0)), task.device
+                    )
                 )
             else:
                 task.name = str(args.get("name") or task.name)

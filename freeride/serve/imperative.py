@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from freeride._procutil import RESET_SIGNALS, SHELL, DeadlineTimer, group_members, read_state, spawn_watchdog
+from freeride.admission import latest_end_ns
 
 __all__ = ["SPIN_BUDGET_NS", "ExitInfo", "ImperativeProcess", "sync_every_env"]
 
@@ -274,7 +275,7 @@ class ImperativeProcess:
             raise RuntimeError(f"{self.name}: resume() before start()")
         if self.exited:
             return
-        stop_at = deadline_ns - self.margin_ns
+        stop_at = latest_end_ns(deadline_ns, self.margin_ns)
         now = time.monotonic_ns()
         if stop_at <= now:
             logger.debug("[imperative] %s: deadline already passed, not running", self.name)

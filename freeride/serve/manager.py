@@ -20,8 +20,6 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 from typing import assert_never
 
@@ -31,6 +29,7 @@ from freeride.gpu.nvml import NvmlMonitor
 from freeride.observe.base import Observers
 from freeride.observe.stats import LatencyRecorder
 from freeride.serve.config import ServeConfig
+from freeride.serve.ranks import DeviceInfo, Ranks
 from freeride.serve.scheduler import DeviceScheduler
 from freeride.serve.supervisor import Supervisor
 from freeride.serve.tasks import TaskRecord
@@ -47,16 +46,6 @@ __all__ = ["Manager"]
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class _Backend:
-    rank: int
-    device: str
-    pid: int
-    last_seen_ns: int
-    watched: bool = False
-    alive: bool = True
-
-
 class _Stop(Exception):
     """Raised inside the TaskGroup to end :meth:`Manager.run`."""
 
@@ -66,11 +55,12 @@ class Manager:
 
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        self.devices: dict[str, DeviceScheduler] = {}
+        self.schedulers: dict[str, DeviceScheduler] = {}
+        """One per device, created when :attr:`ranks` first knows the device."""
         self.latency = LatencyRecorder()
         self.events = 0
         self.rejected_frames = 0
-        self._backends: dict[int, _Backend] = {}
+        self.ranks = Ranks(listener=self, backend_timeout_s=config.backend_timeout_s)
         self._started_ns = time.monotonic_ns()
         self._tg: asyncio.TaskGroup | None = None
         self._ctx = new_async_context()
@@ -82,7 +72,18 @@ class Manager:
         self._mps: MpsDaemon | None = None
         self.observers = Observers()
         """Trace writers and metrics exporters; see :mod:`freeride.observe.base`."""
-        self.supervisor = Supervisor(config, devices=self.devices, send=self._send, observers=self.observers)
+        self.supervisor = Supervisor(
+            config,
+            devices=self.ranks.devices,
+            schedulers=self.schedulers,
+            send=self._send,
+            observers=self.observers,
+        )
+
+    @property
+    def devices(self) -> dict[str, DeviceInfo]:
+        """Every known device, by name (read only: :attr:`ranks` writes it)."""
+        return self.ranks.devices
 
     # -- lifetime -------------------------------------------------------------
 
@@ -115,7 +116,7 @@ class Manager:
             await self.aclose()
             raise
         if self.config.profile is not None:
-            self._load_profile(self.config.profile)
+            self.ranks.load_profile(self.config.profile)
         self._nvml = NvmlMonitor.open()  # None on machines without NVIDIA's driver
         if self.config.mps:
             self._mps = MpsDaemon(self.config.state_dir / "mps", self.config.log_dir / "mps")
@@ -145,6 +146,7 @@ class Manager:
         self._closed = True
         self.supervisor.stop()
         await self.supervisor.stop_all()
+        self.ranks.close()
         self.observers.close()
         if self._mps is not None:
             await self._mps.quit()
@@ -167,8 +169,6 @@ class Manager:
                 tg.create_task(self._control_loop(), name="manager-control")
                 tg.create_task(self._watchdog(), name="manager-watchdog")
                 tg.create_task(self._until(stop), name="manager-stop")
-                for device in self.devices.values():
-                    tg.create_task(device.run(), name=f"device-{device.device}")
                 self.supervisor.start(lambda coro, name: tg.create_task(coro, name=name))
         except* _Stop:
             pass
@@ -191,7 +191,6 @@ class Manager:
             self._on_event(event)
 
     def _on_event(self, event: p.BackendEvent | BadFrame) -> None:
-        now = time.monotonic_ns()
         if not isinstance(event, BadFrame):
             self.observers.backend_event(event)
         match event:
@@ -204,163 +203,69 @@ class Manager:
                     )
                 return
             case p.Hello():
-                self._on_hello(event)
-                return
-            case (
-                p.BubbleStarted(rank=rank, device=device, stage=stage)
-                | p.BubbleEnded(rank=rank, device=device, stage=stage)
-            ):
-                if self._touch(rank, now):
-                    # Handled here, not through the device's inbox: a queue hop costs a
-                    # loop iteration (~0.1 ms here) on the bubble-start -> step path.
-                    # Both bubble events take this path, so they stay in order.
-                    self._device(device, stage=stage, rank=rank).handle(event)
+                if not self.ranks.hello(event):
+                    self.rejected_frames += 1
+            # Bubble events are handled here, on the events loop, not through a queue: a
+            # queue hop costs a loop iteration (~0.1 ms here) on the bubble-start -> step path.
+            case p.BubbleStarted():
+                info = self.ranks.bubble(event)
+                if info is not None:
+                    self.schedulers[info.name].on_bubble_started(event)
+            case p.BubbleEnded():
+                info = self.ranks.bubble(event)
+                if info is not None:
+                    self.schedulers[info.name].on_bubble_ended(event)
             case p.StepFinished(rank=rank):
-                if self._touch(rank, now):
-                    backend = self._backends.get(rank)
-                    if backend is not None:
-                        self.devices[backend.device].train_steps += 1
+                self.ranks.step_finished(rank)
             case p.Heartbeat(rank=rank):
-                self._touch(rank, now)
+                self.ranks.heartbeat(rank)
             case p.Goodbye(rank=rank, dropped=dropped):
-                backend = self._backends.pop(rank, None)
-                if backend is not None:
-                    logger.info("[events] rank %d said goodbye (%d events dropped)", rank, dropped)
-                    scheduler = self.devices[backend.device]
-                    scheduler.dropped += dropped
-                    scheduler.backend_lost()
+                self.ranks.goodbye(rank, dropped)
             case _:
                 assert_never(event)
 
-    def _touch(self, rank: int, now: int) -> bool:
-        backend = self._backends.get(rank)
-        if backend is None:
-            return True  # a rank that started before this manager: serve it all the same
-        if not backend.alive:
-            return False
-        backend.last_seen_ns = now
-        return True
+    # -- what the ranks tell (RankListener) -----------------------------------
 
-    def _on_hello(self, hello: p.Hello) -> None:
-        if hello.protocol_version != p.PROTOCOL_VERSION:
-            self.rejected_frames += 1
-            logger.error(
-                "[events] rank %d (pid %d) speaks protocol %d but this manager speaks %d; "
-                "install the same FreeRide version in the training environment",
-                hello.rank,
-                hello.pid,
-                hello.protocol_version,
-                p.PROTOCOL_VERSION,
-            )
-            return
-        known = self._backends.get(hello.rank)
-        if known is not None and known.pid == hello.pid and known.alive:
-            known.last_seen_ns = time.monotonic_ns()  # the periodic repeat
-            return
-        device = self._device(hello.device, stage=hello.stage, rank=hello.rank)
-        device.framework = hello.framework
-        device.cpu_affinity = list(hello.cpu_affinity)
-        device.device_memory = hello.device_memory
-        device.alive = True
-        backend = _Backend(rank=hello.rank, device=hello.device, pid=hello.pid, last_seen_ns=time.monotonic_ns())
-        self._backends[hello.rank] = backend
-        backend.watched = self._watch_pid(backend)
-        logger.info(
-            "[events] %s rank %d (pid %d) stage %d/%d on %s",
-            hello.framework,
-            hello.rank,
-            hello.pid,
-            hello.stage,
-            hello.num_stages,
-            hello.device,
+    def device_added(self, info: DeviceInfo) -> None:
+        self.schedulers[info.name] = DeviceScheduler(
+            info.name, latency=self.latency, margin_ns=self.config.margin_ns, observers=self.observers
         )
+
+    def device_lost(self, name: str) -> None:
+        scheduler = self.schedulers.get(name)
+        if scheduler is not None:
+            scheduler.backend_lost()
+
+    def rank_ready(self, info: DeviceInfo) -> None:
         self.supervisor.place_pending()
 
-    def _watch_pid(self, backend: _Backend) -> bool:
-        try:
-            fd = os.pidfd_open(backend.pid)
-        except OSError:
-            return False
-        loop = asyncio.get_running_loop()
-
-        def exited() -> None:
-            loop.remove_reader(fd)
-            os.close(fd)
-            if backend.alive and self._backends.get(backend.rank) is backend:
-                self._lose_backend(backend, "its process exited without saying goodbye")
-
-        loop.add_reader(fd, exited)
-        return True
-
-    def _lose_backend(self, backend: _Backend, why: str) -> None:
-        backend.alive = False
-        self._backends.pop(backend.rank, None)
-        logger.warning("[events] rank %d (pid %d) on %s lost: %s", backend.rank, backend.pid, backend.device, why)
-        device = self.devices.get(backend.device)
-        if device is not None:
-            device.backend_lost()
-
     async def _watchdog(self) -> None:
-        timeout_ns = int(self.config.backend_timeout_s * 1e9)
         while True:
             await asyncio.sleep(min(1.0, self.config.backend_timeout_s / 4))
             self._poll_nvml()
-            now = time.monotonic_ns()
-            for backend in list(self._backends.values()):
-                if not backend.watched and now - backend.last_seen_ns > timeout_ns:
-                    self._lose_backend(backend, f"silent for {self.config.backend_timeout_s:g}s")
+            self.ranks.check_silence()
 
     def _poll_nvml(self) -> None:
         """Free memory per GPU and memory per side-task process, for placement and status."""
         if self._nvml is None:
             return
         free = {d.index: d.free for d in self._nvml.devices()}
-        by_pid = {t.pid: t for t in self.tasks.values() if t.pid}
-        for name, device in self.devices.items():
-            kind, _, index = name.partition(":")
-            if kind != "cuda" or not index.isdigit() or int(index) not in free:
-                continue
-            device.free_memory = free[int(index)]
-            for pid, used in self._nvml.process_memory(int(index)).items():
-                if pid in by_pid:
-                    by_pid[pid].device_memory = used
-
-    def _device(self, name: str, *, stage: int, rank: int) -> DeviceScheduler:
-        device = self.devices.get(name)
-        if device is None:
-            device = DeviceScheduler(
-                name, send=self._send, latency=self.latency, margin_ns=self.config.margin_ns, observers=self.observers
-            )
-            self.devices[name] = device
-            if self._tg is not None:  # otherwise run() starts it
-                self._tg.create_task(device.run(), name=f"device-{name}")
-        device.stage, device.rank, device.alive = stage, rank, True
-        return device
+        self.ranks.note_free_memory(free)
+        used: dict[int, int] = {}
+        for index in free:
+            used.update(self._nvml.process_memory(index))
+        self.supervisor.note_process_memory(used)
 
     def declare_device(self, name: str, *, stage: int, spare_memory: int, cpu_affinity: list[int]) -> None:
         """Make a device known before its rank reports (from a profile, or by a launcher).
 
         Side tasks can then be placed on it and set up before training starts.
         """
-        device = self._device(name, stage=stage, rank=-1)
-        device.alive = False
-        device.spare_memory = spare_memory
-        device.cpu_affinity = list(cpu_affinity)
-
-    def _load_profile(self, path: Path) -> None:
-        """Know every profiled device and its spare memory before any rank reports."""
-        from freeride.profile import load_profile
-
-        profile = load_profile(path)
-        for stage in profile.stages:
-            kind, _, index = stage.device.partition(":")
-            cores = [int(index)] if kind == "cpu" and index.isdigit() else []
-            self.declare_device(stage.device, stage=stage.stage, spare_memory=stage.spare_memory, cpu_affinity=cores)
-        logger.info("[startup] profile %s: %d stage(s) on %s", path, len(profile.stages), ", ".join(profile.devices))
+        self.ranks.declare(name, stage=stage, spare_memory=spare_memory, cpu_affinity=cpu_affinity)
 
     def live_backends(self) -> list[int]:
         """Ranks currently reporting to this manager."""
-        return [rank for rank, b in self._backends.items() if b.alive]
+        return self.ranks.live()
 
     # -- side tasks -------------------------------------------------------------
 
@@ -376,8 +281,8 @@ class Manager:
         """Stop a side task; it checkpoints first, so submitting it again resumes it."""
         return await self.supervisor.cancel(task_id)
 
-    def _send(self, task: TaskRecord, msg: p.ManagerToWorker) -> bool:
-        return self._hub is not None and self._hub.send_nowait(task.ident, msg)
+    def _send(self, ident: bytes, msg: p.ManagerToWorker) -> bool:
+        return self._hub is not None and self._hub.send_nowait(ident, msg)
 
     async def _workers_loop(self) -> None:
         assert self._hub is not None
@@ -415,7 +320,7 @@ class Manager:
     def status(self) -> p.StatusReply:
         p50, p99, worst = self.latency.summary()
         return p.StatusReply(
-            devices=[d.status() for d in self.devices.values()],
+            devices=[self.schedulers[name].status(info) for name, info in self.devices.items()],
             tasks=[t.status() for t in self.tasks.values()],
             latency=p.LatencySummary(count=self.latency.count, p50_ns=p50, p99_ns=p99, max_ns=worst),
             events=self.events,

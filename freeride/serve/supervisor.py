@@ -1,8 +1,10 @@
 """Side tasks from submission to exit: validation, placement, worker processes, restarts.
 
 The :class:`Supervisor` belongs to the manager and runs on its event loop. It
-owns no socket: messages to workers go through the ``send`` callable the
+owns no socket: messages to workers go through the ``send`` function the
 manager gives it, messages from workers come in through :meth:`Supervisor.on_worker`.
+It is the only writer of :class:`~freeride.serve.tasks.TaskRecord`, and it
+tells the task's device scheduler of every change by a synchronous call.
 """
 
 from __future__ import annotations
@@ -21,33 +23,45 @@ from typing import Any, assert_never
 import msgspec
 
 from freeride import protocol as p
+from freeride.clock import MONOTONIC, Clock
 from freeride.gpu.memcap import MemoryCap, plan_memory_cap
 from freeride.observe.base import Observers
 from freeride.serve.config import ServeConfig
 from freeride.serve.imperative import ImperativeProcess
 from freeride.serve.placement import DeviceView, NoFit, place
-from freeride.serve.scheduler import DeviceScheduler, TaskChanged, WorkerReport
+from freeride.serve.ranks import DeviceInfo
+from freeride.serve.runners import ProgramRunner, SendFn, WorkerRunner
+from freeride.serve.scheduler import DeviceScheduler
 from freeride.serve.tasks import TaskRecord, spawn_worker, stop_process, task_name
 
 __all__ = ["Supervisor"]
 
 logger = logging.getLogger(__name__)
 
-SendFn = Callable[[TaskRecord, p.ManagerToWorker], bool]
 SpawnFn = Callable[[Coroutine[Any, Any, None], str], object]
 
 
 class Supervisor:
-    """Keeps every side task of the manager, and its worker process."""
+    """Keeps every side task of the manager, and its worker process or program."""
 
     def __init__(
-        self, config: ServeConfig, *, devices: dict[str, DeviceScheduler], send: SendFn, observers: Observers
+        self,
+        config: ServeConfig,
+        *,
+        devices: dict[str, DeviceInfo],
+        schedulers: dict[str, DeviceScheduler],
+        send: SendFn,
+        observers: Observers,
+        clock: Clock = MONOTONIC,
     ) -> None:
         self.config = config
         self.devices = devices
+        """Read only: written by :class:`~freeride.serve.ranks.Ranks`."""
+        self.schedulers = schedulers
         self.tasks: dict[int, TaskRecord] = {}
         self.observers = observers
         self._send = send
+        self._clock = clock
         self._next_task = 1
         self._spawn: SpawnFn | None = None
         self.mps_pipe_dir: Path | None = None
@@ -57,7 +71,7 @@ class Supervisor:
         """Begin supervising, with ``spawn`` putting coroutines in the manager's TaskGroup."""
         self._spawn = spawn
         for task in self.tasks.values():
-            if task.state == "starting" and task.process is None:
+            if task.state == "starting" and task.runner is None:
                 spawn(self._supervise(task), f"task-{task.task_id}")
 
     def stop(self) -> None:
@@ -65,9 +79,11 @@ class Supervisor:
 
     def _notify(self, task: TaskRecord) -> None:
         self.observers.task_status(task.status())
-        device = self.devices.get(task.device)
-        if device is not None:
-            device.inbox.put_nowait(TaskChanged(task))
+        scheduler = self.schedulers.get(task.device)
+        if scheduler is not None:
+            scheduler.on_task_changed(task)
+
+    # -- from workers -----------------------------------------------------------------
 
     def on_worker(self, ident: bytes, msg: p.WorkerToManager) -> None:
         """Handle a message from a worker (identified by its socket identity)."""
@@ -79,17 +95,14 @@ class Supervisor:
             case p.WorkerReady() if not msg.set_up:
                 if msg.protocol_version != p.PROTOCOL_VERSION:
                     task.error = f"worker speaks protocol {msg.protocol_version}, manager {p.PROTOCOL_VERSION}"
-                    self._send(task, p.Stop(reason=task.error))
+                    self._send(task.ident, p.Stop(reason=task.error))
                     return
-                self._send(task, self._assignment(task))
+                self._send(task.ident, self._assignment(task))
             case p.WorkerReady():
-                task.state, task.runnable = "running", True
-                task.estimate_ns, task.steps = msg.step_estimate_ns, msg.steps
+                task.ready(estimate_ns=msg.step_estimate_ns, steps=msg.steps)
                 self._notify(task)
             case p.GrantDone():
-                device = self.devices.get(task.device)
-                if device is not None:
-                    device.inbox.put_nowait(WorkerReport(task, msg))
+                self.report(task, msg)
             case p.Progress(steps=steps, metrics=metrics):
                 task.metrics.update(_finite(metrics))
                 task.steps = max(task.steps, steps)
@@ -97,15 +110,29 @@ class Supervisor:
                 logger.debug("[workers] task %d checkpointed at step %d to %s", task.task_id, steps, path)
             case p.TaskFinished(metrics=metrics):
                 task.metrics.update(_finite(metrics))
-                task.state, task.runnable = "finished", False
+                task.finish()
                 logger.info("[workers] task %d (%s) finished after %d steps", task.task_id, task.name, task.steps)
                 self._notify(task)
             case p.TaskFailed(error=error, traceback=tb):
-                task.error, task.runnable = error, False
+                task.error = error
+                task.park()
                 logger.error("[workers] task %d (%s) failed: %s\n%s", task.task_id, task.name, error, tb)
                 self._notify(task)
             case _:
                 assert_never(msg)
+
+    def report(self, task: TaskRecord, done: p.GrantDone) -> None:
+        """A grant came back, from a worker or a program's runner: the one way to account for it."""
+        task.account(done)
+        scheduler = self.schedulers.get(task.device)
+        if scheduler is not None:
+            scheduler.on_grant_done(task, done)
+
+    def note_process_memory(self, used_by_pid: dict[int, int]) -> None:
+        """Device memory per process, as NVML reads it."""
+        for task in self.tasks.values():
+            if task.pid and task.pid in used_by_pid:
+                task.device_memory = used_by_pid[task.pid]
 
     def _assignment(self, task: TaskRecord) -> p.Assign:
         device = self.devices[task.device]
@@ -122,6 +149,8 @@ class Supervisor:
             workdir=str(workdir),
             memory_limit=task.spec.peak_memory,
         )
+
+    # -- submit and place ---------------------------------------------------------------
 
     def submit(self, spec: p.TaskSpec) -> p.Submitted | p.Rejected:
         """Validate, record and place a side task."""
@@ -151,25 +180,34 @@ class Supervisor:
 
     def _free_name(self, name: str) -> str:
         """``name``, or ``name-2``, ``name-3``... if a live task holds it (names key checkpoints)."""
-        live = {t.name for t in self.tasks.values() if t.state not in ("finished", "failed", "cancelled")}
+        live = {t.name for t in self.tasks.values() if not t.terminal}
         candidate, n = name, 1
         while candidate in live:
             n += 1
             candidate = f"{name}-{n}"
         return candidate
 
+    def _view(self, info: DeviceInfo) -> DeviceView:
+        mine = [t for t in self.tasks.values() if t.device == info.name and t.active]
+        committed = sum(max(0, t.spec.peak_memory) for t in mine)
+        # NVML's free memory already excludes the side tasks running here, which
+        # placement subtracts again, so they are added back.
+        spare = info.spare_memory
+        if info.free_memory >= 0:
+            live = info.free_memory + committed
+            spare = live if spare < 0 else min(spare, live)
+        scheduler = self.schedulers.get(info.name)
+        return DeviceView(
+            device=info.name,
+            spare_memory=spare,
+            committed_memory=committed,
+            tasks=len(mine),
+            bubble_share=scheduler.bubble_share() if scheduler is not None else 0.0,
+            alive=info.alive,
+        )
+
     def _placement(self, task: TaskRecord) -> str | NoFit | None:
-        views = [
-            DeviceView(
-                device=d.device,
-                spare_memory=d.placeable_memory(),
-                committed_memory=d.committed_memory(),
-                tasks=sum(t.state in ("starting", "running") for t in d.tasks),
-                bubble_share=d.bubble_share(),
-                alive=d.alive,
-            )
-            for d in self.devices.values()
-        ]
+        views = [self._view(info) for info in self.devices.values()]
         return place(task.spec.peak_memory, views, pinned=task.spec.device)
 
     def place_pending(self) -> None:
@@ -181,8 +219,8 @@ class Supervisor:
                     self._start(task, where)
 
     def _start(self, task: TaskRecord, device: str) -> None:
-        task.device, task.state = device, "starting"
-        self.devices[device].inbox.put_nowait(TaskChanged(task))
+        task.place(device)
+        self._notify(task)
         if self._spawn is not None:  # otherwise start() does
             self._spawn(self._supervise(task), f"task-{task.task_id}")
 
@@ -198,6 +236,8 @@ class Supervisor:
             total_bytes=device.device_memory,
         )
 
+    # -- run, restart, stop ---------------------------------------------------------------
+
     async def _supervise(self, task: TaskRecord) -> None:
         """Run the task's worker or program; a failure here fails the task, never the manager."""
         try:
@@ -206,63 +246,51 @@ class Supervisor:
             raise
         except Exception as exc:
             logger.exception("[tasks] task %d (%s): supervision failed", task.task_id, task.name)
-            task.state, task.runnable = "failed", False
-            task.error = f"could not run the task: {type(exc).__name__}: {exc}"
+            task.runner = None
+            if not task.terminal:
+                task.fail(f"could not run the task: {type(exc).__name__}: {exc}")
             self._notify(task)
-            task.done.set()
 
     async def _supervise_inner(self, task: TaskRecord) -> None:
         """Run the task's worker or program; restart it (from its checkpoint) after a crash."""
         while True:
+            if task.terminal:  # cancelled before (or between) its starts
+                return
             if task.spec.kind == "imperative":
                 code = await self._run_program(task)
             else:
-                task.process = await spawn_worker(
-                    task,
-                    python=self.config.python,
-                    endpoint=self.config.endpoints.workers,
-                    log_dir=self.config.log_dir,
-                    cpu_affinity=self.devices[task.device].cpu_affinity,
-                    extra_env=self._memory_cap(task).env,
-                )
-                code = await task.process.wait()
-            task.runnable = False
-            if code == 0 and task.spec.kind == "imperative" and not task.stopping:
-                task.state = "finished"
-                logger.info("[tasks] task %d (%s) finished", task.task_id, task.name)
+                code = await self._run_worker(task)
+            restart = task.exited(code)
             if task.state == "finished":
-                break
-            if task.stopping:
-                task.state = "cancelled"
-                break
-            task.error = task.error or f"worker exited with code {code}"
-            if task.restarts >= task.spec.max_restarts:
-                task.state = "failed"
+                logger.info("[tasks] task %d (%s) finished", task.task_id, task.name)
+            elif task.state == "failed":
                 logger.error("[tasks] task %d (%s) failed for good: %s", task.task_id, task.name, task.error)
-                break
-            task.restarts += 1
-            task.state = "starting"
-            logger.warning(
-                "[tasks] task %d (%s) crashed (%s); restart %d/%d from its checkpoint",
-                task.task_id,
-                task.name,
-                task.error,
-                task.restarts,
-                task.spec.max_restarts,
-            )
+            elif restart:
+                logger.warning(
+                    "[tasks] task %d (%s) crashed (%s); restart %d/%d from its checkpoint",
+                    task.task_id,
+                    task.name,
+                    task.error,
+                    task.restarts,
+                    task.spec.max_restarts,
+                )
             self._notify(task)
-        self._notify(task)
-        task.done.set()
+            if not restart:
+                return
 
-    async def cancel(self, task_id: int) -> p.Cancelled | p.Rejected:
-        """Stop a task; it checkpoints first, so submitting it again resumes it."""
-        task = self.tasks.get(task_id)
-        if task is None:
-            return p.Rejected(reason=f"no task {task_id}; `freeride status` lists them")
-        if task.state in ("finished", "failed", "cancelled"):
-            return p.Rejected(reason=f"task {task_id} is already {task.state}")
-        await self._stop_task(task, "cancelled")
-        return p.Cancelled(task_id=task_id)
+    async def _run_worker(self, task: TaskRecord) -> int:
+        process = await spawn_worker(
+            task,
+            python=self.config.python,
+            endpoint=self.config.endpoints.workers,
+            log_dir=self.config.log_dir,
+            cpu_affinity=self.devices[task.device].cpu_affinity,
+            extra_env=self._memory_cap(task).env,
+        )
+        if task.terminal:  # cancelled while the worker was being started
+            return await stop_process(process, timeout_s=0)
+        task.runner = WorkerRunner(task.ident, process, send=self._send)
+        return await process.wait()
 
     async def _run_program(self, task: TaskRecord) -> int:
         """Start an imperative task's program stopped, let bubbles run it, and wait for its exit."""
@@ -282,13 +310,17 @@ class Supervisor:
         except OSError as exc:
             task.error = f"cannot start {task.spec.argv[0]!r}: {exc}"
             return 127
+        if task.terminal:  # cancelled while the program was being started
+            return (await program.terminate(timeout_s=self.config.stop_timeout_s)).returncode
         with contextlib.suppress(OSError):  # the same low CPU priority as iterative workers
             os.setpriority(os.PRIO_PGRP, program.pid, 19)
-        task.imperative = program
-        task.state, task.runnable = "running", True
+        task.runner = ProgramRunner(
+            task.task_id, program, report=lambda done: self.report(task, done), clock=self._clock
+        )
+        task.ready()
         self._notify(task)
         info = await program.wait()
-        task.runnable = False
+        task.park()
         self._notify(task)
         task.busy_ns = program.busy_ns
         task.metrics.update({"user_s": info.user_s, "system_s": info.system_s, "max_rss_mb": info.max_rss_kb / 1024})
@@ -297,20 +329,31 @@ class Supervisor:
             task.error = f"program {why} (log: {self.config.log_dir / program.name}.err)"
         return info.returncode
 
+    async def cancel(self, task_id: int) -> p.Cancelled | p.Rejected:
+        """Stop a task; it checkpoints first, so submitting it again resumes it."""
+        task = self.tasks.get(task_id)
+        if task is None:
+            return p.Rejected(reason=f"no task {task_id}; `freeride status` lists them")
+        if task.terminal:
+            return p.Rejected(reason=f"task {task_id} is already {task.state}")
+        await self._stop_task(task, "cancelled")
+        return p.Cancelled(task_id=task_id)
+
     async def _stop_task(self, task: TaskRecord, reason: str) -> None:
-        task.stopping = True
-        task.runnable = False
+        task.request_stop()
         self._notify(task)
-        if not task.alive:
-            task.state = "cancelled" if task.state not in ("finished", "failed") else task.state
-            task.done.set()
+        runner = task.runner
+        if runner is None or not runner.alive:
+            if not task.terminal and task.runner is None:
+                task.cancel()  # nothing runs it now (pending, or between two restarts)
+                self._notify(task)
             return
-        if task.imperative is not None:
-            await task.imperative.terminate(timeout_s=self.config.stop_timeout_s)
-            return
-        assert task.process is not None
-        self._send(task, p.Stop(reason=reason))
-        await stop_process(task.process, timeout_s=self.config.stop_timeout_s)
+        runner.stop(reason)
+        match runner:
+            case ProgramRunner(program=program):
+                await program.terminate(timeout_s=self.config.stop_timeout_s)
+            case WorkerRunner(process=process):
+                await stop_process(process, timeout_s=self.config.stop_timeout_s)
 
     async def stop_all(self) -> None:
         """Ask every live task to checkpoint and stop; terminate those that do not."""

@@ -13,12 +13,15 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from freeride import protocol as p
-from freeride.serve.imperative import ImperativeProcess
 from freeride.transport import worker_identity
 
-__all__ = ["TaskRecord", "spawn_worker", "stop_process", "task_name"]
+if TYPE_CHECKING:
+    from freeride.serve.runners import Runner
+
+__all__ = ["TERMINAL", "BadTransition", "TaskRecord", "spawn_worker", "stop_process", "task_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +41,31 @@ def task_name(spec: p.TaskSpec) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", base)[:80]
 
 
+TERMINAL = p.TERMINAL_STATES
+
+_TRANSITIONS: dict[p.TaskState, frozenset[p.TaskState]] = {
+    "pending": frozenset({"starting", "failed", "cancelled"}),
+    "starting": frozenset({"starting", "running", "finished", "failed", "cancelled"}),
+    "running": frozenset({"starting", "finished", "failed", "cancelled"}),
+    "finished": frozenset(),
+    "failed": frozenset(),
+    "cancelled": frozenset(),
+}
+"""Every state change a task may make; anything else is a bug (:class:`BadTransition`)."""
+
+
+class BadTransition(RuntimeError):
+    """A task was asked to make a state change the table does not allow."""
+
+
 @dataclass(slots=True, eq=False)
 class TaskRecord:
-    """What the manager knows about one submitted side task."""
+    """What the manager knows about one submitted side task.
+
+    Written only by the :class:`~freeride.serve.supervisor.Supervisor`, and its
+    state only through the transition methods below (checked against
+    :data:`_TRANSITIONS`). The scheduler reads it.
+    """
 
     task_id: int
     spec: p.TaskSpec
@@ -48,10 +73,8 @@ class TaskRecord:
     checkpoint_path: Path
     state: p.TaskState = "pending"
     device: str = ""
-    process: asyncio.subprocess.Process | None = None
-    """Worker process of an iterative task."""
-    imperative: ImperativeProcess | None = None
-    """The program of an imperative task, while it exists."""
+    runner: Runner | None = None
+    """How grants reach the task's worker or program, while one exists."""
     runnable: bool = False
     """Set up and parked, ready for a grant."""
     estimate_ns: int = -1
@@ -67,22 +90,29 @@ class TaskRecord:
     device_memory: int = -1
     """What NVML last saw the task's process use."""
 
+    # -- views ------------------------------------------------------------------
+
     @property
     def ident(self) -> bytes:
         return worker_identity(self.task_id)
 
     @property
     def pid(self) -> int:
-        if self.imperative is not None:
-            return max(self.imperative.pid, 0)
-        return self.process.pid if self.process is not None else 0
+        return self.runner.pid if self.runner is not None else 0
 
     @property
     def alive(self) -> bool:
         """Whether a worker process or program exists for the task."""
-        if self.imperative is not None:
-            return not self.imperative.exited
-        return self.process is not None and self.process.returncode is None
+        return self.runner is not None and self.runner.alive
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    @property
+    def active(self) -> bool:
+        """Placed and holding (or about to hold) memory on its device."""
+        return self.state in ("starting", "running")
 
     def status(self) -> p.TaskStatus:
         return p.TaskStatus(
@@ -99,6 +129,79 @@ class TaskRecord:
             pid=self.pid,
             device_memory=self.device_memory,
         )
+
+    # -- transitions (the supervisor's) -------------------------------------------
+
+    def _go(self, state: p.TaskState) -> None:
+        if state not in _TRANSITIONS[self.state]:
+            raise BadTransition(f"task {self.task_id} ({self.name}): {self.state} -> {state}")
+        self.state = state
+        if state != "running":
+            self.runnable = False
+        if state in TERMINAL:
+            self.done.set()
+
+    def place(self, device: str) -> None:
+        """Placed on ``device``; its worker or program is about to start."""
+        self.device = device
+        self._go("starting")
+
+    def ready(self, *, estimate_ns: int = -1, steps: int = 0) -> None:
+        """Set up and parked: grants may come."""
+        self._go("running")
+        self.runnable = True
+        self.estimate_ns, self.steps = estimate_ns, max(self.steps, steps)
+
+    def park(self) -> None:
+        """No more grants for now (the process is gone or going)."""
+        self.runnable = False
+
+    def request_stop(self) -> None:
+        """A stop was asked for: the coming exit is not a crash."""
+        self.stopping = True
+        self.runnable = False
+
+    def finish(self) -> None:
+        self._go("finished")
+
+    def cancel(self) -> None:
+        self._go("cancelled")
+
+    def fail(self, error: str) -> None:
+        self.error = error
+        self._go("failed")
+
+    def exited(self, code: int) -> bool:
+        """The worker or program exited with ``code``; returns whether to restart it.
+
+        A stop that was asked for ends as cancelled, a finish reported by the task
+        (or a program's exit 0) as finished, and a crash restarts the task from its
+        checkpoint until ``max_restarts`` is spent.
+        """
+        self.runner = None
+        self.runnable = False
+        if self.state in TERMINAL:
+            return False
+        if code == 0 and self.spec.kind == "imperative" and not self.stopping:
+            self.finish()
+            return False
+        if self.stopping:
+            self.cancel()
+            return False
+        self.error = self.error or f"worker exited with code {code}"
+        if self.restarts >= self.spec.max_restarts:
+            self.fail(self.error)
+            return False
+        self.restarts += 1
+        self._go("starting")
+        return True
+
+    def account(self, done: p.GrantDone) -> None:
+        """What a grant's report says of the task: steps, busy time, the next step's estimate."""
+        self.estimate_ns = done.step_estimate_ns
+        # absolute when the worker counts (a Progress may have overtaken this report)
+        self.steps = max(self.steps, done.total_steps) if done.total_steps >= 0 else self.steps + done.steps
+        self.busy_ns += done.busy_ns
 
 
 def _worker_env(base: Mapping[str, str], device: str, cpu_affinity: list[int]) -> dict[str, str]:

@@ -77,7 +77,7 @@ async def test_a_backend_killed_mid_step_is_noticed_and_others_keep_being_served
         await wait_until(
             lambda: victim in manager.devices and manager.devices[victim].framework == "sim", 30, "job A's Hello"
         )
-        await wait_until(lambda: manager.devices[victim].bubbles > 5, 30, "job A's bubbles")
+        await wait_until(lambda: manager.schedulers[victim].bubbles > 5, 30, "job A's bubbles")
         os.kill(sim_a.processes[1].pid or 0, signal.SIGKILL)
         t_kill = time.monotonic()
         await wait_until(lambda: not manager.devices[victim].alive, 5, "the manager to notice the dead rank")

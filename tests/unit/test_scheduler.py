@@ -1,217 +1,310 @@
-"""The per-device scheduler: who gets each bubble, and what it is charged."""
+"""The per-device scheduler: who gets each bubble, and what it is charged.
+
+Driven by hand, as the events loop and the supervisor call it, with a
+:class:`~freeride.clock.ManualClock` and runners that record what they are told.
+"""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from freeride import protocol as p
+from freeride.clock import ManualClock
 from freeride.observe.stats import LatencyRecorder
-from freeride.serve.scheduler import DeviceScheduler, TaskChanged, WorkerReport
+from freeride.serve.runners import ProgramRunner
+from freeride.serve.scheduler import PROBE_AFTER_BUBBLES, DeviceScheduler
 from freeride.serve.tasks import TaskRecord
 
 MS = 1_000_000
 
 
-class Wire:
-    def __init__(self) -> None:
-        self.sent: list[tuple[int, p.ManagerToWorker]] = []
+class RecordingRunner:
+    """A worker's runner without a worker: records grants and revokes."""
 
-    def __call__(self, task: TaskRecord, msg: p.ManagerToWorker) -> bool:
-        self.sent.append((task.task_id, msg))
+    pid = 4242
+    alive = True
+
+    def __init__(self, task_id: int, sent: list[tuple[int, p.ManagerToWorker]]) -> None:
+        self.task_id, self.sent = task_id, sent
+
+    def grant(self, grant: p.Grant) -> bool:
+        self.sent.append((self.task_id, grant))
         return True
+
+    def revoke(self, grant_id: int) -> None:
+        self.sent.append((self.task_id, p.Revoke(grant_id=grant_id)))
+
+    def stop(self, reason: str) -> None:
+        self.sent.append((self.task_id, p.Stop(reason=reason)))
+
+
+class Harness:
+    def __init__(self, margin_ns: int = 0) -> None:
+        self.clock = ManualClock()
+        self.latency = LatencyRecorder()
+        self.sent: list[tuple[int, p.ManagerToWorker]] = []
+        self.sched = DeviceScheduler("cpu:0", latency=self.latency, margin_ns=margin_ns, clock=self.clock)
 
     def grants(self) -> list[tuple[int, p.Grant]]:
         return [(t, m) for t, m in self.sent if isinstance(m, p.Grant)]
 
+    def task(self, task_id: int, estimate_ns: int, *, kind: p.TaskKind = "iterative") -> TaskRecord:
+        t = TaskRecord(
+            task_id=task_id,
+            spec=p.TaskSpec(kind=kind, target="m:C", argv=["prog"]),
+            name=f"t{task_id}",
+            checkpoint_path=Path("/x"),
+        )
+        t.place("cpu:0")
+        t.runner = RecordingRunner(task_id, self.sent)
+        t.ready(estimate_ns=estimate_ns)
+        self.sched.on_task_changed(t)
+        return t
 
-def make(margin_ns: int = 0) -> tuple[DeviceScheduler, Wire, LatencyRecorder]:
-    wire, latency = Wire(), LatencyRecorder()
-    return DeviceScheduler("cpu:0", send=wire, latency=latency, margin_ns=margin_ns), wire, latency
+    def report(self, t: TaskRecord, d: p.GrantDone) -> None:
+        """What the supervisor does with a grant's report."""
+        t.account(d)
+        self.sched.on_grant_done(t, d)
 
+    def started(self, expected_ns: int, *, step: int = 0, index: int = 0) -> p.BubbleStarted:
+        ev = p.BubbleStarted(
+            rank=0,
+            stage=0,
+            device="cpu:0",
+            step=step,
+            index=index,
+            t_ns=self.clock.now_ns(),
+            expected_ns=expected_ns,
+            spare_memory=-1,
+        )
+        self.sched.on_bubble_started(ev)
+        return ev
 
-def task(task_id: int, estimate_ns: int, sched: DeviceScheduler) -> TaskRecord:
-    t = TaskRecord(
-        task_id=task_id, spec=p.TaskSpec(kind="iterative", target="m:C"), name=f"t{task_id}", checkpoint_path=Path("/x")
-    )
-    t.device, t.state, t.runnable, t.estimate_ns = "cpu:0", "running", True, estimate_ns
-    sched.handle(TaskChanged(t))
-    return t
-
-
-def started(expected_ns: int, *, step: int = 0, index: int = 0, spare: int = -1) -> p.BubbleStarted:
-    return p.BubbleStarted(
-        rank=0,
-        stage=0,
-        device="cpu:0",
-        step=step,
-        index=index,
-        t_ns=time.monotonic_ns(),
-        expected_ns=expected_ns,
-        spare_memory=spare,
-    )
-
-
-def ended(start: p.BubbleStarted, duration_ns: int) -> p.BubbleEnded:
-    return p.BubbleEnded(
-        rank=0,
-        stage=0,
-        device="cpu:0",
-        step=start.step,
-        index=start.index,
-        t_ns=start.t_ns + duration_ns,
-        duration_ns=duration_ns,
-    )
+    def ended(self, start: p.BubbleStarted, duration_ns: int) -> None:
+        self.clock.set(max(self.clock.now_ns(), start.t_ns + duration_ns))
+        self.sched.on_bubble_ended(
+            p.BubbleEnded(
+                rank=0,
+                stage=0,
+                device="cpu:0",
+                step=start.step,
+                index=start.index,
+                t_ns=start.t_ns + duration_ns,
+                duration_ns=duration_ns,
+            )
+        )
 
 
 def done(
-    t: TaskRecord, grant: p.Grant, *, reason: str = "no_fit", busy: int = 0, delay: int = 100, end: int = 0
-) -> WorkerReport:
-    return WorkerReport(
-        t,
-        p.GrantDone(
-            task_id=t.task_id,
-            grant_id=grant.grant_id,
-            steps=1 if busy else 0,
-            busy_ns=busy,
-            first_step_delay_ns=delay if busy else -1,
-            overrun_ns=0,
-            reason=reason,  # type: ignore[arg-type]
-            step_estimate_ns=t.estimate_ns,
-            last_step_end_ns=end,
-        ),
+    t: TaskRecord,
+    grant: p.Grant,
+    *,
+    reason: p.GrantDoneReason = "no_fit",
+    busy: int = 0,
+    delay: int = 100,
+    end: int = 0,
+) -> p.GrantDone:
+    return p.GrantDone(
+        task_id=t.task_id,
+        grant_id=grant.grant_id,
+        steps=1 if busy else 0,
+        busy_ns=busy,
+        first_step_delay_ns=delay if busy else -1,
+        overrun_ns=0,
+        reason=reason,
+        step_estimate_ns=t.estimate_ns,
+        last_step_end_ns=end,
     )
 
 
 def test_a_bubble_is_granted_up_to_its_expected_end() -> None:
-    sched, wire, _ = make()
-    task(1, 2 * MS, sched)
-    b = started(50 * MS, spare=3 << 30)
-    sched.handle(b)
-    [(tid, grant)] = wire.grants()
+    h = Harness()
+    h.task(1, 2 * MS)
+    b = h.started(50 * MS)
+    [(tid, grant)] = h.grants()
     assert tid == 1 and grant.bubble_t_ns == b.t_ns and grant.deadline_ns == b.t_ns + 50 * MS
-    assert sched.spare_memory == 3 << 30
 
 
 def test_a_step_that_cannot_fit_gets_no_grant() -> None:
-    sched, wire, _ = make(margin_ns=1 * MS)
-    task(1, 10 * MS, sched)
-    sched.handle(started(10 * MS))  # 10 ms step + 1 ms margin > 10 ms bubble
-    assert wire.grants() == []
+    h = Harness(margin_ns=1 * MS)
+    h.task(1, 10 * MS)
+    h.started(10 * MS)  # 10 ms step + 1 ms margin > 10 ms bubble
+    assert h.grants() == []
+
+
+def test_a_step_that_fits_exactly_is_granted() -> None:
+    h = Harness(margin_ns=1 * MS)
+    h.task(1, 9 * MS)
+    h.started(10 * MS)  # 9 ms step + 1 ms margin == 10 ms bubble
+    assert len(h.grants()) == 1
+
+
+def test_time_already_gone_counts_against_the_fit() -> None:
+    h = Harness()
+    a, b = h.task(1, 5 * MS), h.task(2, 5 * MS)
+    h.started(10 * MS)
+    [(_, grant)] = h.grants()
+    h.clock.advance(6 * MS)  # a's step took 6 ms: 4 ms are left, b's 5 ms step no longer fits
+    h.report(a, done(a, grant, busy=6 * MS))
+    assert len(h.grants()) == 1 and b.task_id == 2
 
 
 def test_the_rest_of_a_bubble_passes_to_a_task_that_fits() -> None:
-    sched, wire, _ = make()
-    big, small = task(1, 20 * MS, sched), task(2, 1 * MS, sched)
-    sched.handle(started(50 * MS))
-    [(first, grant)] = wire.grants()
+    h = Harness()
+    big, _small = h.task(1, 20 * MS), h.task(2, 1 * MS)
+    h.started(50 * MS)
+    [(first, grant)] = h.grants()
     assert first == 1
-    sched.handle(done(big, grant, busy=20 * MS))
-    assert [t for t, _ in wire.grants()] == [1, 2]
-    assert small.task_id == 2
+    h.report(big, done(big, grant, busy=20 * MS))
+    assert [t for t, _ in h.grants()] == [1, 2]
 
 
 def test_a_task_is_not_granted_twice_in_one_bubble() -> None:
-    sched, wire, _ = make()
-    t = task(1, 1 * MS, sched)
-    sched.handle(started(50 * MS))
-    [(_, grant)] = wire.grants()
-    sched.handle(done(t, grant, busy=40 * MS))
-    assert len(wire.grants()) == 1
+    h = Harness()
+    t = h.task(1, 1 * MS)
+    h.started(50 * MS)
+    [(_, grant)] = h.grants()
+    h.report(t, done(t, grant, busy=40 * MS))
+    assert len(h.grants()) == 1
 
 
 def test_tasks_take_turns_across_bubbles() -> None:
-    sched, wire, _ = make()
-    a, b = task(1, 1 * MS, sched), task(2, 1 * MS, sched)
+    h = Harness()
+    a, b = h.task(1, 1 * MS), h.task(2, 1 * MS)
     for i in range(4):
-        bubble = started(50 * MS, index=i)
-        sched.handle(bubble)
-        tid, grant = wire.grants()[-1]
+        bubble = h.started(50 * MS, index=i)
+        tid, grant = h.grants()[-1]
         holder = a if tid == 1 else b
-        sched.handle(done(holder, grant, reason="revoked", busy=1 * MS))
-        sched.handle(ended(bubble, 50 * MS))
-    assert [t for t, _ in wire.grants()] == [1, 2, 1, 2]
+        h.report(holder, done(holder, grant, reason="revoked", busy=1 * MS))
+        h.ended(bubble, 50 * MS)
+    assert [t for t, _ in h.grants()] == [1, 2, 1, 2]
 
 
 def test_bubble_end_revokes_the_grant() -> None:
-    sched, wire, _ = make()
-    task(1, 1 * MS, sched)
-    b = started(50 * MS)
-    sched.handle(b)
-    [(_, grant)] = wire.grants()
-    sched.handle(ended(b, 30 * MS))
-    assert wire.sent[-1] == (1, p.Revoke(grant_id=grant.grant_id))
-    assert sched.bubbles == 1 and sched.bubble_ns == 30 * MS
+    h = Harness()
+    h.task(1, 1 * MS)
+    b = h.started(50 * MS)
+    [(_, grant)] = h.grants()
+    h.ended(b, 30 * MS)
+    assert h.sent[-1] == (1, p.Revoke(grant_id=grant.grant_id))
+    assert h.sched.bubbles == 1 and h.sched.bubble_ns == 30 * MS
 
 
 def test_use_latency_and_overruns_are_accounted() -> None:
-    sched, wire, latency = make()
-    t = task(1, 1 * MS, sched)
-    b = started(10 * MS)
-    sched.handle(b)
-    [(_, grant)] = wire.grants()
-    sched.handle(ended(b, 8 * MS))  # the bubble ended earlier than expected
-    sched.handle(done(t, grant, reason="revoked", busy=9 * MS, delay=150_000, end=b.t_ns + 9 * MS))
+    h = Harness()
+    t = h.task(1, 1 * MS)
+    b = h.started(10 * MS)
+    [(_, grant)] = h.grants()
+    h.ended(b, 8 * MS)  # the bubble ended earlier than expected
+    h.report(t, done(t, grant, reason="revoked", busy=9 * MS, delay=150_000, end=b.t_ns + 9 * MS))
     # the task was busy 9 ms, but only the 8 ms inside the bubble count as bubble time used
-    assert sched.used_ns == 8 * MS and t.busy_ns == 9 * MS and t.steps == 1
-    assert sched.overruns == 1 and sched.overrun_ns == 1 * MS
-    assert latency.count == 1 and latency.summary()[0] == 150_000
+    assert h.sched.used_ns == 8 * MS and t.busy_ns == 9 * MS and t.steps == 1
+    assert h.sched.overruns == 1 and h.sched.overrun_ns == 1 * MS
+    assert h.latency.count == 1 and h.latency.summary()[0] == 150_000
 
 
 def test_a_step_ending_inside_the_bubble_is_no_overrun() -> None:
-    sched, wire, _ = make()
-    t = task(1, 1 * MS, sched)
-    b = started(10 * MS)
-    sched.handle(b)
-    [(_, grant)] = wire.grants()
-    sched.handle(done(t, grant, busy=5 * MS, end=b.t_ns + 5 * MS))
-    sched.handle(ended(b, 10 * MS))
-    assert sched.overruns == 0
+    h = Harness()
+    t = h.task(1, 1 * MS)
+    b = h.started(10 * MS)
+    [(_, grant)] = h.grants()
+    h.report(t, done(t, grant, busy=5 * MS, end=b.t_ns + 5 * MS))
+    h.ended(b, 10 * MS)
+    assert h.sched.overruns == 0
 
 
 def test_unknown_step_time_probes_only_at_a_bubble_start() -> None:
-    sched, wire, _ = make()
-    known = task(1, 1 * MS, sched)
-    task(2, -1, sched)
-    sched.handle(started(50 * MS))
-    [(tid, grant)] = wire.grants()
+    h = Harness()
+    known = h.task(1, 1 * MS)
+    h.task(2, -1)
+    h.started(50 * MS)
+    [(tid, grant)] = h.grants()
     assert tid == 1
-    sched.handle(done(known, grant, busy=1 * MS))  # rest of the bubble: not for the probe
-    assert len(wire.grants()) == 1
-    sched.handle(started(50 * MS, index=1))
-    assert wire.grants()[-1][0] == 2
+    h.report(known, done(known, grant, busy=1 * MS))  # rest of the bubble: not for the probe
+    assert len(h.grants()) == 1
+    h.started(50 * MS, index=1)
+    assert h.grants()[-1][0] == 2
 
 
 def test_a_task_that_becomes_runnable_mid_bubble_gets_it() -> None:
-    sched, wire, _ = make()
-    sched.handle(started(50 * MS))
-    assert wire.grants() == []
-    task(1, 1 * MS, sched)
-    assert [t for t, _ in wire.grants()] == [1]
+    h = Harness()
+    h.started(50 * MS)
+    assert h.grants() == []
+    h.task(1, 1 * MS)
+    assert [t for t, _ in h.grants()] == [1]
 
 
 def test_a_lost_backend_revokes_and_stops_granting() -> None:
-    sched, wire, _ = make()
-    task(1, 1 * MS, sched)
-    sched.handle(started(50 * MS))
-    sched.backend_lost()
-    assert isinstance(wire.sent[-1][1], p.Revoke) and not sched.alive
+    h = Harness()
+    h.task(1, 1 * MS)
+    h.started(50 * MS)
+    h.sched.backend_lost()
+    assert isinstance(h.sent[-1][1], p.Revoke)
+    h.task(2, 1 * MS)  # no bubble in progress any more
+    assert len(h.grants()) == 1
+
+
+def test_a_task_that_leaves_while_holding_passes_the_bubble_on() -> None:
+    h = Harness()
+    a, _b = h.task(1, 1 * MS), h.task(2, 1 * MS)
+    h.started(50 * MS)
+    assert [t for t, _ in h.grants()] == [1]
+    a.request_stop()
+    a.exited(0)  # cancelled
+    h.sched.on_task_changed(a)
+    assert [t for t, _ in h.grants()] == [1, 2] and a not in h.sched.tasks
 
 
 def test_a_task_shut_out_by_its_estimate_gets_a_probe_now_and_then() -> None:
-    from freeride.serve.scheduler import PROBE_AFTER_BUBBLES
-
-    sched, wire, _ = make()
-    t = task(1, 80 * MS, sched)  # a stale estimate, larger than any bubble
+    h = Harness()
+    t = h.task(1, 80 * MS)  # a stale estimate, larger than any bubble
     for i in range(PROBE_AFTER_BUBBLES - 1):
-        b = started(20 * MS, index=i)
-        sched.handle(b)
-        sched.handle(ended(b, 20 * MS))
-    assert wire.grants() == []
-    sched.handle(started(20 * MS, index=99))
-    [(_, grant)] = wire.grants()
+        b = h.started(20 * MS, index=i)
+        h.ended(b, 20 * MS)
+    assert h.grants() == []
+    h.started(20 * MS, index=99)
+    [(_, grant)] = h.grants()
     assert grant.probe
     t.estimate_ns = 1 * MS  # what the probe step measured
-    sched.handle(done(t, grant, busy=1 * MS))
-    sched.handle(started(20 * MS, index=100))
-    assert not wire.grants()[-1][1].probe
+    h.report(t, done(t, grant, busy=1 * MS))
+    h.started(20 * MS, index=100)
+    assert not h.grants()[-1][1].probe
+
+
+class FakeProgram:
+    """Stands in for an ImperativeProcess (no process): counts busy time by the manual clock."""
+
+    pid = 77
+    exited = False
+
+    def __init__(self, clock: ManualClock) -> None:
+        self.clock = clock
+        self.busy_ns = 0
+        self.resumed_at: int | None = None
+        self.deadlines: list[int] = []
+
+    def resume(self, deadline_ns: int) -> None:
+        self.deadlines.append(deadline_ns)
+        self.resumed_at = self.clock.now_ns()
+
+    def suspend(self) -> None:
+        if self.resumed_at is not None:
+            self.busy_ns += self.clock.now_ns() - self.resumed_at
+            self.resumed_at = None
+
+
+def test_a_program_is_granted_and_revoked_through_the_same_interface() -> None:
+    """An imperative task's runner freezes the program at the bubble's end and reports like a worker."""
+    h = Harness()
+    t = TaskRecord(task_id=5, spec=p.TaskSpec(kind="imperative", argv=["prog"]), name="p", checkpoint_path=Path("/x"))
+    t.place("cpu:0")
+    program = FakeProgram(h.clock)
+    t.runner = ProgramRunner(5, program, report=lambda d: h.report(t, d), clock=h.clock)
+    t.ready()
+    h.sched.on_task_changed(t)
+    b = h.started(10 * MS)
+    assert program.deadlines == [b.t_ns + 10 * MS]
+    h.ended(b, 8 * MS)
+    assert program.resumed_at is None  # frozen
+    assert h.sched.used_ns == 8 * MS and t.busy_ns == 8 * MS and t.steps == 1
+    assert h.sched.overruns == 0 and h.latency.count == 1 and h.latency.summary()[0] == 0

@@ -15,7 +15,7 @@ from freeride.transport import Endpoints
 
 def test_non_finite_metrics_are_dropped_so_status_stays_valid_json(tmp_path: Path) -> None:
     config = ServeConfig(endpoints=Endpoints.ipc(tmp_path), state_dir=tmp_path / "s")
-    sup = Supervisor(config, devices={}, send=lambda task, msg: True, observers=Observers())
+    sup = Supervisor(config, devices={}, schedulers={}, send=lambda ident, msg: True, observers=Observers())
     task = TaskRecord(
         task_id=1, spec=p.TaskSpec(kind="iterative", target="m:C"), name="t", checkpoint_path=tmp_path / "c"
     )

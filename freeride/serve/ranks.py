@@ -1,0 +1,266 @@
+"""Who trains where: the training ranks reporting to this manager, and the devices they train on.
+
+:class:`Ranks` is the only writer of what the manager knows of a device's
+identity and memory (:class:`DeviceInfo`), and of the ranks' liveness. A
+device is alive while a live rank trains on it: that fact is kept once, in the
+rank's record. A rank is watched through a pidfd where the kernel allows it,
+and by its silence otherwise. The manager tells :class:`Ranks` what arrived;
+:class:`Ranks` tells its :class:`RankListener` what that means (a new device,
+a device without its rank, a rank ready to be served).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from freeride import protocol as p
+from freeride.clock import MONOTONIC, Clock
+
+__all__ = ["DeviceInfo", "RankListener", "Ranks"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class _Rank:
+    rank: int
+    device: str
+    pid: int
+    """0 for a rank seen only through its events (it started before this manager)."""
+    last_seen_ns: int
+    pidfd: int = -1
+    alive: bool = True
+
+
+@dataclass(slots=True, eq=False)
+class DeviceInfo:
+    """One device's identity and memory, as the ranks and NVML report them."""
+
+    name: str
+    first_seen_ns: int
+    stage: int = -1
+    rank: int = -1
+    framework: str = ""
+    cpu_affinity: list[int] = field(default_factory=list)
+    spare_memory: int = -1
+    """Memory the stage leaves free (profile, Hello or the last BubbleStarted; -1 unknown)."""
+    device_memory: int = -1
+    """Total memory of the device (from the rank's Hello)."""
+    free_memory: int = -1
+    """Free memory NVML last reported (-1 without NVML)."""
+    dropped: int = 0
+    """Events the ranks here could not send (from their Goodbye)."""
+    train_steps: int = 0
+    trainer: _Rank | None = None
+    """The rank training here now."""
+
+    @property
+    def alive(self) -> bool:
+        return self.trainer is not None and self.trainer.alive
+
+
+class RankListener(Protocol):
+    def device_added(self, info: DeviceInfo) -> None:
+        """A device became known (from a rank, a profile or a declaration)."""
+        ...
+
+    def device_lost(self, name: str) -> None:
+        """The rank training on ``name`` is gone: its bubbles stop."""
+        ...
+
+    def rank_ready(self, info: DeviceInfo) -> None:
+        """A rank said hello: tasks waiting for a device may be placed."""
+        ...
+
+
+class Ranks:
+    """The ranks reporting to one manager, and their devices."""
+
+    def __init__(self, *, listener: RankListener, backend_timeout_s: float, clock: Clock = MONOTONIC) -> None:
+        self.devices: dict[str, DeviceInfo] = {}
+        self._ranks: dict[int, _Rank] = {}
+        self._listener = listener
+        self._timeout_ns = int(backend_timeout_s * 1e9)
+        self._timeout_s = backend_timeout_s
+        self._clock = clock
+
+    # -- what arrives -------------------------------------------------------------
+
+    def hello(self, hello: p.Hello) -> bool:
+        """A rank introduced itself (again, every few seconds); False if it must be refused."""
+        if hello.protocol_version != p.PROTOCOL_VERSION:
+            logger.error(
+                "[events] rank %d (pid %d) speaks protocol %d but this manager speaks %d; "
+                "install the same FreeRide version in the training environment",
+                hello.rank,
+                hello.pid,
+                hello.protocol_version,
+                p.PROTOCOL_VERSION,
+            )
+            return False
+        now = self._clock.now_ns()
+        known = self._ranks.get(hello.rank)
+        if known is not None and known.pid == hello.pid and known.alive:
+            known.last_seen_ns = now  # the periodic repeat
+            return True
+        if known is not None:
+            self._forget(known)  # the rank restarted: a new process under the same number
+        info = self._device(hello.device)
+        info.stage, info.rank, info.framework = hello.stage, hello.rank, hello.framework
+        info.cpu_affinity = list(hello.cpu_affinity)
+        info.device_memory = hello.device_memory
+        trainer = _Rank(rank=hello.rank, device=hello.device, pid=hello.pid, last_seen_ns=now)
+        self._ranks[hello.rank] = trainer
+        info.trainer = trainer
+        self._watch(trainer)
+        logger.info(
+            "[events] %s rank %d (pid %d) stage %d/%d on %s",
+            hello.framework,
+            hello.rank,
+            hello.pid,
+            hello.stage,
+            hello.num_stages,
+            hello.device,
+        )
+        self._listener.rank_ready(info)
+        return True
+
+    def bubble(self, ev: p.BubbleStarted | p.BubbleEnded) -> DeviceInfo | None:
+        """A bubble event: the device it is for, or None if its rank was given up for lost."""
+        trainer = self._seen(ev.rank)
+        if trainer is None:
+            return None
+        if trainer.device != ev.device:  # a rank seen only through its events names its device here
+            trainer.device = ev.device
+        info = self._device(ev.device)
+        info.stage, info.rank, info.trainer = ev.stage, ev.rank, trainer
+        if isinstance(ev, p.BubbleStarted) and ev.spare_memory >= 0:
+            info.spare_memory = ev.spare_memory
+        return info
+
+    def step_finished(self, rank: int) -> None:
+        trainer = self._seen(rank)
+        if trainer is not None and trainer.device in self.devices:
+            self.devices[trainer.device].train_steps += 1
+
+    def heartbeat(self, rank: int) -> None:
+        self._seen(rank)
+
+    def goodbye(self, rank: int, dropped: int) -> None:
+        trainer = self._ranks.get(rank)
+        if trainer is None:
+            return
+        logger.info("[events] rank %d said goodbye (%d events dropped)", rank, dropped)
+        if trainer.device in self.devices:
+            self.devices[trainer.device].dropped += dropped
+        self._forget(trainer)
+        self._listener.device_lost(trainer.device)
+
+    def declare(self, name: str, *, stage: int, spare_memory: int, cpu_affinity: list[int]) -> DeviceInfo:
+        """Make a device known before its rank reports (from a profile, or by a launcher).
+
+        Side tasks can then be placed on it and set up before training starts.
+        """
+        info = self._device(name)
+        info.stage, info.spare_memory, info.cpu_affinity = stage, spare_memory, list(cpu_affinity)
+        return info
+
+    def load_profile(self, path: Path) -> None:
+        """Know every profiled device and its spare memory before any rank reports."""
+        from freeride.profile import load_profile
+
+        profile = load_profile(path)
+        for stage in profile.stages:
+            kind, _, index = stage.device.partition(":")
+            cores = [int(index)] if kind == "cpu" and index.isdigit() else []
+            self.declare(stage.device, stage=stage.stage, spare_memory=stage.spare_memory, cpu_affinity=cores)
+        logger.info("[startup] profile %s: %d stage(s) on %s", path, len(profile.stages), ", ".join(profile.devices))
+
+    def note_free_memory(self, free_by_index: dict[int, int]) -> None:
+        """Free memory per CUDA device index, as NVML reads it."""
+        for name, info in self.devices.items():
+            kind, _, index = name.partition(":")
+            if kind == "cuda" and index.isdigit() and int(index) in free_by_index:
+                info.free_memory = free_by_index[int(index)]
+
+    # -- watching -----------------------------------------------------------------
+
+    def check_silence(self) -> None:
+        """Give up ranks that can only be watched by their events and have been silent too long."""
+        now = self._clock.now_ns()
+        for trainer in list(self._ranks.values()):
+            if trainer.pidfd < 0 and now - trainer.last_seen_ns > self._timeout_ns:
+                self._lose(trainer, f"silent for {self._timeout_s:g}s")
+
+    def live(self) -> list[int]:
+        """Ranks currently reporting to this manager."""
+        return [rank for rank, r in self._ranks.items() if r.alive]
+
+    def close(self) -> None:
+        """Stop watching every rank (idempotent)."""
+        for trainer in list(self._ranks.values()):
+            self._unwatch(trainer)
+        self._ranks.clear()
+
+    # -- internals ------------------------------------------------------------------
+
+    def _device(self, name: str) -> DeviceInfo:
+        info = self.devices.get(name)
+        if info is None:
+            info = DeviceInfo(name=name, first_seen_ns=self._clock.now_ns())
+            self.devices[name] = info
+            self._listener.device_added(info)
+        return info
+
+    def _seen(self, rank: int) -> _Rank | None:
+        trainer = self._ranks.get(rank)
+        now = self._clock.now_ns()
+        if trainer is None:
+            # A rank that started before this manager: serve it all the same, and
+            # watch it by its silence (its pid is unknown until it says hello).
+            trainer = _Rank(rank=rank, device="", pid=0, last_seen_ns=now)
+            self._ranks[rank] = trainer
+            return trainer
+        if not trainer.alive:
+            return None
+        trainer.last_seen_ns = now
+        return trainer
+
+    def _watch(self, trainer: _Rank) -> None:
+        try:
+            fd = os.pidfd_open(trainer.pid)
+        except OSError:
+            return  # another pid namespace, or no pidfd here: its silence will tell
+        trainer.pidfd = fd
+
+        def exited() -> None:
+            if trainer.alive and self._ranks.get(trainer.rank) is trainer:
+                self._lose(trainer, "its process exited without saying goodbye")
+            else:
+                self._unwatch(trainer)
+
+        asyncio.get_running_loop().add_reader(fd, exited)
+
+    def _unwatch(self, trainer: _Rank) -> None:
+        if trainer.pidfd >= 0:
+            with contextlib.suppress(RuntimeError, ValueError):  # the loop may already be closed
+                asyncio.get_running_loop().remove_reader(trainer.pidfd)
+            os.close(trainer.pidfd)
+            trainer.pidfd = -1
+
+    def _forget(self, trainer: _Rank) -> None:
+        trainer.alive = False
+        self._unwatch(trainer)
+        if self._ranks.get(trainer.rank) is trainer:
+            del self._ranks[trainer.rank]
+
+    def _lose(self, trainer: _Rank, why: str) -> None:
+        logger.warning("[events] rank %d (pid %d) on %s lost: %s", trainer.rank, trainer.pid, trainer.device, why)
+        self._forget(trainer)
+        self._listener.device_lost(trainer.device)

@@ -1,0 +1,143 @@
+"""How a side task is handed bubbles: one interface for iterative workers and imperative programs.
+
+The device scheduler grants and revokes through a :class:`Runner` and never
+asks which kind of task it serves. Whatever a grant did comes back the same way
+for both kinds, as a :class:`~freeride.protocol.GrantDone` passed to the
+supervisor's report function: a worker sends its own over the socket; a program
+has no say, so its runner writes one when it freezes the program.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+from freeride import protocol as p
+from freeride.clock import MONOTONIC, Clock
+from freeride.serve.imperative import ImperativeProcess
+
+__all__ = ["ProgramRunner", "ReportFn", "Runner", "SendFn", "WorkerRunner"]
+
+logger = logging.getLogger(__name__)
+
+SendFn = Callable[[bytes, p.ManagerToWorker], bool]
+"""Sends a message to the worker of a socket identity without blocking; False if it could not."""
+
+ReportFn = Callable[[p.GrantDone], None]
+"""Where a runner hands a grant's report (the supervisor, which tells the scheduler)."""
+
+
+class Runner(Protocol):
+    """A task's side of a grant, whichever kind of task it is."""
+
+    @property
+    def pid(self) -> int:
+        """The worker's or program's process id (0 before it exists)."""
+        ...
+
+    @property
+    def alive(self) -> bool:
+        """Whether the process exists."""
+        ...
+
+    def grant(self, grant: p.Grant) -> bool:
+        """Let the task run until ``grant.deadline_ns``; False if the grant could not be handed over."""
+        ...
+
+    def revoke(self, grant_id: int) -> None:
+        """The bubble ended: no more work under ``grant_id``.
+
+        The grant's report follows through the report function: at once for a
+        program, when the worker answers for a worker.
+        """
+        ...
+
+    def stop(self, reason: str) -> None:
+        """Ask the task to checkpoint and exit (a program is terminated by its supervisor)."""
+        ...
+
+
+class WorkerRunner:
+    """An iterative task's worker process, reached through the manager's worker socket."""
+
+    def __init__(self, ident: bytes, process: asyncio.subprocess.Process, *, send: SendFn) -> None:
+        self._ident = ident
+        self.process = process
+        self._send = send
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.process.returncode is None
+
+    def grant(self, grant: p.Grant) -> bool:
+        return self._send(self._ident, grant)
+
+    def revoke(self, grant_id: int) -> None:
+        self._send(self._ident, p.Revoke(grant_id=grant_id))
+
+    def stop(self, reason: str) -> None:
+        self._send(self._ident, p.Stop(reason=reason))
+
+
+class ProgramRunner:
+    """An imperative task's program: SIGCONT on a grant, SIGSTOP at its deadline or on revoke."""
+
+    def __init__(self, task_id: int, program: ImperativeProcess, *, report: ReportFn, clock: Clock = MONOTONIC) -> None:
+        self._task_id = task_id
+        self.program = program
+        self._report = report
+        self._clock = clock
+        self._grant: p.Grant | None = None
+        self._resumed_ns = 0
+        self._busy_before_ns = 0
+
+    @property
+    def pid(self) -> int:
+        return max(self.program.pid, 0)
+
+    @property
+    def alive(self) -> bool:
+        return not self.program.exited
+
+    def grant(self, grant: p.Grant) -> bool:
+        if self._grant is not None:  # a grant never revoked (its bubble's end was lost)
+            self.revoke(self._grant.grant_id)
+        self._grant = grant
+        self._busy_before_ns = self.program.busy_ns
+        self._resumed_ns = self._clock.now_ns()
+        self.program.resume(grant.deadline_ns)  # SIGCONT now, SIGSTOP at the deadline minus the margin
+        return True
+
+    def revoke(self, grant_id: int) -> None:
+        grant = self._grant
+        if grant is None or grant.grant_id != grant_id:
+            return
+        self._grant = None
+        # Its deadline timer may have stopped it already; stopping again is a no-op.
+        self.program.suspend()
+        busy = self.program.busy_ns - self._busy_before_ns
+        ran = busy > 0
+        self._report(
+            p.GrantDone(
+                task_id=self._task_id,
+                grant_id=grant_id,
+                steps=1 if ran else 0,
+                busy_ns=busy,
+                first_step_delay_ns=self._resumed_ns - grant.bubble_t_ns if ran else -1,
+                overrun_ns=0,
+                reason="revoked",
+                last_step_end_ns=self._resumed_ns + busy if ran else 0,
+                first_step_ns=self._resumed_ns if ran else 0,
+            )
+        )
+
+    def stop(self, reason: str) -> None:
+        if self._grant is not None:
+            self.revoke(self._grant.grant_id)
+        logger.debug("[tasks] task %d: program stop requested (%s)", self._task_id, reason)
