@@ -58,6 +58,7 @@ __all__ = [
     "TaskKind",
     "TaskSpec",
     "TERMINAL_STATES",
+    "SidePriority",
     "TaskState",
     "TaskStatus",
     "WorkerReady",
@@ -168,6 +169,12 @@ BackendEvent = Hello | BubbleStarted | BubbleEnded | StepFinished | Heartbeat | 
 # --------------------------------------------------------------------------
 
 TaskKind = Literal["iterative", "imperative"]
+SidePriority = Literal["low", "same"]
+"""CPU priority of side tasks on a CPU device. ``low``: nice 19, so the stage preempts a side step
+that runs past a bubble's end (the production default on CPU). ``same``: the stage's own priority,
+so such a step delays the stage as it would on a GPU, which does not preempt a running kernel
+(the GPU-faithful stand-in that benchmarks use)."""
+
 TaskState = Literal["pending", "starting", "running", "finished", "failed", "cancelled"]
 
 TERMINAL_STATES: frozenset[TaskState] = frozenset({"finished", "failed", "cancelled"})
@@ -215,6 +222,8 @@ class Assign(_Msg, frozen=True, tag="assign"):
     """Directory for the task's own outputs."""
     memory_limit: int = -1
     """Bytes the task may use at its peak (its declared peak); -1: no cap."""
+    side_priority: SidePriority = "low"
+    """The CPU priority the worker runs at (see :data:`SidePriority`)."""
 
 
 class Grant(_Msg, frozen=True, tag="grant"):
@@ -286,6 +295,12 @@ class GrantDone(_Msg, frozen=True, tag="grant_done"):
     """When the first step inside the grant started (0 if none ran)."""
     total_steps: int = -1
     """Steps the task has done in all (restored ones included); -1 if not counted."""
+    cpu_ns: int = -1
+    """The worker process's CPU clock (all threads) when its last step in the grant ended; -1 unknown.
+
+    The manager reads the same clock when the bubble ends: what the process ran
+    after that is side work a GPU would have run instead of training (interference).
+    """
 
 
 class Progress(_Msg, frozen=True, tag="progress"):
@@ -378,6 +393,10 @@ class DeviceStatus(_Msg, frozen=True, tag="device_status"):
     dropped: int = 0
     free_memory: int = -1
     """Free device memory as NVML reports it (-1 without NVML)."""
+    interference_ns: int = 0
+    """Side-task compute that ran while the stage was not in a bubble (what a GPU would take from training)."""
+    train_ns: int = 0
+    """Wall time the stage has trained here: from its first bubble event to its last (or now)."""
 
 
 class TaskStatus(_Msg, frozen=True, tag="task_status"):
@@ -394,6 +413,8 @@ class TaskStatus(_Msg, frozen=True, tag="task_status"):
     pid: int = 0
     device_memory: int = -1
     """Device memory the task's process uses (NVML; -1 unknown)."""
+    interference_ns: int = 0
+    """This task's compute while its stage was not in a bubble."""
 
 
 class LatencySummary(_Msg, frozen=True, tag="latency"):
