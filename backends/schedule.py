@@ -2,9 +2,12 @@
 
 A schedule lists, for every pipeline rank, the compute actions it runs in
 order, written in the ``2F0`` notation (rank 2, forward, micro-batch 0; a
-model chunk other than 0 is appended as ``c1``). :func:`simulate` replays a
-schedule with given per-rank durations and :func:`bubbles` reads the idle
-windows of each rank off the resulting timeline::
+model chunk other than 0 is appended as ``c1``). Zero-bubble schedules split a
+backward in two: ``2B0`` computes the input gradient that rank 1 waits for and
+``2W0`` the weight gradient that nobody waits for, so ``W`` can fill a bubble.
+:func:`simulate` replays a schedule with given per-rank durations (and, for
+frameworks that block on a p2p call per iteration, action groups) and
+:func:`bubbles` reads the idle windows of each rank off the resulting timeline::
 
     timeline = simulate(one_f_one_b(4, 8), Durations.uniform(4, forward=1.0, backward=2.0))
     for window in bubbles(timeline)[0]:
@@ -15,6 +18,7 @@ Everything here is pure: no framework imports, no clocks, no I/O.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from collections.abc import Iterable, Sequence
@@ -26,6 +30,7 @@ __all__ = [
     "Action",
     "BubbleWindow",
     "Durations",
+    "Groups",
     "Kind",
     "Schedule",
     "Timed",
@@ -43,9 +48,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Kind = Literal["F", "B"]
+Kind = Literal["F", "B", "W"]
+"""Forward, backward (input gradient only when the schedule has a W for it), weight gradient."""
 
-_ACTION_RE = re.compile(r"(\d+)([FB])(\d+)(?:c(\d+))?")
+_KINDS: tuple[Kind, ...] = ("F", "B", "W")
+_ACTION_RE = re.compile(r"(\d+)([FBW])(\d+)(?:c(\d+))?")
 # Gaps shorter than this share of the step are float noise from adding durations, not bubbles.
 _REL_EPS = 1e-9
 
@@ -56,7 +63,9 @@ class Action:
 
     Attributes:
         stage: Pipeline rank, ``0..p-1``.
-        kind: ``"F"`` (forward) or ``"B"`` (backward).
+        kind: ``"F"`` (forward), ``"B"`` (backward) or ``"W"`` (weight gradient). When the
+            schedule also has the ``W`` of the same stage, micro-batch and chunk, ``B`` is
+            only the input-gradient part of the backward (as in zero-bubble schedules).
         microbatch: Micro-batch id, ``0..m-1``.
         chunk: Model chunk of interleaved schedules; the virtual stage is ``chunk * p + stage``.
     """
@@ -70,8 +79,8 @@ class Action:
         for field_name in ("stage", "microbatch", "chunk"):
             if getattr(self, field_name) < 0:
                 raise ValueError(f"Action.{field_name} must be >= 0, got {getattr(self, field_name)}")
-        if self.kind not in ("F", "B"):
-            raise ValueError(f"Action.kind must be 'F' or 'B', got {self.kind!r}")
+        if self.kind not in _KINDS:
+            raise ValueError(f"Action.kind must be one of {_KINDS}, got {self.kind!r}")
 
     def __str__(self) -> str:
         text = f"{self.stage}{self.kind}{self.microbatch}"
@@ -79,7 +88,7 @@ class Action:
 
     @classmethod
     def parse(cls, text: str) -> Action:
-        """Parse the ``2F0`` / ``2F0c1`` notation.
+        """Parse the ``2F0`` / ``2F0c1`` / ``2W0`` notation.
 
         Raises:
             ValueError: ``text`` is not an action.
@@ -88,7 +97,7 @@ class Action:
         if match is None:
             raise ValueError(f"not an action in 2F0 notation: {text!r}")
         stage, kind, microbatch, chunk = match.groups()
-        return cls(int(stage), "F" if kind == "F" else "B", int(microbatch), int(chunk or 0))
+        return cls(int(stage), _KINDS["FBW".index(kind)], int(microbatch), int(chunk or 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +110,7 @@ class Schedule:
         num_microbatches: Micro-batches ``m`` per step.
         num_chunks: Model chunks per rank ``v`` (1 unless interleaved).
         actions: ``actions[rank]`` in execution order; each rank runs one forward and one
-            backward of every (micro-batch, chunk).
+            backward of every (micro-batch, chunk), and at most one weight-gradient pass.
     """
 
     name: str
@@ -114,25 +123,28 @@ class Schedule:
         _check_sizes(num_stages=self.num_stages, num_microbatches=self.num_microbatches, num_chunks=self.num_chunks)
         if len(self.actions) != self.num_stages:
             raise ValueError(f"actions: {len(self.actions)} ranks listed for num_stages={self.num_stages}")
-        expected = sorted(
-            (kind, mb, chunk)
-            for kind in ("B", "F")
-            for mb in range(self.num_microbatches)
-            for chunk in range(self.num_chunks)
-        )
+        places = [(mb, chunk) for mb in range(self.num_microbatches) for chunk in range(self.num_chunks)]
+        expected = sorted((kind, *place) for kind in ("B", "F") for place in places)
         for rank, row in enumerate(self.actions):
             wrong = [str(a) for a in row if a.stage != rank]
             if wrong:
                 raise ValueError(f"actions: rank {rank} lists actions of other ranks: {wrong}")
-            if sorted((a.kind, a.microbatch, a.chunk) for a in row) != expected:
+            passes = sorted((a.kind, a.microbatch, a.chunk) for a in row if a.kind != "W")
+            weights = [(a.microbatch, a.chunk) for a in row if a.kind == "W"]
+            if passes != expected or len(set(weights)) != len(weights) or not set(weights) <= set(places):
                 raise ValueError(
                     f"actions: rank {rank} must run F and B of each of {self.num_microbatches} "
-                    f"micro-batches x {self.num_chunks} chunks exactly once"
+                    f"micro-batches x {self.num_chunks} chunks exactly once (and W at most once)"
                 )
 
     def to_csv(self) -> str:
         """One line per rank, its actions in ``2F0`` notation separated by commas."""
         return "".join(",".join(map(str, row)) + "\n" for row in self.actions)
+
+    @property
+    def has_weight_passes(self) -> bool:
+        """Whether any rank runs a separate weight-gradient pass (``W``)."""
+        return any(a.kind == "W" for row in self.actions for a in row)
 
     @classmethod
     def from_csv(cls, text: str, *, name: str, num_microbatches: int, num_chunks: int = 1) -> Schedule:
@@ -251,27 +263,41 @@ class Durations:
 
     Attributes:
         forward: Per rank, one micro-batch forward (per chunk for interleaved schedules).
-        backward: Per rank, one micro-batch backward (per chunk for interleaved schedules).
+        backward: Per rank, one micro-batch backward (per chunk for interleaved schedules);
+            in a schedule with ``W`` passes, its input-gradient part only.
         comm: Latency added on every dependency that crosses ranks.
+        weight: Per rank, one weight-gradient pass (``W``); empty unless the schedule has them.
     """
 
     forward: tuple[float, ...]
     backward: tuple[float, ...]
     comm: float = 0.0
+    weight: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.forward or len(self.forward) != len(self.backward):
             raise ValueError("forward and backward must list the same, non-zero number of ranks")
-        for field_name, values in (("forward", self.forward), ("backward", self.backward)):
+        if self.weight and len(self.weight) != len(self.forward):
+            raise ValueError(f"weight must list {len(self.forward)} ranks (or none), got {len(self.weight)}")
+        for field_name, values in (("forward", self.forward), ("backward", self.backward), ("weight", self.weight)):
             if any(not t >= 0 for t in values):
                 raise ValueError(f"{field_name} durations must be >= 0, got {values}")
         if not self.comm >= 0:
             raise ValueError(f"comm must be >= 0, got {self.comm}")
 
     @classmethod
-    def uniform(cls, num_stages: int, forward: float, backward: float, comm: float = 0.0) -> Durations:
-        """The same forward and backward time on every rank."""
-        return cls(forward=(forward,) * num_stages, backward=(backward,) * num_stages, comm=comm)
+    def uniform(
+        cls, num_stages: int, forward: float, backward: float, comm: float = 0.0, weight: float | None = None
+    ) -> Durations:
+        """The same forward, backward (and weight-gradient) time on every rank."""
+        weights = () if weight is None else (weight,) * num_stages
+        return cls(forward=(forward,) * num_stages, backward=(backward,) * num_stages, comm=comm, weight=weights)
+
+    def cost(self, rank: int, kind: Kind) -> float:
+        """Seconds one ``kind`` pass takes on ``rank``."""
+        if kind == "F":
+            return self.forward[rank]
+        return self.backward[rank] if kind == "B" else self.weight[rank]
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,9 +318,15 @@ class Timeline:
     makespan: float
 
 
+Groups = Sequence[Sequence[int]]
+"""Per rank, the lengths of the runs of actions it executes between two blocking p2p calls."""
+
+
 def _dependency(action: Action, p: int, num_virtual: int) -> tuple[Kind, int, int] | None:
     """The (kind, micro-batch, virtual stage) an action waits for, if any."""
     virtual = action.chunk * p + action.stage
+    if action.kind == "W":
+        return ("B", action.microbatch, virtual)
     if action.kind == "F":
         return None if virtual == 0 else ("F", action.microbatch, virtual - 1)
     if virtual == num_virtual - 1:
@@ -302,50 +334,101 @@ def _dependency(action: Action, p: int, num_virtual: int) -> tuple[Kind, int, in
     return ("B", action.microbatch, virtual + 1)
 
 
-def simulate(schedule: Schedule, durations: Durations) -> Timeline:
+def _runs(schedule: Schedule, groups: Groups | None) -> list[list[tuple[Action, ...]]]:
+    rows = schedule.actions
+    if groups is None:
+        return [[(a,) for a in row] for row in rows]
+    if len(groups) != len(rows) or any(
+        sum(sizes) != len(row) or any(n < 1 for n in sizes) for sizes, row in zip(groups, rows, strict=False)
+    ):
+        raise ValueError("groups must split every rank's row into runs of at least one action")
+    runs: list[list[tuple[Action, ...]]] = []
+    for sizes, row in zip(groups, rows, strict=True):
+        bounds = list(itertools.accumulate(sizes, initial=0))
+        runs.append([row[a:b] for a, b in itertools.pairwise(bounds)])
+    return runs
+
+
+def simulate(schedule: Schedule, durations: Durations, *, groups: Groups | None = None) -> Timeline:
     """Replay ``schedule`` as early as dependencies and per-rank order allow.
 
     F of a micro-batch on virtual stage ``u`` waits for its F on ``u-1``; B on ``u`` waits
-    for its B on ``u+1``, and the last virtual stage's B for its own F. ``durations.comm``
-    is added when the two actions sit on different ranks.
+    for its B on ``u+1``, and the last virtual stage's B for its own F; W waits for the B
+    of the same virtual stage, and nothing waits for W. ``durations.comm`` is added when
+    the two actions sit on different ranks.
+
+    With ``groups``, each rank runs its actions in runs (Megatron's interleaved 1F1B
+    without ``overlap_p2p_comm`` makes one blocking send-and-receive per iteration):
+    a run starts when the rank is free and every input from another rank has arrived,
+    its actions run back to back, and its outputs leave when the run is over. Runs of
+    one action (the default) are the plain replay.
 
     Raises:
-        ValueError: ``durations`` does not match the rank count, or the schedule deadlocks.
+        ValueError: ``durations`` or ``groups`` do not match the schedule, or it deadlocks.
     """
     p = schedule.num_stages
     if len(durations.forward) != p:
         raise ValueError(f"durations list {len(durations.forward)} ranks, schedule has {p}")
+    if schedule.has_weight_passes and not durations.weight:
+        raise ValueError(f"schedule {schedule.name!r} has W passes: durations.weight is needed")
+    runs = _runs(schedule, groups)
     num_virtual = p * schedule.num_chunks
-    finished: dict[tuple[Kind, int, int], float] = {}
+    sent: dict[tuple[Kind, int, int], float] = {}  # when an output leaves its rank
     cursor = [0] * p
     free = [0.0] * p
     placed: list[list[Timed]] = [[] for _ in range(p)]
     while True:
         progressed = False
-        for rank, row in enumerate(schedule.actions):
-            while cursor[rank] < len(row):
-                action = row[cursor[rank]]
-                ready = 0.0
-                dep = _dependency(action, p, num_virtual)
-                if dep is not None:
-                    if dep not in finished:
-                        break
-                    ready = finished[dep] + (durations.comm if dep[2] % p != rank else 0.0)
-                start = max(free[rank], ready)
-                cost = durations.forward[rank] if action.kind == "F" else durations.backward[rank]
-                free[rank] = start + cost
-                finished[(action.kind, action.microbatch, action.chunk * p + rank)] = free[rank]
-                placed[rank].append(Timed(action, start, free[rank]))
+        for rank in range(p):
+            while cursor[rank] < len(runs[rank]):
+                run = runs[rank][cursor[rank]]
+                ready = _ready(run, rank, p, num_virtual, sent, durations.comm)
+                if ready is None:
+                    break
+                t = max(free[rank], ready)
+                for action in run:
+                    cost = durations.cost(rank, action.kind)
+                    placed[rank].append(Timed(action, t, t + cost))
+                    t += cost
+                for action in run:
+                    sent[(action.kind, action.microbatch, action.chunk * p + rank)] = t
+                free[rank] = t
                 cursor[rank] += 1
                 progressed = True
-        if all(cursor[r] == len(row) for r, row in enumerate(schedule.actions)):
+        if all(cursor[r] == len(runs[r]) for r in range(p)):
             break
         if not progressed:
-            stuck = [str(row[cursor[r]]) for r, row in enumerate(schedule.actions) if cursor[r] < len(row)]
+            stuck = [str(runs[r][cursor[r]][0]) for r in range(p) if cursor[r] < len(runs[r])]
             logger.debug("[simulate] %s deadlocks at %s", schedule.name, stuck)
             raise ValueError(f"schedule {schedule.name!r} deadlocks: ranks wait forever at {stuck}")
     makespan = max(free)
     return Timeline(schedule, tuple(tuple(row) for row in placed), makespan)
+
+
+def _ready(
+    run: tuple[Action, ...],
+    rank: int,
+    p: int,
+    num_virtual: int,
+    sent: dict[tuple[Kind, int, int], float],
+    comm: float,
+) -> float | None:
+    """When every input of ``run`` from another rank has arrived; None: one is still missing."""
+    ready = 0.0
+    for i, action in enumerate(run):
+        dep = _dependency(action, p, num_virtual)
+        if dep is None:
+            continue
+        if dep[2] % p == rank:
+            # produced on this rank: by an earlier run (done, as the rank is in order) or earlier in this one
+            earlier = any((a.kind, a.microbatch, a.chunk * p + rank) == dep for a in run[:i])
+            if dep not in sent and not earlier:
+                return None
+            continue
+        if dep not in sent:
+            return None
+        ready = max(ready, sent[dep] + comm)
+    return ready
 
 
 @dataclass(frozen=True, slots=True)

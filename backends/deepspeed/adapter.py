@@ -12,11 +12,11 @@ One :class:`DeepSpeedAdapter` watches one engine. Each training batch it
   numbered by counting forward and backward passes), ``send:<action>`` for a send
   that blocks before that action, or ``tail:opt<i>`` / ``tail:loss`` for the
   end-of-step syncs;
-* predicts from the measured history at that place (:class:`BubblePredictor`),
-  and before there is any, from :func:`backends.schedule.simulate` of the 1F1B
-  schedule with this rank's measured forward and backward times;
-* reports ``StepFinished`` per ``train_batch`` and, in profile mode, records
-  every wait for :func:`freeride.profile.build_profile`.
+* leaves the rest to a :class:`~backends.tracker.StepTracker` with the 1F1B plan:
+  prediction from the measured history at each place and, before there is any,
+  from the simulated schedule; ``StepFinished`` per ``train_batch``; in profile
+  mode, every wait recorded in an :class:`~backends.observations.ObservationLog`
+  for :func:`freeride.profile.build_profile`.
 
 Nothing here may disturb training: our own errors are logged and swallowed, the
 framework's pass through untouched, and a missing manager only costs dropped sends.
@@ -24,23 +24,21 @@ framework's pass through untouched, and a missing manager only costs dropped sen
 
 from __future__ import annotations
 
-import atexit
 import logging
-import statistics
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from backends.deepspeed import _compat
 from backends.deepspeed._device import device_memory, device_name
 from backends.launch import Mode, read_mode
-from backends.predict import BubblePredictor
-from backends.schedule import Action, Durations, bubbles, one_f_one_b, simulate
+from backends.observations import ObservationLog
+from backends.schedule import Kind, one_f_one_b
 from backends.session import BackendConfig, BackendSession, events_endpoint_from_env
-from freeride.profile import RankObservations, StepRecord, WaitRecord, write_observations
+from backends.tracker import StepPlan, StepTracker
+from freeride.profile import RankObservations, StepRecord
 
 __all__ = ["TAIL_LOSS", "DeepSpeedAdapter", "tail_key"]
 
@@ -49,51 +47,15 @@ logger = logging.getLogger(__name__)
 TAIL_LOSS = "tail:loss"
 """Key of the loss broadcast that ``train_batch`` runs after the schedule."""
 
-_MAX_RECORDED_STEPS = 10_000
 _SPARE_MEMORY_EVERY = 100
 _HEARTBEAT_NS = 1_000_000_000
+_RECEIVES: dict[str, Kind] = {"RecvActivation": "F", "RecvGrad": "B"}
+"""The pass each receive feeds."""
 
 
 def tail_key(index: int) -> str:
     """Key of the ``index``-th all-reduce inside ``OptimizerStep``."""
     return f"tail:opt{index}"
-
-
-@dataclass(frozen=True, slots=True)
-class _Keys:
-    """Precomputed keys of one stage's waits in a 1F1B batch (built once per shape)."""
-
-    forward: tuple[str, ...]
-    """``forward[j]``: the receive before forward ``j``."""
-    backward: tuple[str, ...]
-    send: tuple[str, ...]
-    """``send[n]``: a send after ``n`` passes (the last one: after all of them)."""
-
-    @classmethod
-    def build(cls, num_stages: int, micro_batches: int, stage: int) -> _Keys:
-        order = one_f_one_b(num_stages, micro_batches).actions[stage]
-        return cls(
-            forward=tuple(str(Action(stage, "F", j)) for j in range(micro_batches)),
-            backward=tuple(str(Action(stage, "B", j)) for j in range(micro_batches)),
-            send=(*(f"send:{a}" for a in order), "send:tail"),
-        )
-
-
-@dataclass(slots=True)
-class _Step:
-    """Bookkeeping of the batch in flight."""
-
-    step: int
-    start_ns: int
-    keys: _Keys | None
-    """Wait keys of a TrainSchedule batch; None: key waits by occurrence."""
-    forwards: int = 0
-    backwards: int = 0
-    collectives: int = 0
-    occurrences: dict[str, int] = field(default_factory=dict)
-    waits: list[WaitRecord] = field(default_factory=list)
-    forward_ns: list[int] = field(default_factory=list)
-    backward_ns: list[int] = field(default_factory=list)
 
 
 class DeepSpeedAdapter:
@@ -107,6 +69,7 @@ class DeepSpeedAdapter:
             the launcher's environment.
         profile_dir: Where profile observations go (``rank-<rank>.json``).
         min_bubble_ns: Waits expected to be shorter are not announced.
+        clock: Monotonic ns clock (injectable for tests).
     """
 
     def __init__(
@@ -117,6 +80,7 @@ class DeepSpeedAdapter:
         mode: Mode | None = None,
         profile_dir: Path | None = None,
         min_bubble_ns: int = 1_000_000,
+        clock: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         env_mode, env_dir = read_mode()
         self.mode: Mode = env_mode if mode is None else mode
@@ -141,24 +105,22 @@ class DeepSpeedAdapter:
                 )
             )
         self.session = session
-        self.predictor = BubblePredictor(history=3)
+        # the first batch runs slow (buffers, meta exchange): it only primes the schedule's prediction
+        self.tracker = StepTracker(
+            session, min_bubble_ns=min_bubble_ns, warmup_steps=1, clock=clock, on_step=self._step_finished
+        )
+        self.log: ObservationLog | None = None
+        """Profile mode's record (created with the first training batch)."""
         self.closed = False
-        self.steps_done = 0
-        self.last_step: StepRecord | None = None
+        self._clock = clock
         self._engine = weakref.ref(engine)
-        self._cur: _Step | None = None
-        self._pending: _Step | None = None
-        self._priors_for: tuple[int, int] | None = None
-        self._keys_for: tuple[int, int, int] | None = None
-        self._keys_cache: _Keys | None = None
-        self._last_event_ns = time.monotonic_ns()
-        self._records: list[StepRecord] = []
-        self._schedule_name = ""
+        self._active = False
+        """Inside the schedule or the loss broadcast of a tracked batch."""
+        self._plans: dict[tuple[int, int, int], StepPlan] = {}
+        self._occurrences: dict[str, int] = {}
+        self._collectives = 0
+        self._last_event_ns = clock()
         _compat.shadow_instruction_map(engine, self._wrap_table(_compat.class_instruction_map(engine)))
-        if self.mode == "profile":
-            # at exit, or earlier if the engine goes away (whichever comes first writes; both may)
-            atexit.register(self._write_observations)
-            weakref.finalize(engine, self._write_observations)
         logger.info(
             "[attach] deepspeed rank %d stage %d/%d on %s (mode %s)",
             self.facts.rank,
@@ -179,22 +141,22 @@ class DeepSpeedAdapter:
             logger.exception("[step] cannot time this batch; it runs untimed")
         if not started:
             return original(engine, pipe_schedule)
+        self._active = True
         try:
             return original(engine, pipe_schedule)
         finally:
-            self._pending, self._cur = self._cur, None
+            self._active = False  # the step stays open for the loss broadcast
 
     def run_aggregate_loss(self, original: Callable[[Any], Any], engine: Any) -> Any:
         """Run ``train_batch``'s loss broadcast as the last wait of the batch, then close the step."""
-        pending = self._pending
-        if pending is None or self.closed:
+        if self.closed or not self.tracker.in_step:
             return original(engine)
-        self._cur = pending
+        self._active = True
         try:
             return self._wait(TAIL_LOSS, original, (engine,), {})
         finally:
-            self._cur = self._pending = None
-            self._finish(pending)
+            self._active = False
+            self._end_step()
 
     def _begin(self, engine: Any, pipe_schedule: Any) -> bool:
         if self.closed:
@@ -202,72 +164,59 @@ class DeepSpeedAdapter:
         facts = _compat.schedule_facts(pipe_schedule)
         if not facts.training:
             return False
-        if self._pending is not None:  # a batch whose loss was never aggregated (custom train loop)
-            pending, self._pending = self._pending, None
-            self._finish(pending)
-        now = time.monotonic_ns()
-        if now - self._last_event_ns > _HEARTBEAT_NS:
+        if self.tracker.in_step:  # a batch whose loss was never aggregated (custom train loop)
+            self._end_step()
+        if self._clock() - self._last_event_ns > _HEARTBEAT_NS:
             self.session.heartbeat()
-        self._schedule_name = facts.name
-        if facts.kind == "train" and self._priors_for != (facts.stages, facts.micro_batches):
-            self._set_priors(facts)
-        self._cur = _Step(
-            step=_compat.global_steps(engine),
-            start_ns=time.monotonic_ns(),
-            keys=self._keys(facts) if facts.kind == "train" else None,
-        )
+        if self.mode == "profile" and self.log is None:
+            self._open_log(engine, facts.name)
+        self._occurrences.clear()
+        self._collectives = 0
+        plan = self._plan(facts) if facts.kind == "train" else None
+        self.tracker.begin_step(plan, number=_compat.global_steps(engine), spare_memory=self.spare_memory)
         return True
 
-    def _finish(self, cur: _Step) -> None:
-        try:
-            now = time.monotonic_ns()
-            self.session.step_finished(cur.step, now - cur.start_ns)
-            self._last_event_ns = now
-            record = StepRecord(
-                step=cur.step,
-                duration_ns=now - cur.start_ns,
-                waits=cur.waits,
-                forward_ns=cur.forward_ns,
-                backward_ns=cur.backward_ns,
-            )
-            self.last_step = record
-            if self.mode == "profile" and len(self._records) < _MAX_RECORDED_STEPS:
-                self._records.append(record)
-            self.steps_done += 1
-            if self.steps_done <= 2 or self.steps_done % _SPARE_MEMORY_EVERY == 0:
-                self.spare_memory, _ = device_memory(self.facts.device_type, self.facts.device_index)
-        except Exception:
-            logger.exception("[step] bookkeeping failed after step %d", cur.step)
-
-    def _keys(self, facts: _compat.ScheduleFacts) -> _Keys:
+    def _plan(self, facts: _compat.ScheduleFacts) -> StepPlan:
         shape = (facts.stages, facts.micro_batches, facts.stage_id)
-        if self._keys_cache is None or self._keys_for != shape:
-            self._keys_cache = _Keys.build(*shape)
-            self._keys_for = shape
-        return self._keys_cache
+        plan = self._plans.get(shape)
+        if plan is None:
+            # with gradient clipping the step ends in the gradient-norm all-reduce;
+            # without it the tail runs into the next batch's first receive
+            plan = self._plans[shape] = StepPlan(
+                schedule=one_f_one_b(facts.stages, facts.micro_batches),
+                stage=facts.stage_id,
+                merge_tail=self.facts.gradient_clipping <= 0,
+                tail_key=tail_key(0),
+            )
+        return plan
 
-    # ----------------------------------------------------------- prediction
+    def _open_log(self, engine: Any, schedule: str) -> None:
+        base = RankObservations(
+            framework="deepspeed",
+            rank=self.facts.rank,
+            stage=self.facts.stage,
+            num_stages=self.facts.num_stages,
+            device=self.device,
+            num_microbatches=self.facts.micro_batches,
+            schedule=schedule,
+            device_memory=self.device_memory,
+        )
+        self.log = ObservationLog(base, self.profile_dir, spare_memory=lambda: self.spare_memory, clock=self._clock)
+        weakref.finalize(engine, self.log.close)  # the engine may go away long before exit
 
-    def _set_priors(self, facts: _compat.ScheduleFacts) -> None:
-        """Expected waits from the 1F1B schedule and this rank's last measured compute times."""
-        last = self.last_step
-        if last is None or not last.forward_ns:
-            return
-        forward = statistics.median(last.forward_ns) / 1e9
-        backward = statistics.median(last.backward_ns) / 1e9 if last.backward_ns else 2 * forward
-        p, m, s = facts.stages, facts.micro_batches, facts.stage_id
-        windows = bubbles(simulate(one_f_one_b(p, m), Durations.uniform(p, forward, backward)))[s]
-        head_extra = 0.0
-        for window in windows:
-            if window.before is None and self.facts.gradient_clipping > 0:
-                self.predictor.set_prior(tail_key(0), round(window.duration * 1e9))
-            elif window.before is None:  # no sync at the end: the tail moves into the next head
-                head_extra = window.duration
-        for window in windows:
-            if window.before is not None:
-                extra = head_extra if window.before == Action(s, "F", 0) else 0.0
-                self.predictor.set_prior(str(window.before), round((window.duration + extra) * 1e9))
-        self._priors_for = (p, m)
+    def _end_step(self) -> None:
+        try:
+            self.tracker.end_step()
+        except Exception:
+            logger.exception("[step] bookkeeping failed at the end of a step")
+
+    def _step_finished(self, record: StepRecord) -> None:
+        self._last_event_ns = self._clock()
+        if self.log is not None:
+            self.log.add(record)
+        done = self.tracker.steps_done
+        if done <= 2 or done % _SPARE_MEMORY_EVERY == 0:
+            self.spare_memory, _ = device_memory(self.facts.device_type, self.facts.device_index)
 
     # ---------------------------------------------------------- instructions
 
@@ -278,36 +227,29 @@ class DeepSpeedAdapter:
         if name in _compat.WAIT_INSTRUCTIONS:
 
             def wait_instruction(engine: Any, **kwargs: Any) -> Any:
-                cur = self._cur
-                if cur is None:
+                if not self._active:
                     return fn(engine, **kwargs)
-                return self._wait(self._wait_key(cur, name), fn, (engine,), kwargs)
+                return self._wait(self._wait_key(name), fn, (engine,), kwargs)
 
             return wait_instruction
         if name in (_compat.FORWARD, _compat.BACKWARD):
-            forward = name == _compat.FORWARD
+            kind: Kind = "F" if name == _compat.FORWARD else "B"
 
             def compute_instruction(engine: Any, **kwargs: Any) -> Any:
-                cur = self._cur
-                if cur is None:
+                if not self._active:
                     return fn(engine, **kwargs)
-                t0 = time.monotonic_ns()
+                self._track(self.tracker.action_started, kind)
+                t0 = self._clock()
                 try:
                     return fn(engine, **kwargs)
                 finally:
-                    elapsed = time.monotonic_ns() - t0
-                    if forward:
-                        cur.forwards += 1
-                        cur.forward_ns.append(elapsed)
-                    else:
-                        cur.backwards += 1
-                        cur.backward_ns.append(elapsed)
+                    self._track(self.tracker.record_compute, kind, self._clock() - t0)
 
             return compute_instruction
         if name == _compat.OPTIMIZER_STEP:
 
             def optimizer_step(engine: Any, **kwargs: Any) -> Any:
-                if self._cur is None:
+                if not self._active:
                     return fn(engine, **kwargs)
                 with _compat.timed_collectives(self._collective):
                     return fn(engine, **kwargs)
@@ -315,95 +257,58 @@ class DeepSpeedAdapter:
             return optimizer_step
         return fn
 
-    def _wait_key(self, cur: _Step, name: str) -> str:
-        keys = cur.keys
-        if keys is not None:
-            if name == "RecvActivation" and cur.forwards < len(keys.forward):
-                return keys.forward[cur.forwards]
-            if name == "RecvGrad" and cur.backwards < len(keys.backward):
-                return keys.backward[cur.backwards]
+    def _wait_key(self, name: str) -> str:
+        """The place of a wait: the pass it feeds, the pass a blocking send precedes, else its occurrence.
+
+        ``buffer_id`` is a ring-buffer slot, not a micro-batch: passes are numbered by
+        the 1F1B order the tracker follows (``TrainSchedule`` runs it; the unit tests check).
+        """
+        if self.tracker.plan is not None:
+            after = self.tracker.next_action
+            if name in _RECEIVES and after is not None and after.kind == _RECEIVES[name]:
+                return str(after)
             if name in _compat.SEND_INSTRUCTIONS:
-                return keys.send[min(cur.forwards + cur.backwards, len(keys.send) - 1)]
-        n = cur.occurrences.get(name, 0)
-        cur.occurrences[name] = n + 1
+                return "send:tail" if after is None else f"send:{after}"
+        n = self._occurrences.get(name, 0)
+        self._occurrences[name] = n + 1
         return f"{name}#{n}"
 
     def _collective(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        cur = self._cur
-        if cur is None:
+        if not self._active:
             return fn(*args, **kwargs)
-        index = cur.collectives
-        cur.collectives += 1
+        index = self._collectives
+        self._collectives += 1
         return self._wait(tail_key(index), fn, args, kwargs)
 
     def _wait(self, key: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call ``fn`` as a (possible) bubble at ``key`` of the batch in flight."""
-        cur = self._cur
-        announced = False
-        expected = -1
-        # from before the announcement: what the manager sees as the bubble includes sending it
-        t0 = time.monotonic_ns()
-        if cur is not None:
-            try:
-                expected = self.predictor.expect(key)
-                announced = self.session.bubble_started(cur.step, expected, spare_memory=self.spare_memory)
-            except Exception:
-                logger.exception("[bubble] cannot announce the wait at %s", key)
+        self._track(self.tracker.wait_started, key)
         try:
             return fn(*args, **kwargs)
         finally:
-            t1 = time.monotonic_ns()
-            try:
-                if announced:
-                    self.session.bubble_ended()
-                if cur is not None:
-                    if self.steps_done > 0:  # the first batch runs slow (buffers, meta exchange)
-                        self.predictor.observe(key, t1 - t0)
-                    cur.waits.append(
-                        WaitRecord(key=key, offset_ns=t0 - cur.start_ns, duration_ns=t1 - t0, expected_ns=expected)
-                    )
-            except Exception:
-                logger.exception("[bubble] bookkeeping failed at %s", key)
+            self._track(self.tracker.wait_ended)
+
+    @staticmethod
+    def _track(call: Callable[..., None], *args: Any) -> None:
+        """Our bookkeeping never raises into the training step."""
+        try:
+            call(*args)
+        except Exception:
+            logger.exception("[bubble] bookkeeping failed in %s", getattr(call, "__name__", call))
 
     # ---------------------------------------------------------------- close
-
-    def observations(self) -> RankObservations:
-        """What this rank has recorded so far (profile mode)."""
-        return RankObservations(
-            framework="deepspeed",
-            rank=self.facts.rank,
-            stage=self.facts.stage,
-            num_stages=self.facts.num_stages,
-            device=self.device,
-            num_microbatches=self.facts.micro_batches,
-            schedule=self._schedule_name,
-            spare_memory=self.spare_memory,
-            device_memory=self.device_memory,
-            steps=list(self._records),
-        )
-
-    def _write_observations(self) -> None:
-        if self.mode != "profile" or self.profile_dir is None or not self._records:
-            return
-        try:
-            path = write_observations(self.observations(), self.profile_dir)
-            logger.info("[profile] rank %d: %d steps written to %s", self.facts.rank, len(self._records), path)
-        except Exception:
-            logger.exception("[profile] rank %d: cannot write observations", self.facts.rank)
 
     def close(self) -> None:
         """Stop timing the engine, write profile observations, say goodbye (idempotent)."""
         if self.closed:
             return
         self.closed = True
-        self._cur = None
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self._finish(pending)
+        self._active = False
+        if self.tracker.in_step:
+            self._end_step()
         engine = self._engine()
         if engine is not None:
             _compat.unshadow_instruction_map(engine)
-        if self.mode == "profile":
-            atexit.unregister(self._write_observations)
-            self._write_observations()
+        if self.log is not None:
+            self.log.close()
         self.session.close()

@@ -2,10 +2,11 @@
 
 The patches of :mod:`backends.megatron.patches` report every
 ``forward_backward`` call, compute action and receive wait of the process to
-one :class:`MegatronAdapter`, which keeps a
-:class:`~backends.megatron.tracker.StepTracker` and a
-:class:`~backends.session.BackendSession` (and, in profile mode, the
-observations ``freeride profile`` reads).
+one :class:`MegatronAdapter`, which keeps a :class:`~backends.tracker.StepTracker`
+(each wait's place is the next action of megatron's schedule, see
+:mod:`backends.megatron.plan`) and a :class:`~backends.session.BackendSession`
+(and, in profile mode, the :class:`~backends.observations.ObservationLog`
+``freeride profile`` reads).
 
 Nothing here may break training: every FreeRide error is logged and turns the
 adapter off; the wrapped megatron call always runs.
@@ -13,27 +14,23 @@ adapter off; the wrapped megatron call always runs.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 from backends.launch import read_mode
 from backends.megatron import _compat
 from backends.megatron._device import RankDevice
 from backends.megatron.plan import iterations, megatron_schedule
-from backends.megatron.tracker import StepPlan, StepTracker
+from backends.observations import ObservationLog
 from backends.schedule import Kind
 from backends.session import BackendConfig, BackendSession, events_endpoint_from_env
-from freeride.profile import RankObservations, StepRecord, write_observations
+from backends.tracker import StepPlan, StepTracker
+from freeride.profile import RankObservations
 
 __all__ = ["MegatronAdapter", "current_adapter", "reset_adapter"]
 
 logger = logging.getLogger(__name__)
-
-_PROFILE_EVERY = 10
-"""Profile mode rewrites the observation file every this many steps (a killed job keeps them)."""
 
 
 class MegatronAdapter:
@@ -48,8 +45,7 @@ class MegatronAdapter:
         self._depth = 0
         self._plans: dict[tuple[object, ...], StepPlan] = {}
         self._mode, self._profile_dir = read_mode()
-        self._records: list[StepRecord] = []
-        self._obs_base: RankObservations | None = None
+        self._log: ObservationLog | None = None
         self._last_spare = -1
         self.tracking = False
         """Inside a tracked ``forward_backward`` call."""
@@ -127,14 +123,8 @@ class MegatronAdapter:
             device_memory=device.memory,
         )
         self._session = BackendSession(config)
-        self._tracker = StepTracker(
-            self._session,
-            min_bubble_ns=config.min_bubble_ns,
-            settle=device.settle if device.cuda else None,
-            on_step=self._on_step if self._mode == "profile" else None,
-        )
         if self._mode == "profile":
-            self._obs_base = RankObservations(
+            base = RankObservations(
                 framework="megatron",
                 rank=rank,
                 stage=info.stage,
@@ -144,7 +134,13 @@ class MegatronAdapter:
                 schedule=schedule,
                 device_memory=device.memory,
             )
-            atexit.register(self.write_observations)
+            self._log = ObservationLog(base, self._profile_dir, spare_memory=device.spare_memory)
+        self._tracker = StepTracker(
+            self._session,
+            min_bubble_ns=config.min_bubble_ns,
+            settle=device.settle if device.cuda else None,
+            on_step=self._log.add if self._log is not None else None,
+        )
         logger.info(
             "[attach] megatron rank %d stage %d/%d on %s (%s mode)",
             rank,
@@ -213,28 +209,6 @@ class MegatronAdapter:
             except Exception:
                 self._fail("wait_end")
 
-    # ----------------------------------------------------------- profile
-    def _on_step(self, record: StepRecord) -> None:
-        self._records.append(record)
-        if len(self._records) % _PROFILE_EVERY == 0:
-            self.write_observations()
-
-    def write_observations(self) -> Path | None:
-        """Write what profile mode recorded so far (also run at exit)."""
-        base, directory = self._obs_base, self._profile_dir
-        if base is None or directory is None or not self._records:
-            return None
-        try:
-            import msgspec
-
-            device = self._device
-            spare = device.spare_memory() if device is not None else -1
-            obs = msgspec.structs.replace(base, steps=list(self._records), spare_memory=spare)
-            return write_observations(obs, directory)
-        except Exception:
-            logger.exception("[profile] could not write observations to %s", directory)
-            return None
-
     def stats(self) -> dict[str, int]:
         """Steps tracked and events sent and dropped so far."""
         session, tracker = self._session, self._tracker
@@ -246,7 +220,8 @@ class MegatronAdapter:
 
     def close(self) -> None:
         """Write observations and say goodbye (idempotent)."""
-        self.write_observations()
+        if self._log is not None:
+            self._log.close()
         if self._session is not None:
             self._session.close()
 

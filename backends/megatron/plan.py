@@ -7,28 +7,18 @@ though: interleaved 1F1B without ``overlap_p2p_comm`` runs one *iteration*
 backward) and then makes one blocking p2p call that sends what the iteration
 produced and receives everything the next iteration needs. A rank therefore
 waits before an iteration for all of its inputs, and its outputs leave only
-when the iteration is over. :func:`megatron_timeline` simulates exactly that;
-1F1B (and interleaved with ``overlap_p2p_comm``, whose waits sit right before
-each action) are iterations of one action, where it equals
-:func:`backends.schedule.simulate`.
+when the iteration is over. :func:`iterations` gives those runs, which
+:func:`backends.schedule.simulate` replays as its ``groups``; 1F1B (and
+interleaved with ``overlap_p2p_comm``, whose waits sit right before each
+action) are iterations of one action, the plain replay.
 """
 
 from __future__ import annotations
 
 from backends.megatron import _compat
-from backends.schedule import (
-    Action,
-    Durations,
-    Kind,
-    Schedule,
-    Timed,
-    Timeline,
-    interleaved,
-    interleaved_from_table,
-    one_f_one_b,
-)
+from backends.schedule import Schedule, interleaved, interleaved_from_table, one_f_one_b
 
-__all__ = ["iterations", "megatron_schedule", "megatron_timeline", "warmup_count"]
+__all__ = ["iterations", "megatron_schedule", "warmup_count"]
 
 
 def warmup_count(schedule: Schedule, stage: int, group_size: int | None = None) -> int:
@@ -73,69 +63,3 @@ def iterations(
     warm = warmup_count(schedule, stage, group_size)
     steady = len(row) // 2 - warm
     return (1,) * warm + (2,) * steady + (1,) * warm
-
-
-Message = tuple[Kind, int, int]
-"""(kind, micro-batch, virtual stage) of a finished action."""
-
-
-def _needs(action: Action, p: int, num_virtual: int) -> Message | None:
-    virtual = action.chunk * p + action.stage
-    if action.kind == "F":
-        return None if virtual == 0 else ("F", action.microbatch, virtual - 1)
-    if virtual == num_virtual - 1:
-        return ("F", action.microbatch, virtual)
-    return ("B", action.microbatch, virtual + 1)
-
-
-def megatron_timeline(schedule: Schedule, durations: Durations, groups: tuple[tuple[int, ...], ...]) -> Timeline:
-    """Replay ``schedule`` with each rank's actions run in ``groups`` (see :func:`iterations`).
-
-    A group starts when the rank is free and every input from another rank
-    has arrived; its actions then run back to back; its outputs reach other
-    ranks ``durations.comm`` after the group ends.
-
-    Raises:
-        ValueError: ``groups`` does not cover the rows, or the schedule deadlocks.
-    """
-    p = schedule.num_stages
-    num_virtual = p * schedule.num_chunks
-    if len(groups) != p or any(sum(g) != len(row) for g, row in zip(groups, schedule.actions, strict=True)):
-        raise ValueError("groups must split every rank's row")
-    sent: dict[Message, float] = {}
-    cursor = [0] * p  # next group
-    index = [0] * p  # next action
-    free = [0.0] * p
-    placed: list[list[Timed]] = [[] for _ in range(p)]
-    while any(cursor[r] < len(groups[r]) for r in range(p)):
-        progressed = False
-        for rank in range(p):
-            while cursor[rank] < len(groups[rank]):
-                acts = schedule.actions[rank][index[rank] : index[rank] + groups[rank][cursor[rank]]]
-                ready = free[rank]
-                missing = False
-                for action in acts:
-                    need = _needs(action, p, num_virtual)
-                    if need is None or need[2] % p == rank:
-                        continue  # first stage, or produced earlier on this rank
-                    if need not in sent:
-                        missing = True
-                        break
-                    ready = max(ready, sent[need])
-                if missing:
-                    break
-                t = ready
-                for action in acts:
-                    cost = durations.forward[rank] if action.kind == "F" else durations.backward[rank]
-                    placed[rank].append(Timed(action, t, t + cost))
-                    t += cost
-                for action in acts:
-                    sent[(action.kind, action.microbatch, action.chunk * p + rank)] = t + durations.comm
-                free[rank] = t
-                index[rank] += len(acts)
-                cursor[rank] += 1
-                progressed = True
-        if not progressed:
-            stuck = [str(schedule.actions[r][index[r]]) for r in range(p) if cursor[r] < len(groups[r])]
-            raise ValueError(f"schedule {schedule.name!r} deadlocks in megatron's order at {stuck}")
-    return Timeline(schedule, tuple(tuple(row) for row in placed), max(free))

@@ -23,8 +23,8 @@ import pytest
 from conftest import freeride_cmd, poll, serving, status
 
 from backends.megatron.plan import iterations, megatron_schedule
-from backends.megatron.tracker import schedule_priors
 from backends.schedule import Durations
+from backends.tracker import schedule_priors
 from freeride import protocol as p
 from freeride.profile import load_profile
 

@@ -24,9 +24,9 @@ import pytest
 
 from backends.launch import launch_env
 from backends.megatron.plan import iterations, megatron_schedule
-from backends.megatron.tracker import schedule_priors
 from backends.schedule import Durations
 from backends.session import ENV_EVENTS
+from backends.tracker import schedule_priors
 from freeride import protocol as p
 from freeride.profile import RankObservations, read_observations
 from freeride.transport import EventReceiver, new_async_context

@@ -26,12 +26,11 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from backends import session as session_mod
 from backends.deepspeed import _compat
-from backends.deepspeed import adapter as adapter_mod
 from backends.deepspeed.adapter import TAIL_LOSS, DeepSpeedAdapter, tail_key
 from backends.schedule import Action, Durations, bubbles, one_f_one_b, simulate
 from backends.session import BackendConfig, BackendSession
 from freeride import protocol as p
-from freeride.profile import build_profile
+from freeride.profile import RankObservations, build_profile
 from freeride.transport import EventEmitter
 
 MS = 1_000_000
@@ -153,9 +152,7 @@ class FakeEngine:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     clock = Clock()
-    fake_time = types.SimpleNamespace(monotonic_ns=clock.monotonic_ns)
-    monkeypatch.setattr(adapter_mod, "time", fake_time)
-    monkeypatch.setattr(session_mod, "time", fake_time)
+    monkeypatch.setattr(session_mod, "time", types.SimpleNamespace(monotonic_ns=clock.monotonic_ns))
     return clock
 
 
@@ -191,7 +188,7 @@ def _run(
         framework="deepspeed",
     )
     session = BackendSession(config, emitter=cast(EventEmitter, recorder))
-    adapter = DeepSpeedAdapter(engine, session=session, mode="profile", profile_dir=None)
+    adapter = DeepSpeedAdapter(engine, session=session, mode="profile", profile_dir=None, clock=clock.monotonic_ns)
     original_exec = FakeEngine._exec_schedule
     original_loss = FakeEngine._aggregate_total_loss
     monkeypatch.setattr(engine, "_exec_schedule", lambda sched: adapter.run_schedule(original_exec, engine, sched))
@@ -203,14 +200,19 @@ def _run(
     return engine, adapter, recorder
 
 
+def _observations(adapter: DeepSpeedAdapter) -> RankObservations:
+    assert adapter.log is not None
+    return adapter.log.observations()
+
+
 @pytest.mark.parametrize(("stages", "m"), [(2, 4), (3, 5), (4, 4), (4, 7)])
 def test_waits_are_keyed_by_deepspeeds_own_micro_batch(
     clock: Clock, monkeypatch: pytest.MonkeyPatch, stages: int, m: int
 ) -> None:
     for stage in range(stages):
         engine, adapter, _ = _run(clock, monkeypatch, stage=stage, stages=stages, m=m, steps=2)
-        assert adapter.last_step is not None
-        waits = adapter.last_step.waits
+        assert adapter.tracker.last_step is not None
+        waits = adapter.tracker.last_step.waits
         recv_keys = [w.key for w in waits if not w.key.startswith(("tail:", "send:"))]
         assert recv_keys == engine.truth[len(engine.truth) // 2 :]
         # DeepSpeed runs the passes in the 1F1B order the adapter numbers sends by
@@ -219,7 +221,7 @@ def test_waits_are_keyed_by_deepspeeds_own_micro_batch(
         sends = [i - 2 * m for i in engine.sends[len(engine.sends) // 2 :]]  # passes done this step
         send_keys = [w.key for w in waits if w.key.startswith("send:")]
         assert send_keys == [f"send:{passes[i]}" if i < len(passes) else "send:tail" for i in sends]
-        assert [w.key for w in adapter.last_step.waits if w.key.startswith("tail:")] == [
+        assert [w.key for w in adapter.tracker.last_step.waits if w.key.startswith("tail:")] == [
             tail_key(0),
             tail_key(1),
             TAIL_LOSS,
@@ -252,7 +254,7 @@ def test_bubbles_follow_the_schedule_then_the_measurements(
     assert isinstance(recorder.events[-1], p.Goodbye)
 
     # the profile puts each bubble where the schedule has it
-    profile = build_profile([adapter.observations()]).stages[0]
+    profile = build_profile([_observations(adapter)]).stages[0]
     timeline = simulate(one_f_one_b(2, 4), Durations.uniform(2, T_F / 1e9, T_B / 1e9))
     windows = bubbles(timeline)[stage]
     assert [b.key for b in profile.bubbles] == [tail_key(0) if w.before is None else str(w.before) for w in windows]
@@ -262,8 +264,8 @@ def test_bubbles_follow_the_schedule_then_the_measurements(
 
 def test_blocking_sends_become_bubbles_once_measured(clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
     _, adapter, recorder = _run(clock, monkeypatch, stage=1, steps=4, send_grad_ns=5 * MS)
-    assert adapter.last_step is not None
-    send_waits = [w for w in adapter.last_step.waits if w.key.startswith("send:")]
+    assert adapter.tracker.last_step is not None
+    send_waits = [w for w in adapter.tracker.last_step.waits if w.key.startswith("send:")]
     assert len(send_waits) == 4 and all(w.duration_ns == 5 * MS for w in send_waits)  # one per micro-batch
     started = [e for e in recorder.events if isinstance(e, p.BubbleStarted)]
     # measured from step 1 on (step 0 is warm-up), announced from step 2 on
@@ -275,8 +277,8 @@ def test_blocking_sends_become_bubbles_once_measured(clock: Clock, monkeypatch: 
 def test_stage_keys_match_the_pipeline_position(clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
     _, first, _ = _run(clock, monkeypatch, stage=0, steps=3)
     _, last, _ = _run(clock, monkeypatch, stage=1, steps=3)
-    first_keys = [b.key for b in build_profile([first.observations()]).stages[0].bubbles]
-    last_keys = [b.key for b in build_profile([last.observations()]).stages[0].bubbles]
+    first_keys = [b.key for b in build_profile([_observations(first)]).stages[0].bubbles]
+    last_keys = [b.key for b in build_profile([_observations(last)]).stages[0].bubbles]
     assert first_keys == ["0B0", "0B3"]  # fill gap and cool-down: stage 0 idles late
     assert last_keys == ["1F0", tail_key(0)]  # head and tail: the last stage idles at the ends
 
@@ -284,17 +286,17 @@ def test_stage_keys_match_the_pipeline_position(clock: Clock, monkeypatch: pytes
 def test_untimed_when_not_training_or_closed(clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
     engine, adapter, recorder = _run(clock, monkeypatch, stage=1, steps=3, close=False)
     assert "_INSTRUCTION_MAP" in engine.__dict__
-    before, last = len(recorder.events), adapter.last_step
+    before, last = len(recorder.events), adapter.tracker.last_step
     engine._exec_schedule(ds_schedule.InferenceSchedule(micro_batches=4, stages=2, stage_id=1))
     assert len(recorder.events) == before  # evaluation batches are not training steps
-    assert adapter.last_step is last and adapter.steps_done == 3
+    assert adapter.tracker.last_step is last and adapter.tracker.steps_done == 3
 
     adapter.close()
     assert "_INSTRUCTION_MAP" not in engine.__dict__  # the per-instance table is gone
     after_close = len(recorder.events)
     engine.train_batch()
     assert len(recorder.events) == after_close
-    assert adapter.steps_done == 3
+    assert adapter.tracker.steps_done == 3
 
 
 def test_patch_is_idempotent_and_reversible() -> None:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from backends.megatron import _compat
-from backends.megatron.plan import iterations, megatron_schedule, megatron_timeline, warmup_count
+from backends.megatron.plan import iterations, megatron_schedule, warmup_count
 from backends.schedule import Durations, bubbles, interleaved, one_f_one_b, simulate
 
 schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
@@ -80,7 +80,7 @@ def test_single_action_iterations_replay_the_plain_simulation() -> None:
             forward=(1.0, 1.5, 1.0, 2.0)[: schedule.num_stages], backward=(2.0,) * schedule.num_stages
         )
         ones = tuple((1,) * len(row) for row in schedule.actions)
-        assert megatron_timeline(schedule, durations, ones) == simulate(schedule, durations)
+        assert simulate(schedule, durations, groups=ones) == simulate(schedule, durations)
 
 
 def test_blocking_iterations_move_interleaved_waits_earlier() -> None:
@@ -88,20 +88,24 @@ def test_blocking_iterations_move_interleaved_waits_earlier() -> None:
     schedule = interleaved(2, 4, 2)
     durations = Durations.uniform(2, 1.0, 2.0)
     groups = tuple(iterations(schedule, s) for s in range(2))
-    grouped = bubbles(megatron_timeline(schedule, durations, groups))[0]
+    grouped = bubbles(simulate(schedule, durations, groups=groups))[0]
     plain = bubbles(simulate(schedule, durations))[0]
     first_pair = schedule.actions[0][warmup_count(schedule, 0)]
     assert first_pair.kind == "F"
     assert first_pair in {w.before for w in grouped}
     assert first_pair not in {w.before for w in plain}
     # outputs leave only after the pair, so the pipeline as a whole gets no shorter
-    assert megatron_timeline(schedule, durations, groups).makespan >= simulate(schedule, durations).makespan
+    assert simulate(schedule, durations, groups=groups).makespan >= simulate(schedule, durations).makespan
+    # where rank 0 waits once its p2p calls block per iteration (the first steady pair, the cool-down)
+    assert [str(w.before) for w in grouped] == ["0F2", "0B3c1"]
 
 
 def test_groups_must_cover_every_row() -> None:
     schedule = one_f_one_b(2, 2)
     with pytest.raises(ValueError, match="groups"):
-        megatron_timeline(schedule, Durations.uniform(2, 1.0, 2.0), ((1,) * 4, (1,) * 3))
+        simulate(schedule, Durations.uniform(2, 1.0, 2.0), groups=((1,) * 4, (1,) * 3))
+    with pytest.raises(ValueError, match="groups"):
+        simulate(schedule, Durations.uniform(2, 1.0, 2.0), groups=((2, 0, 2), (1,) * 4))
 
 
 # ------------------------------------------------------------------ p2p calls

@@ -1,7 +1,9 @@
-"""The Megatron step tracker: where a rank waits, what it predicts, what it announces.
+"""The rank-side step tracker: where a rank waits, what it predicts, what it announces.
 
-The tracker is driven here the way the adapter drives it from megatron's
-``forward_step`` / ``backward_step`` / p2p calls, with a fake clock and sink.
+The tracker is driven here the way the Megatron adapter drives it from
+``forward_step`` / ``backward_step`` / p2p calls (waits keyed by the next
+scheduled action), and the way the DeepSpeed adapter does (waits it keys
+itself, a warm-up step), with a fake clock and sink.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from backends.megatron.tracker import TAIL_KEY, StepPlan, StepTracker, place_key, schedule_priors
+from backends.megatron.plan import iterations
 from backends.schedule import Action, Durations, Schedule, interleaved, one_f_one_b, simulate
+from backends.tracker import TAIL_KEY, StepPlan, StepTracker, schedule_priors
 from freeride.profile import StepRecord
 
 MS = 1_000_000
@@ -115,8 +118,12 @@ def test_interleaved_priors_add_up_to_the_simulated_idle_time() -> None:
 
 
 def test_place_keys_use_the_2F0_notation() -> None:
-    assert place_key(Action(1, "B", 3, 1)) == "1B3c1"
-    assert place_key(None) == TAIL_KEY
+    plan = plan_1f1b(1)
+    assert plan.place_key(Action(1, "B", 3, 1)) == "1B3c1"
+    assert plan.place_key(None) == TAIL_KEY
+    assert (
+        StepPlan(schedule=plan.schedule, stage=1, merge_tail=False, tail_key="tail:opt0").place_key(None) == "tail:opt0"
+    )
 
 
 # ---------------------------------------------------------- announcements
@@ -305,3 +312,85 @@ def test_interleaved_rank_records_every_wait_place() -> None:
     offsets = [w.offset_ns for w in records[0].waits]
     assert offsets == sorted(offsets)
     assert len(records[0].forward_ns) == len(records[0].backward_ns) == 8
+
+
+# ------------------------------------------------- adapter-named places
+
+
+def test_named_places_warm_up_then_learn() -> None:
+    """The DeepSpeed way: the adapter names sends and end-of-step syncs; the first step only primes."""
+    clock = Clock()
+    sink = Sink(clock)
+    records: list[StepRecord] = []
+    tracker = StepTracker(sink, clock=clock, warmup_steps=1, on_step=records.append)
+    plan = StepPlan(schedule=one_f_one_b(2, 2), stage=1, merge_tail=False, tail_key="tail:opt0")
+    for number in (7, 8, 9):
+        tracker.begin_step(plan, number=number)
+        for action in plan.actions:
+            tracker.wait_started()  # before the action: keyed by it
+            clock.now += 4 * MS
+            tracker.wait_ended()
+            tracker.action_started(action.kind)
+            clock.now += 10 * MS
+            tracker.record_compute(action.kind, 10 * MS)
+            tracker.wait_started(f"send:{tracker.next_action or 'tail'}")
+            clock.now += 2 * MS
+            tracker.wait_ended()
+        for key in ("tail:opt0", "tail:loss"):
+            tracker.wait_started(key)
+            clock.now += 3 * MS
+            tracker.wait_ended()
+        tracker.end_step()
+    assert [s for s, _ in sink.steps] == [7, 8, 9]
+    assert {s for s, _, _ in sink.started} == {8, 9}  # nothing announced while warming up
+    keys = ["1F0", "send:1B0", "1B0", "send:1F1", "1F1", "send:1B1", "1B1", "send:tail", "tail:opt0", "tail:loss"]
+    assert [w.key for w in records[0].waits] == keys
+    assert all(w.expected_ns == -1 for w in records[0].waits)
+    # step 8: the schedule's prediction (tail at tail:opt0); step 9: what step 8 measured
+    expected_8 = {w.key: w.expected_ns for w in records[1].waits}
+    assert expected_8["1F0"] == 10 * MS and expected_8["tail:opt0"] == 10 * MS  # head f, tail b
+    assert [e for s, e, _ in sink.started if s == 9] == [w.duration_ns for w in records[1].waits]
+
+
+def test_steps_without_a_plan_are_keyed_and_predicted_by_measurement() -> None:
+    tracker, sink, clock, records = make()
+    for _ in range(2):
+        tracker.begin_step(None)
+        tracker.action_started("F")  # no schedule to check the order against
+        tracker.wait_started("CommitP2P#0")
+        clock.now += 5 * MS
+        tracker.wait_ended()
+        tracker.end_step()
+    assert [w.key for w in records[1].waits] == ["CommitP2P#0"]
+    assert [e for _, e, _ in sink.started] == [5 * MS]
+    assert tracker.plan is None and tracker.next_action is None
+
+
+def test_weight_passes_prime_a_zero_bubble_plan() -> None:
+    tracker, sink, _, records = make()
+    schedule = Schedule.from_csv("0F0,0B0,0W0\n1F0,1B0,1W0\n", name="zb", num_microbatches=1)
+    plan = StepPlan(schedule=schedule, stage=0, merge_tail=False)
+    tracker.begin_step(plan)
+    tracker.action_started("F")
+    tracker.record_compute("F", 10 * MS)
+    tracker.action_started("B")
+    tracker.record_compute("B", 20 * MS)
+    tracker.action_started("W")
+    tracker.record_compute("W", 30 * MS)
+    tracker.end_step()
+    assert sink.started == [] and records[0].backward_ns == [20 * MS]  # W times are not in the profile
+    tracker.begin_step(plan)
+    tracker.action_started("F")
+    tracker.wait_started()
+    # from 0F0's end to 0B0: rank 1's F0 and B0; its W0 is nobody's input
+    assert [e for _, e, _ in sink.started] == [30 * MS]
+
+
+def test_blocking_iterations_move_the_priors() -> None:
+    schedule = interleaved(2, 4, 2)
+    durations = Durations.uniform(2, 0.001, 0.002)
+    groups = tuple(iterations(schedule, s) for s in range(2))
+    grouped = schedule_priors(schedule, 0, durations, merge_tail=False, groups=groups)
+    plain = schedule_priors(schedule, 0, durations, merge_tail=False)
+    assert [str(a) for a in grouped] == ["0F2", "0B3c1"]
+    assert set(grouped) != set(plain)
