@@ -13,7 +13,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 import msgspec
 
@@ -83,6 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         mps=args.mps,
         trace=Path(args.trace) if args.trace else None,
         metrics_port=args.metrics_port,
+        side_priority=args.side_priority,
     )
 
     async def serve() -> None:
@@ -182,21 +183,33 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def format_status(status: p.StatusReply) -> str:
-    lines = [f"{'device':10} {'stage':>5} {'alive':>5} {'bubbles':>8} {'bubble time':>12} {'used':>7} {'overruns':>8}"]
+    lines = [
+        f"{'device':10} {'stage':>5} {'alive':>5} {'bubbles':>8} {'bubble time':>12} {'used':>7} {'overruns':>8}"
+        f" {'interference':>13} {'of training':>11}"
+    ]
     for d in status.devices:
         share = d.used_ns / d.bubble_ns if d.bubble_ns else 0.0
+        taken = f"{d.interference_ns / d.train_ns:.2%}" if d.train_ns else "-"
         lines.append(
             f"{d.device:10} {d.stage:>5} {'yes' if d.alive else 'no':>5} {d.bubbles:>8} "
-            f"{format_ns(d.bubble_ns):>12} {share:>6.1%} {d.overruns:>8}"
+            f"{format_ns(d.bubble_ns):>12} {share:>6.1%} {d.overruns:>8} {format_ns(d.interference_ns):>13} {taken:>11}"
         )
     lines.append("")
-    lines.append(f"{'task':>4} {'name':28} {'state':10} {'device':10} {'steps':>8} {'busy':>10}  metrics")
+    lines.append(
+        f"{'task':>4} {'name':28} {'state':10} {'device':10} {'steps':>8} {'busy':>10} {'interference':>13}  metrics"
+    )
     for t in status.tasks:
         metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(t.metrics.items()))
         lines.append(
             f"{t.task_id:>4} {t.name[:28]:28} {t.state:10} {t.device or '-':10} {t.steps:>8} "
-            f"{format_ns(t.busy_ns):>10}  {metrics}{('  error: ' + t.error) if t.error else ''}"
+            f"{format_ns(t.busy_ns):>10} {format_ns(t.interference_ns):>13}  {metrics}"
+            f"{('  error: ' + t.error) if t.error else ''}"
         )
+    lines.append("")
+    lines.append(
+        "used: side-task compute inside bubbles, as a share of bubble time; interference: side-task compute after"
+        " bubble ends (what a GPU would take from training), and its share of the stage's training time"
+    )
     lat = status.latency
     lines.append("")
     lines.append(
@@ -357,6 +370,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mps", action="store_true", help="cap side tasks' GPU memory with NVIDIA MPS (GPU only)")
     s.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of bubbles and side-task work")
     s.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on 127.0.0.1:PORT")
+    s.add_argument(
+        "--side-priority",
+        choices=get_args(p.SidePriority),
+        default="low",
+        help="CPU priority of side tasks: low (nice 19, default) or the stage's own; 'same' makes a side step"
+        " that runs past a bubble's end delay the stage on CPU as it would on a GPU (benchmarks use it)",
+    )
     s.set_defaults(fn=cmd_serve)
 
     s = subs.add_parser("submit", help="submit a side task", description="Submit a side task to a running manager.")

@@ -8,7 +8,7 @@ not raise; :class:`Observers` logs and drops an observer that does.
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from collections.abc import Callable
 
 from freeride import protocol as p
 
@@ -17,12 +17,17 @@ __all__ = ["Observer", "Observers"]
 logger = logging.getLogger(__name__)
 
 
-class Observer(Protocol):
+class Observer:
+    """What an observer may be told; each method does nothing unless overridden."""
+
     def backend_event(self, event: p.BackendEvent) -> None:
         """Every valid event from a training rank (Hello, bubbles, steps, Goodbye)."""
 
     def grant_done(self, device: str, task_id: int, task_name: str, done: p.GrantDone) -> None:
         """A side task gave a grant back: its work inside that bubble."""
+
+    def interference(self, device: str, task_id: int, task_name: str, t_ns: int, dur_ns: int) -> None:
+        """A side task ran ``dur_ns`` of compute after its bubble ended at ``t_ns`` (time taken from training)."""
 
     def task_status(self, status: p.TaskStatus) -> None:
         """A side task changed state (submitted, running, finished, failed, cancelled)."""
@@ -40,26 +45,30 @@ class Observers:
     def add(self, observer: Observer) -> None:
         self._observers.append(observer)
 
-    def _each(self, what: str, *args: object) -> None:
+    def _each(self, what: str, call: Callable[[Observer], None]) -> None:
         for obs in list(self._observers):
             try:
-                getattr(obs, what)(*args)
+                call(obs)
             except Exception:
                 logger.exception("[observe] %s failed in %s; removing it", type(obs).__name__, what)
                 self._observers.remove(obs)
 
     def backend_event(self, event: p.BackendEvent) -> None:
         if self._observers:
-            self._each("backend_event", event)
+            self._each("backend_event", lambda obs: obs.backend_event(event))
 
     def grant_done(self, device: str, task_id: int, task_name: str, done: p.GrantDone) -> None:
         if self._observers:
-            self._each("grant_done", device, task_id, task_name, done)
+            self._each("grant_done", lambda obs: obs.grant_done(device, task_id, task_name, done))
+
+    def interference(self, device: str, task_id: int, task_name: str, t_ns: int, dur_ns: int) -> None:
+        if self._observers:
+            self._each("interference", lambda obs: obs.interference(device, task_id, task_name, t_ns, dur_ns))
 
     def task_status(self, status: p.TaskStatus) -> None:
         if self._observers:
-            self._each("task_status", status)
+            self._each("task_status", lambda obs: obs.task_status(status))
 
     def close(self) -> None:
-        self._each("close")
+        self._each("close", lambda obs: obs.close())
         self._observers.clear()

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from freeride import protocol as p
+from freeride.observe.base import Observer
 
 __all__ = ["LATENCY_BUCKETS_S", "MetricsExporter", "StatusCollector"]
 
@@ -71,7 +72,15 @@ def _device_metrics(status: p.StatusReply) -> Iterator[Metric]:
     families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
         "bubble": CounterMetricFamily("freeride_bubble_seconds", "Measured bubble time seen per device", labels=labels),
         "used": CounterMetricFamily(
-            "freeride_bubble_used_seconds", "Side-task step time inside bubbles per device", labels=labels
+            "freeride_bubble_used_seconds", "Side-task compute inside bubbles per device", labels=labels
+        ),
+        "interference": CounterMetricFamily(
+            "freeride_interference_seconds",
+            "Side-task compute after bubble ends per device (what a GPU would take from training)",
+            labels=labels,
+        ),
+        "train": CounterMetricFamily(
+            "freeride_training_seconds", "Wall time the stage has trained (first to last bubble event)", labels=labels
         ),
         "bubbles": CounterMetricFamily("freeride_bubbles", "Bubbles announced per device", labels=labels),
         "overruns": CounterMetricFamily(
@@ -93,6 +102,8 @@ def _device_metrics(status: p.StatusReply) -> Iterator[Metric]:
         values = {
             "bubble": d.bubble_ns / 1e9,
             "used": d.used_ns / 1e9,
+            "interference": d.interference_ns / 1e9,
+            "train": d.train_ns / 1e9,
             "bubbles": d.bubbles,
             "overruns": d.overruns,
             "overrun_s": d.overrun_ns / 1e9,
@@ -110,6 +121,9 @@ def _task_metrics(status: p.StatusReply, throughput: dict[int, float]) -> Iterat
     labels = ["task", "name", "device"]
     steps = CounterMetricFamily("freeride_side_task_steps", "Steps a side task has done", labels=labels)
     busy = CounterMetricFamily("freeride_side_task_busy_seconds", "Time a side task spent in steps", labels=labels)
+    interference = CounterMetricFamily(
+        "freeride_side_task_interference_seconds", "A side task's compute after bubble ends", labels=labels
+    )
     rate = GaugeMetricFamily(
         "freeride_side_task_throughput_steps_per_second", "Side-task steps per second, recent window", labels=labels
     )
@@ -120,6 +134,7 @@ def _task_metrics(status: p.StatusReply, throughput: dict[int, float]) -> Iterat
         key = [str(t.task_id), t.name, t.device]
         steps.add_metric(key, float(t.steps))
         busy.add_metric(key, t.busy_ns / 1e9)
+        interference.add_metric(key, t.interference_ns / 1e9)
         rate.add_metric(key, throughput.get(t.task_id, 0.0))
         state.add_metric([*key, t.state], 1.0)
         for name, value in sorted(t.metrics.items()):
@@ -130,7 +145,7 @@ def _task_metrics(status: p.StatusReply, throughput: dict[int, float]) -> Iterat
         tasks.add_metric([name], float(by_state[name]))
     pending = GaugeMetricFamily("freeride_pending_tasks", "Side tasks waiting for a device that fits")
     pending.add_metric([], float(by_state["pending"]))
-    yield from (steps, busy, rate, state, user, tasks, pending)
+    yield from (steps, busy, interference, rate, state, user, tasks, pending)
 
 
 def _manager_metrics(status: p.StatusReply) -> Iterator[Metric]:
@@ -143,7 +158,7 @@ def _manager_metrics(status: p.StatusReply) -> Iterator[Metric]:
     yield from (events, rejected, uptime)
 
 
-class MetricsExporter:
+class MetricsExporter(Observer):
     """Observer serving Prometheus metrics on ``http://ADDR:PORT/metrics``.
 
     Args:

@@ -146,10 +146,17 @@ class StageReport:
     """Announced bubble time inside those steps."""
     harvested_ns: int
     """Side-task busy time inside those bubbles."""
+    interference_ns: int = 0
+    """Side-task compute after bubble ends during those steps (what a GPU would take from training)."""
 
     @property
     def bubble_share(self) -> float | None:
         return self.bubble_ns / self.step_ns if self.step_ns else None
+
+    @property
+    def interference_share(self) -> float | None:
+        """Interference as a share of the stage's training time."""
+        return self.interference_ns / self.step_ns if self.step_ns else None
 
     @property
     def harvested_share(self) -> float | None:
@@ -166,6 +173,7 @@ class TaskReport:
     busy_ns: int
     throughput_alone: float | None
     """Steps/s alone on the cheap GPU (given by the user)."""
+    interference_ns: int = 0
 
     @property
     def cheap_gpu_s(self) -> float | None:
@@ -186,6 +194,7 @@ class Report:
     k: float
     """Price of the training GPUs over the price of one cheap GPU."""
     train_gpus: int
+    prices: Prices = field(default_factory=Prices)
     notes: tuple[str, ...] = ()
 
     @property
@@ -219,7 +228,13 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["stages"] = [
-            {**asdict(s), "bubble_share": s.bubble_share, "harvested_share": s.harvested_share} for s in self.stages
+            {
+                **asdict(s),
+                "bubble_share": s.bubble_share,
+                "harvested_share": s.harvested_share,
+                "interference_share": s.interference_share,
+            }
+            for s in self.stages
         ]
         out["tasks"] = [{**asdict(t), "cheap_gpu_s": t.cheap_gpu_s} for t in self.tasks]
         out.update(
@@ -233,47 +248,72 @@ class Report:
 
     def text(self) -> str:
         """The report as a table for a terminal."""
-        lines = [f"{'stage':>5} {'device':10} {'steps':>6} {'bubble share':>12} {'bubble time':>11} {'harvested':>9}"]
+        lines = [
+            f"{'stage':>5} {'device':10} {'steps':>6} {'bubble share':>12} {'bubble time':>11} {'harvested':>9}"
+            f" {'interference':>12} {'of training':>11}"
+        ]
         for s in self.stages:
             lines.append(
                 f"{s.stage:>5} {s.device:10} {s.steps:>6} {_pct(s.bubble_share):>12} "
-                f"{format_ns(s.bubble_ns):>11} {_pct(s.harvested_share):>9}"
+                f"{format_ns(s.bubble_ns):>11} {_pct(s.harvested_share):>9} {format_ns(s.interference_ns):>12}"
+                f" {_pct(s.interference_share, 2):>11}"
             )
         step_ns, bubble_ns = self._total("step_ns"), self._total("bubble_ns")
+        interference_ns = self._total("interference_ns")
         lines.append(
             f"{'all':>5} {'':10} {'':>6} {_pct(bubble_ns / step_ns if step_ns else None):>12} "
             f"{format_ns(bubble_ns):>11} {_pct(self._total('harvested_ns') / bubble_ns if bubble_ns else None):>9}"
+            f" {format_ns(interference_ns):>12} {_pct(interference_ns / step_ns if step_ns else None, 2):>11}"
         )
         lines += [
             "",
-            f"{'task':>4} {'name':28} {'device':10} {'steps':>8} {'busy':>10} {'alone':>10} {'cheap GPU':>10}",
+            f"{'task':>4} {'name':28} {'device':10} {'steps':>8} {'busy':>10} {'interference':>12}"
+            f" {'alone':>10} {'cheap GPU':>10}",
         ]
         for t in self.tasks:
             alone = f"{t.throughput_alone:g}/s" if t.throughput_alone else "-"
             cheap = f"{t.cheap_gpu_s:.2f} s" if t.cheap_gpu_s is not None else "-"
             lines.append(
                 f"{t.task_id:>4} {t.name[:28]:28} {t.device or '-':10} {t.work:>8} {format_ns(t.busy_ns):>10} "
-                f"{alone:>10} {cheap:>10}"
+                f"{format_ns(t.interference_ns):>12} {alone:>10} {cheap:>10}"
             )
-        lines.append("")
+        lines += [
+            "",
+            "harvested: side-task step time (wall) that lies inside the counted steps' bubbles. `freeride status`"
+            " shows 'used', the side-task compute (CPU time) inside bubbles over the whole run: a task that waited"
+            " for its core counts here but not there, so 'used' is the lower of the two.",
+            "interference: side-task compute after bubble ends; a GPU does not preempt a running kernel, so on a GPU"
+            " this time is taken from training. Its share is of the counted steps' time.",
+            "",
+        ]
         if self.median_step_ns is not None:
             line = f"training: {self.steps} steps, median {self.median_step_ns / 1e6:.2f} ms"
             if self.baseline_median_step_ns is not None and self.slowdown is not None:
-                line += f" vs {self.baseline_median_step_ns / 1e6:.2f} ms baseline: slowdown {self.slowdown:+.2%}"
+                line += (
+                    f" vs {self.baseline_median_step_ns / 1e6:.2f} ms baseline: slowdown {self.slowdown:+.2%}"
+                    " (one run each, not an interval; for a slowdown with a confidence interval, use the"
+                    " paired benchmarks in tools/bench/)"
+                )
             lines.append(line)
         if self.saving is not None:
+            prices = self.prices
             lines.append(
-                f"cost: k = {self.k:.3g} ({self.train_gpus} training GPU(s)); side work = {self.side_value_s:.2f} s "
-                f"of cheap GPU = {self.side_value_s / self.k:.3f} s of training; extra training time "
-                f"{self.training_s - self.vanilla_s:.3f} s of {self.vanilla_s:.2f} s"
+                f"cost: k = training GPU price x training GPUs / cheap GPU price = {prices.train_gpu_per_hour:g} $/h"
+                f" x {self.train_gpus} / {prices.side_gpu_per_hour:g} $/h = {self.k:.3g} (--train-gpu-price,"
+                " --train-gpus, --side-gpu-price; the defaults are the FreeRide paper's prices). Side work ="
+                f" {self.side_value_s:.2f} s of cheap GPU = {self.side_value_s / self.k:.3f} s of training;"
+                f" extra training time {self.training_s - self.vanilla_s:.3f} s of {self.vanilla_s:.2f} s"
             )
-            lines.append(f"saving: {self.saving:.2%} of the training cost")
+            one_run = ""
+            if self.baseline_median_step_ns:
+                one_run = " (from one run; as uncertain as the slowdown it includes)"
+            lines.append(f"saving: {self.saving:.2%} of the training cost{one_run}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1%}"
+def _pct(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}%}"
 
 
 def _pipeline_steps(trace: Trace, warmup: int) -> dict[int, int]:
@@ -303,8 +343,16 @@ def build_report(trace: Trace, options: ReportOptions, baseline: Trace | None = 
     harvested: dict[str, int] = dict.fromkeys(trace.devices, 0)
     starts = {device: [r[0] for r in region] for device, region in regions.items()}
     tasks: list[TaskReport] = []
+    interfered: dict[str, int] = dict.fromkeys(trace.devices, 0)
     for task in sorted(trace.tasks.values(), key=lambda t: t.task_id):
-        work = busy = 0
+        work = busy = taken = 0
+        for start, end in task.interference:
+            window = windows.get(task.device)
+            if window is not None and not window[0] <= start < window[1]:
+                continue
+            taken += end - start
+            if task.device in interfered:
+                interfered[task.device] += end - start
         for g in task.grants:
             window = windows.get(g.device)
             if window is not None and not window[0] <= g.start_ns < window[1]:
@@ -320,7 +368,13 @@ def build_report(trace: Trace, options: ReportOptions, baseline: Trace | None = 
             notes.append(f"task {task.task_id} ({task.name}): no --side-throughput given; not in the saving")
         tasks.append(
             TaskReport(
-                task_id=task.task_id, name=task.name, device=task.device, work=work, busy_ns=busy, throughput_alone=rate
+                task_id=task.task_id,
+                name=task.name,
+                device=task.device,
+                work=work,
+                busy_ns=busy,
+                throughput_alone=rate,
+                interference_ns=taken,
             )
         )
     for timeline in sorted(trace.devices.values(), key=lambda t: (t.stage, t.device)):
@@ -333,6 +387,7 @@ def build_report(trace: Trace, options: ReportOptions, baseline: Trace | None = 
                 step_ns=sum(end - start for start, end in steps),
                 bubble_ns=sum(end - start for start, end in regions[timeline.device]),
                 harvested_ns=harvested[timeline.device],
+                interference_ns=interfered[timeline.device],
             )
         )
     median = int(statistics.median(counted.values())) if counted else None
@@ -358,5 +413,6 @@ def build_report(trace: Trace, options: ReportOptions, baseline: Trace | None = 
         training_s=sum(counted.values()) / 1e9,
         k=k,
         train_gpus=train_gpus,
+        prices=options.prices,
         notes=tuple(notes),
     )

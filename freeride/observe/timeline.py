@@ -50,6 +50,8 @@ class TaskTimeline:
     name: str
     device: str = ""
     grants: list[GrantSpan] = field(default_factory=list)
+    interference: list[tuple[int, int]] = field(default_factory=list)
+    """Side-task compute after a bubble's end: (bubble end, bubble end + compute) in ns."""
     state: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -104,11 +106,13 @@ def parse_trace(data: bytes) -> Trace:
                 start = int(args.get("start_ns", ts_ns - int(args.get("duration_ns", 0))))
                 timeline.steps[int(args["step"])] = (start, start + int(args.get("duration_ns", ts_ns - start)))
                 timeline.stage = int(args.get("stage", timeline.stage))
-        elif pid == SIDE_TASKS_PID and cat in ("side_task", "task_status"):
+        elif pid == SIDE_TASKS_PID and cat in ("side_task", "task_status", "interference"):
             task_id = int(args.get("task_id", ev.get("tid", 0)))
             task = trace.tasks.setdefault(task_id, TaskTimeline(task_id=task_id, name=str(ev.get("name", ""))))
             task.device = str(args.get("device") or task.device)
-            if cat == "side_task":
+            if cat == "interference":
+                task.interference.append((ts_ns, ts_ns + dur_ns))
+            elif cat == "side_task":
                 task.grants.append(
                     GrantSpan(
                         ts_ns, ts_ns + dur_ns, int(args.get("steps", 0)), int(args.get("busy_ns", 0)), task.device

@@ -37,6 +37,7 @@ from typing import Any, BinaryIO
 import msgspec
 
 from freeride import protocol as p
+from freeride.observe.base import Observer
 
 __all__ = ["SIDE_TASKS_PID", "TRAINING_PID", "TraceWriter"]
 
@@ -97,7 +98,7 @@ def _encode(rec: _Record) -> bytes:
     return msgspec.json.encode(event)
 
 
-class TraceWriter:
+class TraceWriter(Observer):
     """Observer writing a Chrome/Perfetto trace of bubbles and side-task work.
 
     Args:
@@ -205,6 +206,13 @@ class TraceWriter:
             "reason": done.reason,
         }
         self._put(("X", task_name, "side_task", SIDE_TASKS_PID, task_id, start, end - start, args))
+
+    def interference(self, device: str, task_id: int, task_name: str, t_ns: int, dur_ns: int) -> None:
+        # Drawn from the bubble's end, as a GPU would run it: the work a side task did
+        # after its bubble ended, which on a GPU would have held back training.
+        self._task_track(task_id, task_name, device)
+        args = {"device": device, "task_id": task_id, "interference_ns": dur_ns}
+        self._put(("X", f"{task_name} past bubble end", "interference", SIDE_TASKS_PID, task_id, t_ns, dur_ns, args))
 
     def task_status(self, status: p.TaskStatus) -> None:
         self._task_track(status.task_id, status.name, status.device)

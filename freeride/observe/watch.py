@@ -48,6 +48,7 @@ def _devices(now: p.StatusReply, before: p.StatusReply | None, bar: int) -> Tabl
     table = Table(title="devices", title_justify="left", caption=caption, caption_justify="left")
     for col in ("device", "stage", "rank", "bubble share", "used by side tasks", "bubbles", "steps", "overruns"):
         table.add_column(col, justify="right" if col in ("stage", "rank", "bubbles", "steps", "overruns") else "left")
+    table.add_column("interference", justify="right")
     table.add_column("dropped", justify="right")
     table.add_column("spare", justify="right")
     for d in sorted(now.devices, key=lambda d: (d.stage, d.device)):
@@ -63,6 +64,10 @@ def _devices(now: p.StatusReply, before: p.StatusReply | None, bar: int) -> Tabl
             str(d.bubbles),
             str(d.steps),
             Text(str(d.overruns), style="red" if d.overruns else ""),
+            Text(
+                f"{format_ns(d.interference_ns)} ({d.interference_ns / d.train_ns:.2%})" if d.train_ns else "-",
+                style="red" if d.train_ns and d.interference_ns > 0.005 * d.train_ns else "",
+            ),
             str(d.dropped),
             format_bytes(d.spare_memory),
         )

@@ -5,7 +5,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import get_args
 
+from freeride import protocol as p
 from freeride.transport import Endpoints
 
 __all__ = ["ServeConfig"]
@@ -37,6 +39,8 @@ class ServeConfig:
     """Write a Chrome/Perfetto trace of bubbles and side-task work here."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (127.0.0.1); 0 picks a free one."""
+    side_priority: p.SidePriority = "low"
+    """CPU priority of side tasks: ``low`` (nice 19, the default) or ``same`` as the stage (GPU-faithful on CPU)."""
 
     def __post_init__(self) -> None:
         if self.margin_ns < 0:
@@ -49,6 +53,8 @@ class ServeConfig:
             raise ValueError(f"stop_timeout_s must be > 0, got {self.stop_timeout_s}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+        if self.side_priority not in get_args(p.SidePriority):
+            raise ValueError(f"side_priority must be one of {get_args(p.SidePriority)}, got {self.side_priority!r}")
         if self.profile is not None and not self.profile.is_file():
             raise ValueError(f"profile: no such file {self.profile}")
 

@@ -23,6 +23,8 @@ import time
 from types import TracebackType
 from typing import assert_never
 
+import msgspec
+
 from freeride import protocol as p
 from freeride.gpu.mps import MpsDaemon
 from freeride.gpu.nvml import NvmlMonitor
@@ -317,11 +319,17 @@ class Manager:
             case _:
                 assert_never(req)
 
+    def _task_status(self, task: TaskRecord) -> p.TaskStatus:
+        scheduler = self.schedulers.get(task.device)
+        if scheduler is None:
+            return task.status()
+        return msgspec.structs.replace(task.status(), interference_ns=scheduler.task_interference_ns(task.task_id))
+
     def status(self) -> p.StatusReply:
         p50, p99, worst = self.latency.summary()
         return p.StatusReply(
             devices=[self.schedulers[name].status(info) for name, info in self.devices.items()],
-            tasks=[t.status() for t in self.tasks.values()],
+            tasks=[self._task_status(t) for t in self.tasks.values()],
             latency=p.LatencySummary(count=self.latency.count, p50_ns=p50, p99_ns=p99, max_ns=worst),
             events=self.events,
             rejected_frames=self.rejected_frames,

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from freeride import protocol as p
+from freeride._procutil import group_cpu_ns, process_cpu_ns
 from freeride.clock import MONOTONIC, Clock
 from freeride.serve.imperative import ImperativeProcess
 
@@ -58,6 +59,10 @@ class Runner(Protocol):
         """Ask the task to checkpoint and exit (a program is terminated by its supervisor)."""
         ...
 
+    def cpu_ns(self) -> int:
+        """CPU time the task's processes have run so far (all threads), in ns; -1 if unreadable."""
+        ...
+
 
 class WorkerRunner:
     """An iterative task's worker process, reached through the manager's worker socket."""
@@ -83,6 +88,9 @@ class WorkerRunner:
 
     def stop(self, reason: str) -> None:
         self._send(self._ident, p.Stop(reason=reason))
+
+    def cpu_ns(self) -> int:
+        return process_cpu_ns(self.process.pid)
 
 
 class ProgramRunner:
@@ -121,6 +129,7 @@ class ProgramRunner:
         self._grant = None
         # Its deadline timer may have stopped it already; stopping again is a no-op.
         self.program.suspend()
+        cpu = self.cpu_ns()
         busy = self.program.busy_ns - self._busy_before_ns
         ran = busy > 0
         self._report(
@@ -134,6 +143,7 @@ class ProgramRunner:
                 reason="revoked",
                 last_step_end_ns=self._resumed_ns + busy if ran else 0,
                 first_step_ns=self._resumed_ns if ran else 0,
+                cpu_ns=cpu,
             )
         )
 
@@ -141,3 +151,6 @@ class ProgramRunner:
         if self._grant is not None:
             self.revoke(self._grant.grant_id)
         logger.debug("[tasks] task %d: program stop requested (%s)", self._task_id, reason)
+
+    def cpu_ns(self) -> int:
+        return group_cpu_ns(self.program.pid) if self.program.pid > 0 else -1

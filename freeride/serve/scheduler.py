@@ -45,6 +45,12 @@ class _GrantState:
     returned: bool = False
     busy_ns: int = 0
     """Side-task time the grant reported."""
+    cpu_at_grant: int = -1
+    """The task's CPU clock when the grant was handed over (-1 unreadable)."""
+    cpu_at_end: int = -1
+    """The task's CPU clock when the bubble's end was handled, if the grant was still out then."""
+    cpu_done: int = -1
+    """The task's CPU clock at its last step in the grant, as reported."""
     overrun_ns: int = 0
     """What the worker reported as past the grant's deadline (used if the bubble's end is never seen)."""
 
@@ -83,7 +89,12 @@ class DeviceScheduler:
         self.used_ns = 0
         self.overruns = 0
         self.overrun_ns = 0
+        self.interference_ns = 0
+        """Side-task compute after bubble ends: what a GPU, which does not preempt, would take from training."""
+        self._task_interference: dict[int, int] = {}
         self.first_seen_ns = clock.now_ns()
+        self._first_event_ns = 0
+        self._last_event_ns = 0
 
     # -- public views ---------------------------------------------------------
 
@@ -104,7 +115,19 @@ class DeviceScheduler:
             steps=info.train_steps,
             dropped=info.dropped,
             free_memory=info.free_memory,
+            interference_ns=self.interference_ns,
+            train_ns=self.train_ns(alive=info.alive),
         )
+
+    def train_ns(self, *, alive: bool) -> int:
+        """Wall time the stage has trained: from its first bubble event to its last (to now while alive)."""
+        if not self._first_event_ns:
+            return 0
+        until = self._clock.now_ns() if alive else self._last_event_ns
+        return max(0, until - self._first_event_ns)
+
+    def task_interference_ns(self, task_id: int) -> int:
+        return self._task_interference.get(task_id, 0)
 
     def bubble_share(self) -> float:
         elapsed = self._clock.now_ns() - self.first_seen_ns
@@ -123,8 +146,10 @@ class DeviceScheduler:
             self._revoke_current()
             for grant_id, state in list(self._grants.items()):
                 if state.returned and not state.bubble_end_ns:
-                    self._account_overrun(state)  # against the deadline: the best left to go by
+                    self._settle(state)  # against the deadline: the best left to go by
                     del self._grants[grant_id]
+        self._first_event_ns = self._first_event_ns or ev.t_ns
+        self._last_event_ns = max(self._last_event_ns, ev.t_ns)
         self._bubble = ev
         self._deadline_ns = ev.t_ns + ev.expected_ns
         self._tried.clear()
@@ -133,11 +158,17 @@ class DeviceScheduler:
 
     def on_bubble_ended(self, ev: p.BubbleEnded) -> None:
         self.bubble_ns += ev.duration_ns
+        self._first_event_ns = self._first_event_ns or ev.t_ns - ev.duration_ns
+        self._last_event_ns = max(self._last_event_ns, ev.t_ns)
         for state in self._grants.values():
             if state.bubble_end_ns == 0:
                 state.bubble_end_ns = ev.t_ns
                 if state.returned:
-                    self._account_overrun(state)
+                    self._settle(state)
+                elif state.task.runner is not None:
+                    # What the task runs from here on is taken from training. Read before the
+                    # revoke below, which freezes a program at once.
+                    state.cpu_at_end = state.task.runner.cpu_ns()
         self._grants = {gid: s for gid, s in self._grants.items() if not s.returned}
         self._revoke_current()
         self._bubble = None
@@ -163,19 +194,21 @@ class DeviceScheduler:
         """A grant came back (``task`` has already taken its own share of the report)."""
         if self._observers is not None:
             self._observers.grant_done(self.device, task.task_id, task.name, done)
-        self.used_ns += done.busy_ns
         if done.first_step_delay_ns >= 0:
             self._latency.record(done.first_step_delay_ns)
         state = self._grants.get(done.grant_id)
-        if state is not None:
+        if state is None:  # a grant forgotten when its task left: all we know is its own account
+            self.used_ns += done.busy_ns
+        else:
             state.returned = True
             state.busy_ns = done.busy_ns
             state.last_step_end_ns = done.last_step_end_ns
             state.overrun_ns = done.overrun_ns
-            # time past the bubble's actual end is not "used"; until that end is known the
-            # grant waits (the deadline is an expectation, erring early on purpose)
+            state.cpu_done = done.cpu_ns
+            # Until the bubble's actual end is known the grant waits: the deadline is an
+            # expectation, erring early on purpose, and work past the end is not "used".
             if state.bubble_end_ns:
-                self._account_overrun(state)
+                self._settle(state)
                 self._grants.pop(done.grant_id)
         if self._holder == done.grant_id:
             self._holder = None
@@ -184,13 +217,44 @@ class DeviceScheduler:
 
     # -- granting -------------------------------------------------------------
 
-    def _account_overrun(self, state: _GrantState) -> None:
+    def _settle(self, state: _GrantState) -> None:
+        """Account for a grant once its report and its bubble's end are both known.
+
+        "Used" is the side-task compute that ran inside the bubble: CPU time
+        between the grant and the bubble's end (never more than the wall time of
+        the task's steps inside it), so a task that waited for its core uses
+        nothing. Interference is the compute that ran after the end: on a GPU,
+        which does not preempt a running kernel, that time is taken from
+        training. Where the task's CPU clock could not be read (or the end was
+        handled after the task's report), wall times stand in.
+        """
         end = state.bubble_end_ns
-        late = state.last_step_end_ns - end if end and state.last_step_end_ns else state.overrun_ns
+        late = max(0, state.last_step_end_ns - end if end and state.last_step_end_ns else state.overrun_ns)
         if late > 0:
             self.overruns += 1
             self.overrun_ns += late
-            self.used_ns -= min(late, state.busy_ns)  # "used" is side-task time inside the bubble
+        inside_wall = max(0, state.busy_ns - late)
+        work = -1
+        if state.cpu_done >= 0 and state.cpu_at_grant >= 0:
+            upto = state.cpu_done if state.cpu_at_end < 0 else min(state.cpu_done, state.cpu_at_end)
+            work = max(0, upto - state.cpu_at_grant)
+            self.used_ns += min(work, inside_wall)
+        else:
+            self.used_ns += inside_wall
+        if state.cpu_done >= 0 and state.cpu_at_end >= 0:
+            interference = max(0, state.cpu_done - state.cpu_at_end)
+        elif late > 0 and state.cpu_done >= 0 and state.cpu_at_grant >= 0:
+            interference = min(late, max(0, state.cpu_done - state.cpu_at_grant))
+        else:
+            interference = late
+        if interference > 0:
+            task = state.task
+            self.interference_ns += interference
+            self._task_interference[task.task_id] = self._task_interference.get(task.task_id, 0) + interference
+            if self._observers is not None:
+                self._observers.interference(
+                    self.device, task.task_id, task.name, end or state.last_step_end_ns - late, interference
+                )
 
     def _revoke_current(self) -> None:
         if self._holder is None:
@@ -233,7 +297,8 @@ class DeviceScheduler:
             )
             if task.runner is None or not task.runner.grant(grant):
                 continue
-            state = _GrantState(task=task, bubble_t_ns=self._bubble.t_ns)
+            # read after the grant is on its way: this is on the bubble-start -> step path
+            state = _GrantState(task=task, bubble_t_ns=self._bubble.t_ns, cpu_at_grant=task.runner.cpu_ns())
             self._holder = grant_id
             self._grants[grant_id] = state
             return

@@ -148,6 +148,7 @@ class Supervisor:
             cpu_affinity=device.cpu_affinity,
             workdir=str(workdir),
             memory_limit=task.spec.peak_memory,
+            side_priority=self.config.side_priority,
         )
 
     # -- submit and place ---------------------------------------------------------------
@@ -312,8 +313,9 @@ class Supervisor:
             return 127
         if task.terminal:  # cancelled while the program was being started
             return (await program.terminate(timeout_s=self.config.stop_timeout_s)).returncode
-        with contextlib.suppress(OSError):  # the same low CPU priority as iterative workers
-            os.setpriority(os.PRIO_PGRP, program.pid, 19)
+        if self.config.side_priority == "low":
+            with contextlib.suppress(OSError):  # the same low CPU priority as iterative workers
+                os.setpriority(os.PRIO_PGRP, program.pid, 19)
         task.runner = ProgramRunner(
             task.task_id, program, report=lambda done: self.report(task, done), clock=self._clock
         )

@@ -17,6 +17,7 @@ from conftest import wait_until
 
 from backends.sim import SimConfig, SimPipeline
 from freeride import protocol as p
+from freeride.observe.base import Observer
 from freeride.serve.manager import Manager
 from sidetasks import CATALOG
 
@@ -36,7 +37,7 @@ SLOW = {"resnet50-train", "vgg19-train"}
 """Full-size vision models: minutes of CPU training each, so only in runs that take slow tests."""
 
 
-class _Seen:
+class _Seen(Observer):
     """Observer: the device's bubbles as announced, and the grants its side task used."""
 
     def __init__(self, device: str) -> None:

@@ -162,3 +162,27 @@ def test_render_timeline_draws_the_hand_made_trace(traces: tuple[Path, Path], tm
     assert tool.main([str(fr), "--out", str(out), "--start-step", "1", "--steps", "2"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert tool.main([str(fr), "--out", str(out), "--start-step", "50"]) == 2  # no steps there
+
+
+def test_interference_slices_are_counted_per_stage_and_task(tmp_path: Path) -> None:
+    """The trace's interference slices (compute after bubble ends), inside the counted steps only."""
+    events = training_events(STEPS, BUBBLES)
+    for task_id, name, device, start, end, steps, busy in GRANTS:
+        args = {"device": device, "task_id": task_id, "steps": steps, "busy_ns": busy * MS}
+        events.append(event("X", name, "side_task", 2, task_id, start, dur=(end - start) * 1000, args=args))
+    for task_id, name, device, at_ms, dur_ms in [
+        (1, "pagerank-a", "cpu:0", 100, 5),  # after the warm-up step's last bubble: falls in step 1, counted
+        (1, "pagerank-a", "cpu:0", 280, 6),
+        (2, "sgd-b", "cpu:1", 330, 2),
+    ]:
+        args = {"device": device, "task_id": task_id, "interference_ns": dur_ms * MS}
+        events.append(
+            event("X", f"{name} past bubble end", "interference", 2, task_id, at_ms, dur=dur_ms * 1000, args=args)
+        )
+    report = build_report(parse_trace(write(tmp_path / "fr.json", events).read_bytes()), OPTIONS)
+    s0, s1 = report.stages
+    assert (s0.interference_ns, s1.interference_ns) == (11 * MS, 2 * MS)
+    assert s0.interference_share == pytest.approx(11 / 300)
+    assert [t.interference_ns for t in report.tasks] == [11 * MS, 2 * MS, 0]
+    text = report.text()
+    assert "interference" in text and "one run" not in text  # no baseline: no slowdown claimed

@@ -26,6 +26,11 @@ class RecordingRunner:
 
     def __init__(self, task_id: int, sent: list[tuple[int, p.ManagerToWorker]]) -> None:
         self.task_id, self.sent = task_id, sent
+        self.cpu = -1
+        """The task's CPU clock as the manager would read it (-1: unreadable, wall times stand in)."""
+
+    def cpu_ns(self) -> int:
+        return self.cpu
 
     def grant(self, grant: p.Grant) -> bool:
         self.sent.append((self.task_id, grant))
@@ -103,6 +108,7 @@ def done(
     busy: int = 0,
     delay: int = 100,
     end: int = 0,
+    cpu: int = -1,
 ) -> p.GrantDone:
     return p.GrantDone(
         task_id=t.task_id,
@@ -114,6 +120,7 @@ def done(
         reason=reason,
         step_estimate_ns=t.estimate_ns,
         last_step_end_ns=end,
+        cpu_ns=cpu,
     )
 
 
@@ -274,7 +281,7 @@ def test_a_task_shut_out_by_its_estimate_gets_a_probe_now_and_then() -> None:
 class FakeProgram:
     """Stands in for an ImperativeProcess (no process): counts busy time by the manual clock."""
 
-    pid = 77
+    pid = 0  # no process group to read: the runner's CPU clock reads -1
     exited = False
 
     def __init__(self, clock: ManualClock) -> None:
@@ -308,3 +315,61 @@ def test_a_program_is_granted_and_revoked_through_the_same_interface() -> None:
     assert program.resumed_at is None  # frozen
     assert h.sched.used_ns == 8 * MS and t.busy_ns == 8 * MS and t.steps == 1
     assert h.sched.overruns == 0 and h.latency.count == 1 and h.latency.summary()[0] == 0
+
+
+def test_used_is_compute_inside_the_bubble_and_interference_is_compute_after_it() -> None:
+    h = Harness()
+    t = h.task(1, 5 * MS)
+    runner = t.runner
+    assert isinstance(runner, RecordingRunner)
+    runner.cpu = 100 * MS
+    b = h.started(20 * MS)
+    [(_, grant)] = h.grants()
+    runner.cpu = 108 * MS  # 8 ms of compute by the time the bubble ended at 10 ms (it waited for its core)
+    h.ended(b, 10 * MS)
+    # 5 ms more compute after the end
+    h.report(t, done(t, grant, reason="revoked", busy=15 * MS, end=b.t_ns + 15 * MS, cpu=113 * MS))
+    assert h.sched.used_ns == 8 * MS
+    assert h.sched.interference_ns == 5 * MS and h.sched.task_interference_ns(1) == 5 * MS
+    assert h.sched.overruns == 1 and h.sched.overrun_ns == 5 * MS  # wall time past the end, as before
+
+
+def test_a_task_that_never_overruns_interferes_with_nothing() -> None:
+    h = Harness()
+    t = h.task(1, 2 * MS)
+    runner = t.runner
+    assert isinstance(runner, RecordingRunner)
+    for i in range(5):
+        runner.cpu = i * 10 * MS
+        b = h.started(10 * MS, index=i)
+        [*_, (_, grant)] = h.grants()
+        h.report(t, done(t, grant, busy=6 * MS, end=b.t_ns + 6 * MS, cpu=(i * 10 + 6) * MS))
+        runner.cpu = (i * 10 + 6) * MS
+        h.ended(b, 10 * MS)
+    assert h.sched.interference_ns == 0 and h.sched.used_ns == 30 * MS and h.sched.overruns == 0
+
+
+def test_a_report_that_beats_the_bubble_end_is_charged_its_wall_time_past_the_end() -> None:
+    """The end was handled after the report: the CPU clock at the end is unknown, wall time stands in."""
+    h = Harness()
+    t = h.task(1, 5 * MS)
+    runner = t.runner
+    assert isinstance(runner, RecordingRunner)
+    runner.cpu = 0
+    b = h.started(20 * MS)
+    [(_, grant)] = h.grants()
+    h.report(t, done(t, grant, busy=12 * MS, end=b.t_ns + 12 * MS, cpu=12 * MS))
+    h.ended(b, 9 * MS)
+    assert h.sched.interference_ns == 3 * MS and h.sched.used_ns == 9 * MS
+
+
+def test_train_time_runs_from_the_first_bubble_event_to_the_last() -> None:
+    h = Harness()
+    b = h.started(10 * MS)
+    h.ended(b, 10 * MS)
+    h.clock.advance(30 * MS)
+    b = h.started(10 * MS, index=1)
+    h.ended(b, 10 * MS)
+    assert h.sched.train_ns(alive=False) == 50 * MS
+    h.clock.advance(5 * MS)
+    assert h.sched.train_ns(alive=True) == 55 * MS
