@@ -9,8 +9,8 @@ One :class:`DeepSpeedAdapter` watches one engine. Each training batch it
   duration it expects there;
 * keys every wait by its place in the step: the action it precedes in ``2F0``
   notation (DeepSpeed's ``buffer_id`` is a ring-buffer slot, so micro-batches are
-  numbered by counting forward and backward passes), ``send:<action>`` for a send
-  that blocks before that action, or ``tail:opt<i>`` / ``tail:loss`` for the
+  numbered by the passes' position in the 1F1B order), ``send:<action>`` for a
+  send that blocks before that action, or ``tail:opt<i>`` / ``tail:loss`` for the
   end-of-step syncs;
 * leaves the rest to a :class:`~backends.tracker.StepTracker` with the 1F1B plan:
   prediction from the measured history at each place and, before there is any,
