@@ -60,7 +60,7 @@ def test_bad_input_is_a_value_error(
         harness.side_task(task, opts, step_time)
 
 
-@pytest.mark.parametrize("script", ["deepspeed_overhead", "megatron_overhead"])
+@pytest.mark.parametrize("script", ["deepspeed_overhead", "megatron_overhead", "sim_overhead"])
 @pytest.mark.parametrize(
     ("argv", "target", "options"),
     [
@@ -81,7 +81,7 @@ def test_scripts_submit_the_task_they_were_given(
     module = bench_module(script)
     seen: list[Any] = []
 
-    def fake_bench(job: object, task: object, **kwargs: object) -> str:
+    def fake_bench(job: object, task: object, options: object, **kwargs: object) -> str:
         seen.append(task)
         return "## section\n\nbody"
 

@@ -1,11 +1,19 @@
-"""The harness both pipeline benchmarks share: profile, serve, submit, then alone/with runs.
+"""The harness the pipeline benchmarks share: profile, serve, submit, then paired runs.
 
 A :class:`Job` is one training command (a script printing one JSON line per step
-with ``rank`` and ``step_ms``). :func:`bench` profiles it with ``freeride
-profile``, starts ``freeride serve --profile``, submits one side task pinned to
-each profiled device, then runs the job ``pairs`` times alone (no FreeRide at
-all), optionally under the hooks with no manager listening, and under ``freeride
-launch``, interleaved in time, and returns a markdown section.
+with ``rank`` and ``step_ms``, and ``cpu_ms`` where it measures its CPU time).
+:func:`bench` profiles it, starts ``freeride serve --profile`` (side tasks at
+the priority :class:`BenchOptions` names), submits one side task pinned to each
+profiled device, and runs the job as :func:`plan` lays out:
+
+* one warm-up run alone and one with side tasks, left out of every figure;
+* ``pairs`` pairs of a run alone and a run under ``freeride launch`` (with
+  side tasks), the order alternating from pair to pair (ABBA);
+* ``controls`` A/A pairs (alone and alone), spread among them: the noise floor.
+
+After each run with side tasks it reads the manager's status, so a pair whose
+side tasks did no steps or finished is flagged rather than counted. The
+markdown section comes from :mod:`_bench_report`.
 """
 
 from __future__ import annotations
@@ -22,21 +30,45 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+from _bench_report import Role, RunKind, RunResult, Section, render  # tools/bench is the script's directory
 
 from freeride import protocol as p
-from freeride.profile import Profile, load_profile
+from freeride.profile import load_profile
 from freeride.transport import ControlClient, Endpoints, ManagerUnreachable
 from freeride.units import parse_duration_ns
 from sidetasks import resolve
 
-__all__ = ["SKIP_STEPS", "TASK_DEFAULTS", "Job", "RunResult", "SideTask", "add_side_task_args", "bench", "side_task"]
+__all__ = [
+    "SKIP_STEPS",
+    "TASK_DEFAULTS",
+    "BenchOptions",
+    "Job",
+    "PlannedRun",
+    "RunKind",
+    "RunResult",
+    "SideTask",
+    "add_bench_args",
+    "add_side_task_args",
+    "bench",
+    "bench_options",
+    "parse_steps",
+    "plan",
+    "serve_cmd",
+    "side_task",
+    "with_figures",
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 SKIP_STEPS = 3
-"""Leading steps of every run left out of its median."""
+"""Leading steps of every run left out of its medians."""
 PROFILE_STEPS = 8
+_NO_SIDE_PRIORITY = "this `freeride serve` has no --side-priority: side tasks ran at nice 19"
+
+SidePriority = Literal["same", "low"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,6 +78,9 @@ class Job:
     script: Path
     args: tuple[str, ...]
     """Arguments of the training script (besides ``--spawn`` and ``--steps``)."""
+    profiles_itself: bool = False
+    """The script writes its own bubble profile with ``--profile-out FILE`` (the simulated job);
+    otherwise the harness runs it under ``freeride profile``."""
 
     def cmd(self, steps: int) -> list[str]:
         return [sys.executable, str(self.script), "--spawn", "2", "--steps", str(steps), *self.args]
@@ -71,7 +106,7 @@ TASK_DEFAULTS: dict[str, tuple[str, ...]] = {
 
 
 def add_side_task_args(ap: argparse.ArgumentParser) -> None:
-    """The ``--task``, ``--opt`` and ``--step-time`` flags both benchmarks take (see :func:`side_task`)."""
+    """The ``--task``, ``--opt`` and ``--step-time`` flags the benchmarks take (see :func:`side_task`)."""
     ap.add_argument("--task", default="graph-sgd", help="a side task from `freeride submit --list`, or module:Class")
     ap.add_argument(
         "--opt",
@@ -100,31 +135,174 @@ def side_task(task: str, opts: Sequence[str], step_time: str) -> SideTask:
     return SideTask(target=target, options=tuple(f"{k}={v}" for k, v in options.items()), step_time=step_time)
 
 
-@dataclass(slots=True)
-class RunResult:
-    kind: str
-    median_step_ms: float
-    wall_s: float
-    bubble_ns: int = 0
-    used_ns: int = 0
-    overruns: int = 0
-    overrun_ns: int = 0
-    task_steps: dict[str, int] = field(default_factory=dict)
+# --------------------------------------------------------------------------
+# options and the plan of runs
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchOptions:
+    """How many runs of what, validated."""
+
+    pairs: int = 8
+    """Pairs of a run alone and a run with side tasks."""
+    controls: int = 4
+    """A/A control pairs (alone and alone)."""
+    steps: int = 25
+    """Training steps per run (the first :data:`SKIP_STEPS` are left out)."""
+    hooked: bool = False
+    """Also pairs of alone and the hooks with no manager listening (as many as ``controls``)."""
+    side_priority: SidePriority = "same"
+    """``same``: side tasks at the stage's priority (an overrun delays training, as on a GPU); ``low``: nice 19."""
+    keep: bool = False
+    """Keep the runtime directory (logs, profile)."""
+
+    def __post_init__(self) -> None:
+        if self.pairs < 1:
+            raise ValueError(f"pairs must be >= 1, got {self.pairs}")
+        if self.controls < 0:
+            raise ValueError(f"controls must be >= 0, got {self.controls}")
+        if self.steps <= SKIP_STEPS:
+            raise ValueError(f"steps must be > {SKIP_STEPS}, got {self.steps}")
+        if self.side_priority not in ("same", "low"):
+            raise ValueError(f"side_priority must be 'same' or 'low', got {self.side_priority!r}")
+
+
+def add_bench_args(ap: argparse.ArgumentParser, *, steps: int = 25) -> None:
+    """The flags of :class:`BenchOptions` (``steps``: this benchmark's default steps per run)."""
+    ap.add_argument("--pairs", type=int, default=8, help="alone/with pairs, order alternating (default 8)")
+    ap.add_argument("--controls", type=int, default=4, help="A/A pairs (alone/alone): the noise floor (default 4)")
+    ap.add_argument("--steps", type=int, default=steps, help=f"training steps per run (default {steps})")
+    ap.add_argument("--hooked", action="store_true", help="also pairs with the hooks but no manager listening")
+    ap.add_argument(
+        "--side-priority",
+        choices=("same", "low"),
+        default="same",
+        help="side tasks at the stage's own CPU priority, so an overrun delays training as on a GPU "
+        "(same, default), or at nice 19, the production default on CPU (low)",
+    )
+    ap.add_argument("--keep", action="store_true", help="keep the runtime directory (logs, profile)")
+
+
+def bench_options(ns: argparse.Namespace) -> BenchOptions:
+    """:class:`BenchOptions` from the flags of :func:`add_bench_args`.
+
+    Raises:
+        ValueError: a value out of range.
+    """
+    return BenchOptions(
+        pairs=ns.pairs,
+        controls=ns.controls,
+        steps=ns.steps,
+        hooked=ns.hooked,
+        side_priority=ns.side_priority,
+        keep=ns.keep,
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlannedRun:
+    kind: RunKind
+    role: Role
+    """``warmup`` (left out), or the ``a`` (alone) or ``b`` side of a pair."""
+    pair: int
+    """Index of the pair; -1 for a warm-up run."""
+    pair_kind: RunKind
+    """What the pair compares with alone: ``with``, ``hooked``, or ``alone`` (an A/A control)."""
+
+
+def plan(options: BenchOptions) -> list[PlannedRun]:
+    """The runs in time order: warm-ups, then the pairs, controls spread evenly among them, ABBA order."""
+    runs = [PlannedRun(kind="alone", role="warmup", pair=-1, pair_kind="alone")]
+    if options.hooked:
+        runs.append(PlannedRun(kind="hooked", role="warmup", pair=-1, pair_kind="hooked"))
+    runs.append(PlannedRun(kind="with", role="warmup", pair=-1, pair_kind="with"))
+    groups: list[tuple[RunKind, int]] = [("with", options.pairs), ("alone", options.controls)]
+    if options.hooked:
+        groups.append(("hooked", options.controls))
+    # each pair sits at the middle of its share of the sequence; ties keep the group order
+    slots = sorted(
+        ((i + 0.5) / count, g, kind) for g, (kind, count) in enumerate(groups) for i in range(count) if count
+    )
+    for index, (_, _, kind) in enumerate(slots):
+        a = PlannedRun(kind="alone", role="a", pair=index, pair_kind=kind)
+        b = PlannedRun(kind=kind, role="b", pair=index, pair_kind=kind)
+        runs += [a, b] if index % 2 == 0 else [b, a]
+    return runs
+
+
+def serve_cmd(runtime: Path, profile: Path, side_priority: SidePriority, *, supported: bool = True) -> list[str]:
+    """``freeride serve`` for the benchmark; ``supported``: whether this serve knows ``--side-priority``."""
+    cmd = _freeride("serve", "--runtime-dir", str(runtime), "--profile", str(profile))
+    if supported:
+        cmd += ["--side-priority", side_priority]
+    return cmd
+
+
+# --------------------------------------------------------------------------
+# what a run measured
+# --------------------------------------------------------------------------
+
+
+def parse_steps(stdout: str) -> tuple[float, float | None]:
+    """From a run's JSON lines: rank 0's median step time, and the summed per-rank median CPU time per step.
+
+    Raises:
+        RuntimeError: rank 0 printed no more than :data:`SKIP_STEPS` steps.
+    """
+    steps: dict[int, list[float]] = {}
+    cpu: dict[int, list[float]] = {}
+    for line in stdout.splitlines():
+        if not line.startswith("{"):
+            continue
+        record = json.loads(line)
+        if "step_ms" not in record:
+            continue
+        rank = int(record["rank"])
+        steps.setdefault(rank, []).append(float(record["step_ms"]))
+        if "cpu_ms" in record:
+            cpu.setdefault(rank, []).append(float(record["cpu_ms"]))
+    times = steps.get(0, [])
+    if len(times) <= SKIP_STEPS:
+        raise RuntimeError(f"training printed {len(times)} steps of rank 0")
+    cpu_ms = None
+    if cpu and all(len(v) > SKIP_STEPS for v in cpu.values()):
+        cpu_ms = sum(statistics.median(v[SKIP_STEPS:]) for v in cpu.values())
+    return statistics.median(times[SKIP_STEPS:]), cpu_ms
+
+
+def with_figures(result: RunResult, before: p.StatusReply, after: p.StatusReply) -> None:
+    """Fill ``result`` with what the manager counted between ``before`` and ``after``, and its flags."""
+    old = {d.device: d for d in before.devices}
+    for d in after.devices:
+        o = old.get(d.device)
+        result.bubble_ns += d.bubble_ns - (o.bubble_ns if o else 0)
+        result.used_ns += d.used_ns - (o.used_ns if o else 0)
+        result.overruns += d.overruns - (o.overruns if o else 0)
+        result.overrun_ns += d.overrun_ns - (o.overrun_ns if o else 0)
+        result.interference_ns += d.interference_ns - (o.interference_ns if o else 0)
+        result.train_ns += d.train_ns - (o.train_ns if o else 0)
+    old_steps = {t.task_id: t.steps for t in before.tasks}
+    for t in after.tasks:
+        done = t.steps - old_steps.get(t.task_id, 0)
+        name = f"{t.name}@{t.device or '?'}"
+        result.task_steps[name] = done
+        if t.state in p.TERMINAL_STATES:
+            why = f": {t.error}" if t.error else ""
+            result.flags.append(f"{name} {t.state} after {done} steps in this run{why}")
+        elif done == 0:
+            result.flags.append(f"{name} did no steps in this run")
+    if not after.tasks:
+        result.flags.append("no side tasks")
+
+
+# --------------------------------------------------------------------------
+# running
+# --------------------------------------------------------------------------
 
 
 def _freeride(*args: str) -> list[str]:
     return [sys.executable, "-m", "freeride.cli", *args]
-
-
-def _median_step_ms(stdout: str) -> float:
-    times = [
-        float(record["step_ms"])
-        for record in (json.loads(line) for line in stdout.splitlines() if line.startswith("{"))
-        if "step_ms" in record and record["rank"] == 0
-    ]
-    if len(times) <= SKIP_STEPS:
-        raise RuntimeError(f"training printed {len(times)} steps")
-    return statistics.median(times[SKIP_STEPS:])
 
 
 def _plain_env() -> dict[str, str]:
@@ -168,82 +346,9 @@ def _tasks_running(endpoints: Endpoints, count: int) -> bool:
     return sum(t.state == "running" for t in tasks) == count
 
 
-def _with_run(job: Job, steps: int, runtime: Path, endpoints: Endpoints) -> RunResult:
-    before = _status(endpoints)
-    stdout, wall = _run(_freeride("launch", "--runtime-dir", str(runtime), "--", *job.cmd(steps)))
-    after = _status(endpoints)
-    result = RunResult("with", _median_step_ms(stdout), wall)
-    old = {d.device: d for d in before.devices}
-    for d in after.devices:
-        o = old.get(d.device)
-        result.bubble_ns += d.bubble_ns - (o.bubble_ns if o else 0)
-        result.used_ns += d.used_ns - (o.used_ns if o else 0)
-        result.overruns += d.overruns - (o.overruns if o else 0)
-        result.overrun_ns += d.overrun_ns - (o.overrun_ns if o else 0)
-    old_tasks = {t.task_id: t.steps for t in before.tasks}
-    for t in after.tasks:
-        result.task_steps[t.device] = result.task_steps.get(t.device, 0) + t.steps - old_tasks.get(t.task_id, 0)
-    return result
-
-
-def _report(job: Job, steps: int, task: SideTask, profile: Profile, runs: list[RunResult], final: p.StatusReply) -> str:
-    alone = [r.median_step_ms for r in runs if r.kind == "alone"]
-    hooked = [r.median_step_ms for r in runs if r.kind == "hooked"]
-    with_ = [r for r in runs if r.kind == "with"]
-    ratios = [w.median_step_ms / a for a, w in zip(alone, with_, strict=True)]
-    slowdown = statistics.median(w.median_step_ms for w in with_) / statistics.median(alone) - 1
-    bubble = sum(r.bubble_ns for r in with_)
-    used = sum(r.used_ns for r in with_)
-    overrun = sum(r.overrun_ns for r in with_)
-    train_s = sum(r.wall_s for r in with_)
-    steps_by_device: dict[str, int] = {}
-    for r in with_:
-        for device, n in r.task_steps.items():
-            steps_by_device[device] = steps_by_device.get(device, 0) + n
-    lines = [
-        job.title,
-        "",
-        f"Training: `{job.shown(steps)}`; side task `{task.target}` "
-        f"({', '.join(task.options) or 'defaults'}) pinned to each stage's device.",
-        "",
-        "| stage | device | step (profile) | bubbles/step | bubble share |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for s in profile.stages:
-        lines.append(
-            f"| {s.stage} | {s.device} | {s.step_time_ns / 1e6:.1f} ms | {len(s.bubbles)} "
-            f"({', '.join(f'{b.key} {b.duration_ns / 1e6:.1f} ms' for b in s.bubbles)}) | {s.bubble_fraction:.1%} |"
-        )
-    lines += ["", "| run | kind | median step (ms) | bubble use | overruns |", "| --- | --- | --- | --- | --- |"]
-    for i, r in enumerate(runs):
-        use = f"{r.used_ns / r.bubble_ns:.1%}" if r.bubble_ns else "-"
-        over = f"{r.overruns} ({r.overrun_ns / 1e6:.1f} ms)" if r.kind == "with" else "-"
-        lines.append(f"| {i} | {r.kind} | {r.median_step_ms:.2f} | {use} | {over} |")
-    lines += [
-        "",
-        "| metric | value | goal |",
-        "| --- | --- | --- |",
-        f"| training slowdown (median with / median alone - 1) | {slowdown:+.2%} | <= 0.5% |",
-        f"| slowdown per pair (median, min..max) | {statistics.median(ratios) - 1:+.2%} "
-        f"({min(ratios) - 1:+.2%}..{max(ratios) - 1:+.2%}) | |",
-        *(
-            [
-                f"| hooks alone, no manager (median hooked / median alone - 1) | "
-                f"{statistics.median(hooked) / statistics.median(alone) - 1:+.2%} | |"
-            ]
-            if hooked
-            else []
-        ),
-        f"| bubble time used by side-task steps | {used / bubble:.1%} of {bubble / 1e9:.2f} s | >= 85% |"
-        if bubble
-        else "| bubble time used by side-task steps | no bubbles seen | >= 85% |",
-        f"| side-task steps past a bubble's end | {overrun / 1e6:.1f} ms total | |",
-        f"| side-task throughput | {sum(steps_by_device.values()) / train_s:.1f} steps/s "
-        f"({', '.join(f'{d}: {n / train_s:.1f}' for d, n in sorted(steps_by_device.items()))}) | |",
-        f"| bubble start -> side-task step start | p50 {final.latency.p50_ns / 1e6:.2f} ms, "
-        f"p99 {final.latency.p99_ns / 1e6:.2f} ms ({final.latency.count} grants) | p99 <= 1 ms |",
-    ]
-    return "\n".join(lines)
+def _serve_knows_side_priority() -> bool:
+    help_text, _ = _run(_freeride("serve", "--help"))
+    return "--side-priority" in help_text
 
 
 def _stop(serve: subprocess.Popen[bytes]) -> None:
@@ -256,26 +361,49 @@ def _stop(serve: subprocess.Popen[bytes]) -> None:
             serve.wait()
 
 
-def bench(job: Job, task: SideTask, *, pairs: int, steps: int, hooked: bool = False, keep: bool = False) -> str:
-    """Profile, serve, submit and run the alone/(hooked/)with rounds of ``job``; its markdown section."""
-    if pairs < 1:
-        raise ValueError(f"pairs must be >= 1, got {pairs}")
-    if steps <= SKIP_STEPS:
-        raise ValueError(f"steps must be > {SKIP_STEPS}, got {steps}")
+def _one_run(job: Job, planned: PlannedRun, steps: int, runtime: Path, endpoints: Endpoints) -> RunResult:
+    before = _status(endpoints) if planned.kind == "with" else None
+    match planned.kind:
+        case "alone":
+            cmd = job.cmd(steps)
+        case "hooked":  # no manager there: the adapter's emits all drop
+            cmd = _freeride("launch", "--runtime-dir", str(runtime / "nobody"), "--", *job.cmd(steps))
+        case "with":
+            cmd = _freeride("launch", "--runtime-dir", str(runtime), "--", *job.cmd(steps))
+    stdout, wall = _run(cmd)
+    step_ms, cpu_ms = parse_steps(stdout)
+    result = RunResult(planned.kind, planned.role, planned.pair, planned.pair_kind, step_ms, cpu_ms, wall)
+    if before is not None:
+        with_figures(result, before, _status(endpoints))
+    return result
+
+
+def _profile(job: Job, runtime: Path) -> Path:
+    path = runtime / "profile.json"
+    if job.profiles_itself:
+        _run([*job.cmd(PROFILE_STEPS), "--profile-out", str(path)])
+    else:
+        _run(_freeride("profile", "--runtime-dir", str(runtime), "--out", str(path), "--", *job.cmd(PROFILE_STEPS)))
+    return path
+
+
+def bench(job: Job, task: SideTask, options: BenchOptions, *, command: str = "", cpu_note: str = "") -> str:
+    """Profile, serve, submit and run :func:`plan`'s runs of ``job``; its markdown section.
+
+    ``command`` is the benchmark's own command line, shown in the section; ``cpu_note`` says why the
+    job reports no CPU time per step, if it does not.
+    """
+    load_before = os.getloadavg()[0]
     runtime = Path(tempfile.mkdtemp(prefix="frbench-", dir="/tmp"))
     endpoints = Endpoints.ipc(runtime)
     serve: subprocess.Popen[bytes] | None = None
     try:
-        profile_path = runtime / "profile.json"
-        _run(
-            _freeride(
-                "profile", "--runtime-dir", str(runtime), "--out", str(profile_path), "--", *job.cmd(PROFILE_STEPS)
-            )
-        )
+        profile_path = _profile(job, runtime)
         profile = load_profile(profile_path)
+        supported = _serve_knows_side_priority()
         with open(runtime / "serve.log", "wb") as log:
             serve = subprocess.Popen(
-                _freeride("serve", "--runtime-dir", str(runtime), "--profile", str(profile_path)),
+                serve_cmd(runtime, profile_path, options.side_priority, supported=supported),
                 env=_plain_env(),
                 stdout=subprocess.DEVNULL,
                 stderr=log,
@@ -288,24 +416,33 @@ def bench(job: Job, task: SideTask, *, pairs: int, steps: int, hooked: bool = Fa
             _run([*submit, "--step-time", task.step_time, "--device", device])
         _wait_for("side tasks to start", 120, lambda: _tasks_running(endpoints, len(profile.devices)))
         runs: list[RunResult] = []
-        nobody = runtime / "nobody"  # no manager there: the adapter's emits all drop
-        for i in range(pairs):
-            stdout, wall = _run(job.cmd(steps))
-            runs.append(RunResult("alone", _median_step_ms(stdout), wall))
-            if hooked:
-                stdout, wall = _run(_freeride("launch", "--runtime-dir", str(nobody), "--", *job.cmd(steps)))
-                runs.append(RunResult("hooked", _median_step_ms(stdout), wall))
-            runs.append(_with_run(job, steps, runtime, endpoints))
-            print(
-                f"round {i}: "
-                + ", ".join(f"{r.kind} {r.median_step_ms:.2f} ms" for r in runs[-(3 if hooked else 2) :]),
-                file=sys.stderr,
-            )
-        return _report(job, steps, task, profile, runs, _status(endpoints))
+        for planned in plan(options):
+            result = _one_run(job, planned, options.steps, runtime, endpoints)
+            runs.append(result)
+            cpu = f", cpu {result.cpu_ms:.2f} ms" if result.cpu_ms is not None else ""
+            flags = f" [{'; '.join(result.flags)}]" if result.flags else ""
+            label = "warm-up" if planned.pair < 0 else f"pair {planned.pair}"
+            print(f"{label} {result.kind}: step {result.step_ms:.2f} ms{cpu}{flags}", file=sys.stderr)
+        section = Section(
+            title=job.title,
+            command=command,
+            date=time.strftime("%Y-%m-%d %H:%M %Z"),
+            load=f"{load_before:.2f} -> {os.getloadavg()[0]:.2f}",
+            training=job.shown(options.steps),
+            task_target=task.target,
+            task_options=task.options,
+            side_priority=options.side_priority if supported else "low",
+            priority_note="" if supported else _NO_SIDE_PRIORITY,
+            profile=profile,
+            runs=runs,
+            final=_status(endpoints),
+            cpu_note=cpu_note,
+        )
+        return render(section)
     finally:
         if serve is not None:
             _stop(serve)
-        if keep:
+        if options.keep:
             print(f"runtime dir kept: {runtime}", file=sys.stderr)
         else:
             shutil.rmtree(runtime, ignore_errors=True)

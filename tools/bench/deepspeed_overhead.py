@@ -6,11 +6,21 @@ one iterative side task per stage, each pinned to its stage's device (on CPU: th
 stage's core, shared with the side task as a GPU would be). Before that, the job
 is profiled with ``freeride profile`` and the manager started with the profile::
 
-    python tools/bench/deepspeed_overhead.py --pairs 4 --steps 40 -- --hidden 256 --seq 64
+    python tools/bench/deepspeed_overhead.py --pairs 8 --steps 25 -- --hidden 256 --seq 64 --micro-batch-size 8
 
-Reports, as markdown: the training slowdown (ratio of median step times, with
-over alone), the share of bubble time the side tasks spent in steps (from the
-manager's status), their throughput, grant latency and overruns.
+A warm-up run of each kind comes first and is left out; then ``--pairs`` pairs
+(alone and with side tasks, the order alternating) and ``--controls`` A/A pairs
+(alone and alone: the noise floor), interleaved in time. Side tasks run at the
+stage's own priority (``--side-priority same``: an overrun delays training as it
+would on a GPU) unless ``--side-priority low`` is given.
+
+Reports, as markdown: the training slowdown per pair (step time, and the
+training ranks' CPU time per step) as a median with a bootstrap 95 % interval,
+the A/A floor beside it and whether the interval lies below the 0.5 % goal;
+interference (side-task compute while the stage trained), the share of bubble
+time the side tasks spent in steps, their throughput, grant latency and
+overruns. A pair whose side tasks finished, failed or did no steps is named and
+left out.
 """
 
 from __future__ import annotations
@@ -20,7 +30,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from _pipeline_bench import Job, add_side_task_args, bench, side_task  # tools/bench is the script's directory
+from _pipeline_bench import (  # tools/bench is the script's directory
+    Job,
+    add_bench_args,
+    add_side_task_args,
+    bench,
+    bench_options,
+    side_task,
+)
 
 __all__ = ["main"]
 
@@ -30,23 +47,18 @@ SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "train" / "deepspeed_gp
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pairs", type=int, default=3, help="alone/with rounds, interleaved in time")
-    ap.add_argument("--steps", type=int, default=30, help="training steps per run")
+    add_bench_args(ap, steps=25)
     add_side_task_args(ap)
-    ap.add_argument("--keep", action="store_true", help="keep the runtime directory (logs, profile)")
-    ap.add_argument("--hooked", action="store_true", help="also time the hooks with no manager listening")
     ap.add_argument("train_args", nargs="*", help="after --: arguments for tools/train/deepspeed_gpt.py")
     ns = ap.parse_args(argv)
+    command = shlex.join(["python", "tools/bench/deepspeed_overhead.py", *argv])
     try:
         task = side_task(ns.task, ns.opt, ns.step_time)
-        job = Job(
-            title="## DeepSpeed: training with side tasks in its bubbles", script=SCRIPT, args=tuple(ns.train_args)
-        )
-        section = bench(job, task, pairs=ns.pairs, steps=ns.steps, hooked=ns.hooked, keep=ns.keep)
+        options = bench_options(ns)
     except ValueError as exc:
         ap.error(str(exc))
-    command = shlex.join(["python", "tools/bench/deepspeed_overhead.py", *argv])
-    print(section.replace("\n\n", f"\n\nCommand: `{command}`\n\n", 1))
+    job = Job(title="## DeepSpeed: training with side tasks in its bubbles", script=SCRIPT, args=tuple(ns.train_args))
+    print(bench(job, task, options, command=command))
     return 0
 
 

@@ -7,11 +7,20 @@ pinned to its stage's device (on CPU: the stage's core, shared with the side tas
 as a GPU would be). Before that, the job is profiled with ``freeride profile``
 and a manager is started with the profile::
 
-    python tools/bench/megatron_overhead.py --pairs 3 --steps 30 -- --hidden 256 --seq 64
+    python tools/bench/megatron_overhead.py --pairs 8 --steps 25 -- --hidden 256 --seq 64
 
-Reports, as markdown: the training slowdown (ratio of median step times, with
-over alone), the share of bubble time the side tasks spent in steps (from
-``freeride status --json``), their throughput, grant latency and overruns.
+Per schedule, a warm-up run of each kind comes first and is left out; then
+``--pairs`` pairs (alone and with side tasks, the order alternating) and
+``--controls`` A/A pairs (alone and alone: the noise floor), interleaved in
+time. Side tasks run at the stage's own priority (``--side-priority same``)
+unless ``--side-priority low`` is given.
+
+Reports, as markdown: the training slowdown per pair (step time, and the
+training ranks' CPU time per step) as a median with a bootstrap 95 % interval,
+the A/A floor beside it and whether the interval lies below the 0.5 % goal;
+interference, the share of bubble time the side tasks spent in steps (from
+``freeride status``), their throughput, grant latency and overruns. A pair whose
+side tasks finished, failed or did no steps is named and left out.
 """
 
 from __future__ import annotations
@@ -21,7 +30,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from _pipeline_bench import Job, add_side_task_args, bench, side_task  # tools/bench is the script's directory
+from _pipeline_bench import (  # tools/bench is the script's directory
+    Job,
+    add_bench_args,
+    add_side_task_args,
+    bench,
+    bench_options,
+    side_task,
+)
 
 __all__ = ["main"]
 
@@ -32,32 +48,30 @@ SCHEDULE_ARGS = {"1f1b": ("--schedule", "1f1b"), "interleaved": ("--schedule", "
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pairs", type=int, default=3, help="alone/with pairs per schedule, interleaved in time")
-    ap.add_argument("--steps", type=int, default=30, help="training steps per run")
+    add_bench_args(ap, steps=25)
     ap.add_argument("--schedules", default="1f1b,interleaved", help="comma-separated: 1f1b, interleaved")
     add_side_task_args(ap)
-    ap.add_argument("--keep", action="store_true", help="keep the runtime directories (logs, profiles)")
     ap.add_argument("train_args", nargs="*", help="after --: arguments for tools/train/megatron_gpt.py")
     ns = ap.parse_args(argv)
     schedules = tuple(s.strip() for s in ns.schedules.split(",") if s.strip())
     unknown = set(schedules) - SCHEDULE_ARGS.keys()
     if not schedules or unknown:
         ap.error(f"schedules must be among {sorted(SCHEDULE_ARGS)}, got {schedules}")
-    sections = []
+    command = shlex.join(["python", "tools/bench/megatron_overhead.py", *argv])
     try:
         task = side_task(ns.task, ns.opt, ns.step_time)
-        for schedule in schedules:
-            job = Job(
-                title=f"### megatron-core {schedule}: training with side tasks in its bubbles",
-                script=SCRIPT,
-                args=(*SCHEDULE_ARGS[schedule], *ns.train_args),
-            )
-            sections.append(bench(job, task, pairs=ns.pairs, steps=ns.steps, keep=ns.keep))
+        options = bench_options(ns)
     except ValueError as exc:
         ap.error(str(exc))
-    command = shlex.join(["python", "tools/bench/megatron_overhead.py", *argv])
-    header = f"## megatron-core: training with side tasks in its bubbles\n\nCommand: `{command}`"
-    print("\n\n".join([header, *sections]))
+    sections = ["## megatron-core: training with side tasks in its bubbles"]
+    for schedule in schedules:
+        job = Job(
+            title=f"### megatron-core {schedule}: training with side tasks in its bubbles",
+            script=SCRIPT,
+            args=(*SCHEDULE_ARGS[schedule], *ns.train_args),
+        )
+        sections.append(bench(job, task, options, command=command))
+    print("\n\n".join(sections))
     return 0
 
 

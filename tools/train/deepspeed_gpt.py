@@ -1,7 +1,8 @@
 """A small GPT trained with DeepSpeed pipeline parallelism, on CPU (gloo) or GPU.
 
 Every rank prints one JSON line per training step (``rank``, ``stage``, ``step``,
-``loss``, ``step_ms``; ``recv_ms`` with ``--recv-timers``). Launch it as any
+``loss``, ``step_ms``, ``cpu_ms`` (the rank process's CPU time in the step, all
+threads); ``recv_ms`` with ``--recv-timers``). Launch it as any
 DeepSpeed pipeline job::
 
     torchrun --standalone --nproc_per_node 2 tools/train/deepspeed_gpt.py --steps 20
@@ -228,9 +229,10 @@ def train(args: TrainArgs) -> None:
     try:
         times: list[float] = []
         for step in range(args.steps):
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time_ns()
             loss = engine.train_batch(data_iter=data)
             step_ms = (time.perf_counter() - t0) * 1e3
+            cpu_ms = (time.process_time_ns() - cpu0) / 1e6
             times.append(step_ms)
             record: dict[str, Any] = {
                 "rank": rank,
@@ -238,6 +240,7 @@ def train(args: TrainArgs) -> None:
                 "step": step,
                 "loss": float(loss),
                 "step_ms": round(step_ms, 3),
+                "cpu_ms": round(cpu_ms, 3),
             }
             if clock is not None:
                 record.update(clock.take())

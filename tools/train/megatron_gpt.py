@@ -1,7 +1,8 @@
 """A small GPT trained with megatron-core's pipeline schedules, on CPU (gloo) or GPU.
 
 Every rank prints one JSON line per training step (``rank``, ``stage``, ``step``,
-``loss`` (last stage only, else null), ``step_ms``; ``recv_ms`` and ``recv`` (the
+``loss`` (last stage only, else null), ``step_ms``, ``cpu_ms`` (the rank process's
+CPU time in the step, all threads); ``recv_ms`` and ``recv`` (the
 receive waits as ``[start_ns, duration_ns]`` on the monotonic clock) with
 ``--recv-timers``, measured by megatron's own ``config.timers`` hooks). Launch it
 as any megatron job, with 1F1B or interleaved 1F1B::

@@ -1,0 +1,398 @@
+"""The pipeline benchmarks' harness without running anything: flags, plan of runs, parsing, flags, the tables.
+
+``_pipeline_bench`` and ``_bench_report`` live in tools/bench and are imported
+with that directory on sys.path, as the benchmark scripts import them. Runs and
+manager status replies are made up here; no training job or manager starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from freeride import protocol as p
+from freeride.profile import BubbleProfile, Profile, StageProfile
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "tools" / "bench"
+
+
+@pytest.fixture
+def mod(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], ModuleType]:
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    return importlib.import_module
+
+
+@pytest.fixture
+def harness(mod: Callable[[str], ModuleType]) -> ModuleType:
+    return mod("_pipeline_bench")
+
+
+@pytest.fixture
+def report(mod: Callable[[str], ModuleType]) -> ModuleType:
+    return mod("_bench_report")
+
+
+def _options(harness: ModuleType, argv: list[str]) -> Any:
+    ap = argparse.ArgumentParser()
+    harness.add_bench_args(ap, steps=25)
+    return harness.bench_options(ap.parse_args(argv))
+
+
+# -- flags --------------------------------------------------------------------------
+
+
+def test_defaults_are_eight_pairs_at_the_stages_priority(harness: ModuleType) -> None:
+    options = _options(harness, [])
+    assert (options.pairs, options.controls, options.steps) == (8, 4, 25)
+    assert options.side_priority == "same"
+    assert not options.hooked
+
+
+def test_flags_reach_the_options(harness: ModuleType) -> None:
+    options = _options(harness, ["--pairs", "10", "--controls", "0", "--steps", "20", "--side-priority", "low"])
+    assert (options.pairs, options.controls, options.steps, options.side_priority) == (10, 0, 20, "low")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--pairs", "0"], "pairs must be >= 1"), (["--controls", "-1"], "controls"), (["--steps", "3"], "steps")],
+)
+def test_bad_counts_are_value_errors(harness: ModuleType, argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _options(harness, argv)
+
+
+def test_side_priority_is_passed_to_serve(harness: ModuleType, tmp_path: Path) -> None:
+    cmd = harness.serve_cmd(tmp_path, tmp_path / "p.json", "same")
+    assert cmd[cmd.index("serve") :] == [
+        "serve",
+        "--runtime-dir",
+        str(tmp_path),
+        "--profile",
+        str(tmp_path / "p.json"),
+        "--side-priority",
+        "same",
+    ]
+    assert harness.serve_cmd(tmp_path, tmp_path / "p.json", "low")[-2:] == ["--side-priority", "low"]
+    assert "--side-priority" not in harness.serve_cmd(tmp_path, tmp_path / "p.json", "same", supported=False)
+
+
+@pytest.mark.parametrize("script", ["deepspeed_overhead", "megatron_overhead", "sim_overhead"])
+def test_scripts_pass_their_options(
+    mod: Callable[[str], ModuleType],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    script: str,
+) -> None:
+    module = mod(script)
+    seen: list[Any] = []
+
+    def fake_bench(job: Any, task: object, options: Any, **kwargs: Any) -> str:
+        seen.append((job, options, kwargs))
+        return "## section"
+
+    monkeypatch.setattr(module, "bench", fake_bench)
+    argv = ["--pairs", "9", "--controls", "3", "--side-priority", "low", "--steps", "21"]
+    assert module.main(argv) == 0
+    job, options, kwargs = seen[0]
+    assert (options.pairs, options.controls, options.side_priority, options.steps) == (9, 3, "low", 21)
+    assert kwargs["command"].endswith(" ".join(argv))
+    assert job.profiles_itself == (script == "sim_overhead")
+    capsys.readouterr()
+
+
+def test_sim_job_gets_its_shape(mod: Callable[[str], ModuleType]) -> None:
+    sim = mod("sim_overhead")
+    ns = argparse.Namespace(schedule="1f1b", microbatches=4, forward="5ms", backward="10ms", compute="spin")
+    assert sim.sim_job_args(ns) == (
+        "--schedule",
+        "1f1b",
+        "--microbatches",
+        "4",
+        "--forward",
+        "5ms",
+        "--backward",
+        "10ms",
+        "--compute",
+        "spin",
+    )
+
+
+# -- the plan of runs ------------------------------------------------------------------
+
+
+def test_plan_warms_up_then_alternates_the_order(harness: ModuleType) -> None:
+    runs = harness.plan(_options(harness, ["--pairs", "8", "--controls", "4"]))
+    assert [(r.kind, r.role) for r in runs[:2]] == [("alone", "warmup"), ("with", "warmup")]
+    body = runs[2:]
+    assert len(body) == 2 * 12
+    for index in range(12):
+        first, second = body[2 * index], body[2 * index + 1]
+        assert first.pair == second.pair == index
+        assert [first.role, second.role] == (["a", "b"] if index % 2 == 0 else ["b", "a"])
+    kinds = [r.pair_kind for r in body[::2]]
+    assert kinds.count("with") == 8
+    assert kinds.count("alone") == 4
+
+
+def test_plan_spreads_the_controls(harness: ModuleType) -> None:
+    runs = harness.plan(_options(harness, ["--pairs", "8", "--controls", "4"]))
+    kinds = [r.pair_kind for r in runs[2::2]]
+    controls = [i for i, k in enumerate(kinds) if k == "alone"]
+    assert controls == [1, 4, 7, 10]  # one A/A pair in every three
+    assert all(r.kind == "alone" for r in runs[2:] if r.pair_kind == "alone")
+
+
+def test_plan_with_hooks_and_without_controls(harness: ModuleType) -> None:
+    runs = harness.plan(_options(harness, ["--pairs", "2", "--controls", "0", "--hooked"]))
+    assert [r.kind for r in runs if r.role == "warmup"] == ["alone", "hooked", "with"]
+    # --hooked adds as many hooked pairs as controls: none here
+    assert [r.pair_kind for r in runs if r.role == "a"] == ["with", "with"]
+    runs = harness.plan(_options(harness, ["--pairs", "2", "--controls", "2", "--hooked"]))
+    assert sorted(r.pair_kind for r in runs if r.role == "a") == ["alone", "alone", "hooked", "hooked", "with", "with"]
+
+
+# -- parsing a run ---------------------------------------------------------------------
+
+
+def _lines(rank: int, steps: list[float], cpu: list[float] | None = None) -> list[str]:
+    out = []
+    for i, ms in enumerate(steps):
+        record: dict[str, Any] = {"rank": rank, "stage": rank, "step": i, "step_ms": ms}
+        if cpu is not None:
+            record["cpu_ms"] = cpu[i]
+        out.append(json.dumps(record))
+    return out
+
+
+def test_parse_steps_skips_the_first_steps(harness: ModuleType) -> None:
+    stdout = "\n".join(
+        [
+            "some log line",
+            *_lines(0, [900, 800, 700, 100, 102, 104], [50, 50, 50, 10, 11, 12]),
+            *_lines(1, [900, 800, 700, 100, 102, 104], [60, 60, 60, 20, 20, 20]),
+            json.dumps({"rank": 0, "done": True, "median_step_ms": 102}),
+        ]
+    )
+    assert harness.parse_steps(stdout) == (102.0, 11.0 + 20.0)
+
+
+def test_parse_steps_without_cpu_time(harness: ModuleType) -> None:
+    assert harness.parse_steps("\n".join(_lines(0, [1, 1, 1, 5, 6, 7]))) == (6.0, None)
+
+
+def test_parse_steps_needs_enough_steps(harness: ModuleType) -> None:
+    with pytest.raises(RuntimeError, match="printed 3 steps"):
+        harness.parse_steps("\n".join(_lines(0, [1, 2, 3])))
+
+
+# -- what a run with side tasks did ------------------------------------------------------------
+
+
+def _device(name: str, **values: int) -> p.DeviceStatus:
+    base = dict(bubbles=0, bubble_ns=0, used_ns=0, overruns=0, overrun_ns=0, steps=0, interference_ns=0, train_ns=0)
+    base.update(values)
+    return p.DeviceStatus(device=name, stage=0, rank=0, framework="deepspeed", alive=True, spare_memory=-1, **base)
+
+
+def _task(task_id: int, device: str, steps: int, state: p.TaskState = "running", error: str = "") -> p.TaskStatus:
+    return p.TaskStatus(
+        task_id=task_id,
+        name=f"t{task_id}",
+        kind="iterative",
+        state=state,
+        device=device,
+        steps=steps,
+        busy_ns=0,
+        error=error,
+    )
+
+
+def _reply(devices: list[p.DeviceStatus], tasks: list[p.TaskStatus]) -> p.StatusReply:
+    return p.StatusReply(
+        devices=devices,
+        tasks=tasks,
+        latency=p.LatencySummary(count=10, p50_ns=1_000_000, p99_ns=3_000_000, max_ns=4_000_000),
+        events=0,
+        rejected_frames=0,
+        uptime_ns=0,
+    )
+
+
+def _run(report: ModuleType, kind: str, role: str, pair: int, pair_kind: str, step: float, cpu: float | None) -> Any:
+    return report.RunResult(kind, role, pair, pair_kind, step, cpu, 10.0)
+
+
+def test_with_figures_are_deltas(harness: ModuleType, report: ModuleType) -> None:
+    before = _reply(
+        [_device("cpu:0", bubble_ns=100, used_ns=50, interference_ns=5, train_ns=1000)], [_task(1, "cpu:0", 10)]
+    )
+    after = _reply(
+        [
+            _device("cpu:0", bubble_ns=300, used_ns=200, overruns=2, overrun_ns=7, interference_ns=25, train_ns=3000),
+            _device("cpu:1", bubble_ns=100, used_ns=80, interference_ns=10, train_ns=2000),
+        ],
+        [_task(1, "cpu:0", 30), _task(2, "cpu:1", 4)],
+    )
+    result = _run(report, "with", "b", 0, "with", 100.0, None)
+    harness.with_figures(result, before, after)
+    assert (result.bubble_ns, result.used_ns, result.overruns, result.overrun_ns) == (300, 230, 2, 7)
+    assert (result.interference_ns, result.train_ns) == (30, 4000)
+    assert result.task_steps == {"t1@cpu:0": 20, "t2@cpu:1": 4}
+    assert result.flags == []
+
+
+def test_finished_or_idle_side_tasks_flag_the_run(harness: ModuleType, report: ModuleType) -> None:
+    before = _reply([], [_task(1, "cpu:0", 10), _task(2, "cpu:1", 10), _task(3, "cpu:1", 1)])
+    after = _reply(
+        [],
+        [_task(1, "cpu:0", 12, state="finished"), _task(2, "cpu:1", 10), _task(3, "cpu:1", 1, "failed", "boom")],
+    )
+    result = _run(report, "with", "b", 0, "with", 100.0, None)
+    harness.with_figures(result, before, after)
+    assert result.flags == [
+        "t1@cpu:0 finished after 2 steps in this run",
+        "t2@cpu:1 did no steps in this run",
+        "t3@cpu:1 failed after 0 steps in this run: boom",
+    ]
+    nothing = _run(report, "with", "b", 0, "with", 100.0, None)
+    harness.with_figures(nothing, _reply([], []), _reply([], []))
+    assert nothing.flags == ["no side tasks"]
+
+
+# -- the tables ---------------------------------------------------------------------
+
+
+def _profile() -> Profile:
+    bubble = BubbleProfile(index=0, key="0B0", offset_ns=0, duration_ns=20_000_000, p5_ns=0, p95_ns=0, count=8)
+    return Profile(
+        stages=[
+            StageProfile(
+                stage=0,
+                rank=0,
+                device="cpu:0",
+                framework="deepspeed",
+                num_stages=2,
+                num_microbatches=4,
+                steps=8,
+                step_time_ns=100_000_000,
+                bubble_ns=20_000_000,
+                bubbles=[bubble],
+            )
+        ]
+    )
+
+
+def _section(report: ModuleType, runs: list[Any], **over: Any) -> Any:
+    values: dict[str, Any] = dict(
+        title="## Bench",
+        command="python tools/bench/x.py --pairs 8",
+        date="2026-01-01 00:00 UTC",
+        load="0.50 -> 1.50",
+        training="python train.py --steps 25",
+        task_target="sidetasks.graph_sgd:GraphSGD",
+        task_options=("batch_edges=2048",),
+        side_priority="same",
+        profile=_profile(),
+        runs=runs,
+        final=_reply([], []),
+    )
+    values.update(over)
+    return report.Section(**values)
+
+
+def _with(report: ModuleType, pair: int, step: float, cpu: float | None, **figures: Any) -> Any:
+    r = _run(report, "with", "b", pair, "with", step, cpu)
+    r.bubble_ns, r.used_ns, r.interference_ns, r.train_ns = 2_000_000_000, 1_000_000_000, 100_000_000, 10_000_000_000
+    r.task_steps = {"t1@cpu:0": 100, "t2@cpu:1": 50}
+    for key, value in figures.items():
+        setattr(r, key, value)
+    return r
+
+
+def _runs(report: ModuleType, slow: float, *, flag_pairs: tuple[int, ...] = (), cpu: bool = True) -> list[Any]:
+    runs = [_run(report, "alone", "warmup", -1, "alone", 100.0, 50.0 if cpu else None)]
+    runs.append(_with(report, -1, 120.0, 60.0 if cpu else None, role="warmup"))
+    for pair in range(8):
+        base = 100.0 + pair
+        runs.append(_run(report, "alone", "a", pair, "with", base, 50.0 if cpu else None))
+        flags = ["t1@cpu:0 finished after 3 steps in this run"] if pair in flag_pairs else []
+        runs.append(_with(report, pair, base * (1 + slow), 50.0 * (1 + slow) if cpu else None, flags=flags))
+    for pair in range(8, 12):
+        runs.append(_run(report, "alone", "a", pair, "alone", 100.0, 50.0 if cpu else None))
+        runs.append(_run(report, "alone", "b", pair, "alone", 100.0 + (pair - 10) * 0.1, 50.0 if cpu else None))
+    return runs
+
+
+def test_render_states_the_verdict_and_the_floor(report: ModuleType) -> None:
+    text = report.render(_section(report, _runs(report, 0.02)))
+    assert "Command: `python tools/bench/x.py --pairs 8` (2026-01-01 00:00 UTC; load average 0.50 -> 1.50)." in text
+    assert "`--side-priority same`" in text
+    assert "| slowdown, step time (with / alone) | +2.00 % | +2.00 % .. +2.00 % | 8 | above |" in text
+    assert "| slowdown, training ranks' CPU time per step | +2.00 % |" in text
+    assert "| A/A noise floor, step time (alone / alone) |" in text
+    assert "| warm-up pair, left out (with / alone) | +20.00 % | | 1 | |" in text
+    assert "**Verdict: the wall-time slowdown is +2.00 %, 95 % interval +2.00 % .. +2.00 % over 8 pairs: " in text
+    assert "over 8 pairs: the interval lies above the 0.5 % goal.**" in text
+    assert "(+2.00 % .. +2.00 %): the interval lies above the 0.5 % goal." in text
+    assert "The A/A noise floor (alone vs. alone) is" in text
+
+
+def test_render_shows_interference_as_seconds_and_share(report: ModuleType) -> None:
+    text = report.render(_section(report, _runs(report, 0.0)))
+    # 8 counted runs with side tasks, 0.1 s of 10 s each; the warm-up is left out
+    assert "| interference: side-task compute while the stage trained | 0.80 s (1.00% of 80.0 s trained) | |" in text
+    assert "| 1 | warm-up | with | 120.00 | 60.00 | 50.0% | 0 (0 ms) | 0.10 s (1.0%) | 100, 50 | left out |" in text
+    assert "the interval lies below the 0.5 % goal" in text
+
+
+def test_render_without_training_time_says_the_share_is_unknown(report: ModuleType) -> None:
+    runs = _runs(report, 0.0)
+    for r in runs:
+        r.train_ns = r.interference_ns = 0
+    text = report.render(_section(report, runs))
+    assert "0.00 s (no training time reported: share unknown)" in text
+
+
+def test_flagged_pairs_are_named_and_left_out(report: ModuleType) -> None:
+    text = report.render(_section(report, _runs(report, 0.0, flag_pairs=(1, 4))))
+    assert "| slowdown, step time (with / alone) | +0.00 % | +0.00 % .. +0.00 % | 6 | below |" in text
+    assert "2 of 8 pairs were left out" in text
+    assert text.count("t1@cpu:0 finished after 3 steps in this run") == 2
+
+
+def test_no_slowdown_when_the_side_tasks_never_ran(report: ModuleType) -> None:
+    text = report.render(_section(report, _runs(report, 0.2, flag_pairs=tuple(range(8)))))
+    assert "**No slowdown figure: in all 8 pairs the side tasks finished, failed or did no steps" in text
+    assert "| slowdown, step time (with / alone) | no pair counted | | 0 | |" in text
+    assert "Verdict" not in text
+
+
+def test_few_pairs_are_not_judged_as_a_fact(report: ModuleType) -> None:
+    runs = [r for r in _runs(report, 0.02) if r.pair < 2]
+    text = report.render(_section(report, runs))
+    assert "| 2 | above (only 2 pairs: too few to judge by) |" in text
+    assert "Only 2 pairs: too few for the interval to be trusted." in text
+    assert "No A/A pairs ran, so the noise floor is unknown." in text
+
+
+def test_low_priority_and_missing_cpu_time_are_said(report: ModuleType) -> None:
+    section = _section(
+        report,
+        _runs(report, 0.0, cpu=False),
+        side_priority="low",
+        priority_note="this `freeride serve` has no --side-priority: side tasks ran at nice 19",
+        cpu_note="none: timed by the wall clock",
+    )
+    text = report.render(section)
+    assert "Side tasks ran at nice 19 (`--side-priority low`" in text
+    assert "(this `freeride serve` has no --side-priority: side tasks ran at nice 19)" in text
+    assert "| slowdown, training ranks' CPU time per step | none: timed by the wall clock | | 0 | |" in text
+    assert "By the training ranks' CPU time" not in text

@@ -1,0 +1,274 @@
+"""The pipeline benchmarks' results and their markdown: runs, paired figures, verdict.
+
+Pure: :func:`render` turns a :class:`Section` (what :func:`_pipeline_bench.bench`
+measured) into the markdown the benchmarks print, with the statistics of
+:mod:`_stats`. Pairs whose run with side tasks is flagged (the side tasks
+finished, failed or did no steps in it) are named and left out of the figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from _stats import GOAL, Estimate, paired_slowdown, verdict, verdict_text  # tools/bench is the script's directory
+
+from freeride import protocol as p
+from freeride.profile import Profile
+
+__all__ = ["MIN_PAIRS", "Role", "RunKind", "RunResult", "Section", "paired", "render"]
+
+RunKind = Literal["alone", "with", "hooked"]
+Role = Literal["warmup", "a", "b"]
+MIN_PAIRS = 5
+"""Fewer pairs than this give an interval too unreliable to judge by; the section says so."""
+
+
+@dataclass(slots=True)
+class RunResult:
+    """One run of the training job and what it measured."""
+
+    kind: RunKind
+    role: Role
+    """``warmup`` (left out), or the ``a`` (alone) or ``b`` side of a pair."""
+    pair: int
+    """Index of the pair; -1 for a warm-up run."""
+    pair_kind: RunKind
+    """What the pair compares with alone: ``with``, ``hooked``, or ``alone`` (an A/A control)."""
+    step_ms: float
+    """Median step time of rank 0 (leading steps left out)."""
+    cpu_ms: float | None
+    """Sum over ranks of each rank's median CPU time per step; None if the job does not report it."""
+    wall_s: float
+    bubble_ns: int = 0
+    used_ns: int = 0
+    overruns: int = 0
+    overrun_ns: int = 0
+    interference_ns: int = 0
+    train_ns: int = 0
+    task_steps: dict[str, int] = field(default_factory=dict)
+    """Side-task steps in this run, by ``name@device``."""
+    flags: list[str] = field(default_factory=list)
+    """Why this run's side tasks did not run through it (finished, failed, no steps)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Section:
+    """Everything one benchmark section shows."""
+
+    title: str
+    command: str
+    """The benchmark's own command line."""
+    date: str
+    load: str
+    """Load average of the machine before and after the runs."""
+    training: str
+    """The training command of one run."""
+    task_target: str
+    task_options: tuple[str, ...]
+    side_priority: Literal["same", "low"]
+    """The priority the side tasks actually ran at."""
+    priority_note: str = ""
+    """Why it differs from the one asked for, if it does."""
+    profile: Profile
+    runs: list[RunResult]
+    final: p.StatusReply
+    cpu_note: str = ""
+    """Why the job reports no CPU time, if it does not."""
+
+
+def paired(
+    runs: Sequence[RunResult], pair_kind: RunKind, figure: Literal["step_ms", "cpu_ms"]
+) -> list[tuple[float, float]]:
+    """``(a, b)`` figures of the unflagged pairs of ``pair_kind``, in pair order (missing figures skip the pair)."""
+    by_pair: dict[int, dict[Role, RunResult]] = {}
+    for r in runs:
+        if r.pair >= 0 and r.pair_kind == pair_kind:
+            by_pair.setdefault(r.pair, {})[r.role] = r
+    out: list[tuple[float, float]] = []
+    for _, sides in sorted(by_pair.items()):
+        a, b = sides.get("a"), sides.get("b")
+        if a is None or b is None or b.flags:
+            continue
+        fa, fb = getattr(a, figure), getattr(b, figure)
+        if fa is not None and fb is not None:
+            out.append((fa, fb))
+    return out
+
+
+def _pct(x: float) -> str:
+    return f"{x:+.2%}".replace("%", " %")
+
+
+def _goal_text() -> str:
+    return f"{GOAL:.1%}".replace("%", " %")
+
+
+def _estimate(pairs: list[tuple[float, float]]) -> Estimate | None:
+    return paired_slowdown(pairs) if pairs else None
+
+
+def _figure_row(name: str, est: Estimate | None, *, judged: bool, missing: str) -> str:
+    if est is None:
+        return f"| {name} | {missing} | | 0 | |"
+    few = f" (only {est.n} pairs: too few to judge by)" if est.n < MIN_PAIRS else ""
+    judgement = f"{verdict(est)}{few}" if judged else ""
+    return f"| {name} | {_pct(est.median)} | {_pct(est.low)} .. {_pct(est.high)} | {est.n} | {judgement} |"
+
+
+def _interference(interference_ns: int, train_ns: int) -> str:
+    if train_ns <= 0:
+        return f"{interference_ns / 1e9:.2f} s (no training time reported: share unknown)"
+    return f"{interference_ns / 1e9:.2f} s ({interference_ns / train_ns:.2%} of {train_ns / 1e9:.1f} s trained)"
+
+
+def _run_rows(runs: Sequence[RunResult]) -> list[str]:
+    rows = [
+        "| run | pair | kind | median step (ms) | CPU/step (ms) | bubble use | overruns | interference | "
+        "side-task steps | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for i, r in enumerate(runs):
+        pair = "warm-up" if r.role == "warmup" else f"{r.pair} ({'A/A' if r.pair_kind == 'alone' else r.role})"
+        cpu = f"{r.cpu_ms:.2f}" if r.cpu_ms is not None else "-"
+        if r.kind == "with":
+            use = f"{r.used_ns / r.bubble_ns:.1%}" if r.bubble_ns else "no bubbles"
+            over = f"{r.overruns} ({r.overrun_ns / 1e6:.0f} ms)"
+            inter = (
+                f"{r.interference_ns / 1e9:.2f} s ({r.interference_ns / r.train_ns:.1%})"
+                if r.train_ns > 0
+                else f"{r.interference_ns / 1e9:.2f} s"
+            )
+            steps = ", ".join(f"{n}" for _, n in sorted(r.task_steps.items()))
+        else:
+            use = over = inter = steps = "-"
+        note = "; ".join(r.flags) if r.flags else ("left out" if r.role == "warmup" else "")
+        rows.append(
+            f"| {i} | {pair} | {r.kind} | {r.step_ms:.2f} | {cpu} | {use} | {over} | {inter} | {steps} | {note} |"
+        )
+    return rows
+
+
+def _priority_text(section: Section) -> str:
+    if section.side_priority == "same":
+        text = (
+            "Side tasks ran at the stage's own CPU priority (`--side-priority same`, the benchmarks' default): "
+            "a side-task step that runs past a bubble's end delays the stage, as it would on a GPU."
+        )
+    else:
+        text = (
+            "Side tasks ran at nice 19 (`--side-priority low`, the production default on CPU): the stage preempts "
+            "a side-task step that runs past a bubble's end, which a GPU would not, so on CPU overruns cost "
+            "training less than they would on a GPU."
+        )
+    return f"{text} ({section.priority_note})" if section.priority_note else text
+
+
+def _verdict_text(wall: Estimate | None, floor: Estimate | None, flagged: int, pairs: int) -> str:
+    if wall is None:
+        if flagged:
+            return (
+                f"**No slowdown figure: in all {flagged} pairs the side tasks finished, failed or did no steps "
+                "during the run with them**, so the runs measured nothing of their cost."
+            )
+        return "**No slowdown figure** (no pairs ran)."
+    text = (
+        f"**Verdict: the wall-time slowdown is {_pct(wall.median)}, 95 % interval {_pct(wall.low)} .. "
+        f"{_pct(wall.high)} over {wall.n} pairs: the interval {verdict_text(wall, GOAL)}.**"
+    )
+    if wall.n < MIN_PAIRS:
+        text += f" Only {wall.n} pairs: too few for the interval to be trusted."
+    if flagged:
+        text += f" {flagged} of {pairs} pairs were left out (see the notes: their side tasks did not run through)."
+    if floor is not None:
+        text += (
+            f" The A/A noise floor (alone vs. alone) is {_pct(floor.median)}, interval {_pct(floor.low)} .. "
+            f"{_pct(floor.high)}: differences smaller than about {floor.half_width:.2%} are below what this "
+            "machine resolves with these runs."
+        )
+    else:
+        text += " No A/A pairs ran, so the noise floor is unknown."
+    return text
+
+
+def render(section: Section) -> str:
+    """The markdown section of one benchmark."""
+    runs = section.runs
+    with_runs = [r for r in runs if r.kind == "with" and r.role != "warmup"]
+    with_pairs = sorted({r.pair for r in with_runs})
+    flagged = sum(1 for r in with_runs if r.flags)
+    wall = _estimate(paired(runs, "with", "step_ms"))
+    cpu = _estimate(paired(runs, "with", "cpu_ms"))
+    floor = _estimate(paired(runs, "alone", "step_ms"))
+    floor_cpu = _estimate(paired(runs, "alone", "cpu_ms"))
+    hooked = _estimate(paired(runs, "hooked", "step_ms"))
+    warm = [r for r in runs if r.role == "warmup"]
+    warm_alone = next((r for r in warm if r.kind == "alone"), None)
+    warm_with = next((r for r in warm if r.kind == "with"), None)
+    no_cpu = section.cpu_note or "not reported by this job"
+    lines = [
+        section.title,
+        "",
+        f"Command: `{section.command}` ({section.date}; load average {section.load}).",
+        "",
+        f"Training: `{section.training}`; side task `{section.task_target}` "
+        f"({', '.join(section.task_options) or 'defaults'}) pinned to each stage's device. " + _priority_text(section),
+        "",
+        "| stage | device | step (profile) | bubbles/step | bubble share |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for s in section.profile.stages:
+        lines.append(
+            f"| {s.stage} | {s.device} | {s.step_time_ns / 1e6:.1f} ms | {len(s.bubbles)} "
+            f"({', '.join(f'{b.key} {b.duration_ns / 1e6:.1f} ms' for b in s.bubbles)}) | {s.bubble_fraction:.1%} |"
+        )
+    lines += ["", *_run_rows(runs), ""]
+    lines += [
+        f"| figure (per pair: b / a - 1) | median | 95 % interval | pairs | against the {_goal_text()} goal |",
+        "| --- | --- | --- | --- | --- |",
+        _figure_row("slowdown, step time (with / alone)", wall, judged=True, missing="no pair counted"),
+        _figure_row("slowdown, training ranks' CPU time per step", cpu, judged=True, missing=no_cpu),
+        _figure_row("A/A noise floor, step time (alone / alone)", floor, judged=False, missing="no A/A pairs"),
+        _figure_row("A/A noise floor, CPU time per step", floor_cpu, judged=False, missing=no_cpu),
+    ]
+    if hooked is not None:
+        lines.append(_figure_row("hooks, no manager (hooked / alone)", hooked, judged=False, missing=""))
+    if warm_alone is not None and warm_with is not None:
+        lines.append(
+            f"| warm-up pair, left out (with / alone) | {_pct(warm_with.step_ms / warm_alone.step_ms - 1)} | | 1 | |"
+        )
+    bubble = sum(r.bubble_ns for r in with_runs)
+    used = sum(r.used_ns for r in with_runs)
+    overrun = sum(r.overrun_ns for r in with_runs)
+    train_s = sum(r.wall_s for r in with_runs)
+    steps_by_task: dict[str, int] = {}
+    for r in with_runs:
+        for name, n in r.task_steps.items():
+            steps_by_task[name] = steps_by_task.get(name, 0) + n
+    latency = section.final.latency
+    lines += [
+        "",
+        "| metric (runs with side tasks, warm-up left out) | value | goal |",
+        "| --- | --- | --- |",
+        "| interference: side-task compute while the stage trained | "
+        f"{_interference(sum(r.interference_ns for r in with_runs), sum(r.train_ns for r in with_runs))} | |",
+        f"| bubble time used by side-task steps | {used / bubble:.1%} of {bubble / 1e9:.2f} s | >= 85 % |"
+        if bubble
+        else "| bubble time used by side-task steps | no bubbles seen | >= 85 % |",
+        f"| side-task steps past a bubble's end | {overrun / 1e9:.2f} s in all | |",
+        f"| side-task throughput | {sum(steps_by_task.values()) / train_s:.1f} steps/s "
+        f"({', '.join(f'{d}: {n / train_s:.1f}' for d, n in sorted(steps_by_task.items()))}) | |"
+        if train_s > 0
+        else "| side-task throughput | no runs | |",
+        f"| bubble start -> side-task step start | p50 {latency.p50_ns / 1e6:.2f} ms, "
+        f"p99 {latency.p99_ns / 1e6:.2f} ms ({latency.count} grants) | p99 <= 1 ms |",
+        "",
+        _verdict_text(wall, floor, flagged, len(with_pairs)),
+    ]
+    if cpu is not None:
+        lines.append(
+            f"By the training ranks' CPU time per step the slowdown is {_pct(cpu.median)} "
+            f"({_pct(cpu.low)} .. {_pct(cpu.high)}): the interval {verdict_text(cpu, GOAL)}."
+        )
+    return "\n".join(lines)

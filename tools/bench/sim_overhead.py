@@ -1,0 +1,91 @@
+"""What side tasks in a simulated pipeline's bubbles cost it, and how much of the bubbles they use.
+
+Runs the simulated 2-stage job of ``backends.sim`` (``tools/bench/_sim_job.py``:
+real processes blocked on each other over pipes, each pinned to its core,
+compute ``spin`` burning that core) for N steps, alone and under ``freeride
+launch`` with one iterative side task per stage pinned to the stage's core, on
+the same harness as the DeepSpeed and megatron benchmarks::
+
+    python tools/bench/sim_overhead.py --pairs 8 --steps 40
+
+A warm-up run of each kind comes first and is left out; then ``--pairs`` pairs
+(alone and with side tasks, the order alternating) and ``--controls`` A/A pairs,
+interleaved in time. Side tasks run at the stage's own priority (``--side-priority
+same``) unless ``--side-priority low`` is given.
+
+What it can and cannot show: the stages' compute is timed by the wall clock
+(a ``spin`` ends at its deadline however much of the core it got), so a side-task
+step running past a bubble's end delays a stage only through its wake-up at the
+bubble's end, not through the compute it shares the core with. The job reports
+no CPU time per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from _pipeline_bench import (  # tools/bench is the script's directory
+    Job,
+    add_bench_args,
+    add_side_task_args,
+    bench,
+    bench_options,
+    side_task,
+)
+
+__all__ = ["main", "sim_job_args"]
+
+SCRIPT = Path(__file__).resolve().parent / "_sim_job.py"
+CPU_NOTE = "none: the simulated stages' compute is timed by the wall clock"
+
+
+def sim_job_args(ns: argparse.Namespace) -> tuple[str, ...]:
+    """Arguments of ``_sim_job.py`` (besides ``--spawn`` and ``--steps``) from this script's flags."""
+    return (
+        "--schedule",
+        ns.schedule,
+        "--microbatches",
+        str(ns.microbatches),
+        "--forward",
+        ns.forward,
+        "--backward",
+        ns.backward,
+        "--compute",
+        ns.compute,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_args(ap, steps=40)
+    add_side_task_args(ap)
+    ap.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--forward", default="10ms", help="forward time per micro-batch and stage (default 10ms)")
+    ap.add_argument("--backward", default="20ms", help="backward time per micro-batch and stage (default 20ms)")
+    ap.add_argument("--compute", default="spin", choices=["spin", "sleep"], help="spin burns the stage's core")
+    ns = ap.parse_args(argv)
+    command = shlex.join(["python", "tools/bench/sim_overhead.py", *argv])
+    try:
+        task = side_task(ns.task, ns.opt, ns.step_time)
+        options = bench_options(ns)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if ns.microbatches < 1:
+        ap.error(f"microbatches must be >= 1, got {ns.microbatches}")
+    job = Job(
+        title="## Simulated pipeline: side tasks in its bubbles",
+        script=SCRIPT,
+        args=sim_job_args(ns),
+        profiles_itself=True,
+    )
+    print(bench(job, task, options, command=command, cpu_note=CPU_NOTE))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
