@@ -181,11 +181,14 @@ def test_parse_steps_skips_the_first_steps(harness: ModuleType) -> None:
             json.dumps({"rank": 0, "done": True, "median_step_ms": 102}),
         ]
     )
-    assert harness.parse_steps(stdout) == (102.0, 11.0 + 20.0)
+    figures = harness.parse_steps(stdout)
+    assert (figures.step_ms, figures.cpu_ms) == (102.0, 11.0 + 20.0)
+    assert figures.trained_ns == 2 * (900 + 800 + 700 + 100 + 102 + 104) * 1_000_000
 
 
 def test_parse_steps_without_cpu_time(harness: ModuleType) -> None:
-    assert harness.parse_steps("\n".join(_lines(0, [1, 1, 1, 5, 6, 7]))) == (6.0, None)
+    figures = harness.parse_steps("\n".join(_lines(0, [1, 1, 1, 5, 6, 7])))
+    assert (figures.step_ms, figures.cpu_ms, figures.trained_ns) == (6.0, None, 21_000_000)
 
 
 def test_parse_steps_needs_enough_steps(harness: ModuleType) -> None:
@@ -310,7 +313,8 @@ def _section(report: ModuleType, runs: list[Any], **over: Any) -> Any:
 
 def _with(report: ModuleType, pair: int, step: float, cpu: float | None, **figures: Any) -> Any:
     r = _run(report, "with", "b", pair, "with", step, cpu)
-    r.bubble_ns, r.used_ns, r.interference_ns, r.train_ns = 2_000_000_000, 1_000_000_000, 100_000_000, 10_000_000_000
+    r.bubble_ns, r.used_ns, r.interference_ns = 2_000_000_000, 1_000_000_000, 100_000_000
+    r.train_ns, r.trained_ns = 30_000_000_000, 10_000_000_000
     r.task_steps = {"t1@cpu:0": 100, "t2@cpu:1": 50}
     for key, value in figures.items():
         setattr(r, key, value)
@@ -348,17 +352,18 @@ def test_render_states_the_verdict_and_the_floor(report: ModuleType) -> None:
 def test_render_shows_interference_as_seconds_and_share(report: ModuleType) -> None:
     text = report.render(_section(report, _runs(report, 0.0)))
     # 8 counted runs with side tasks, 0.1 s of 10 s each; the warm-up is left out
-    assert "| interference: side-task compute while the stage trained | 0.80 s (1.00% of 80.0 s trained) | |" in text
-    assert "| 1 | warm-up | with | 120.00 | 60.00 | 50.0% | 0 (0 ms) | 0.10 s (1.0%) | 100, 50 | left out |" in text
+    assert "| interference: side-task compute while the stage trained | 0.80 s, 1.00 % of 80.0 s trained | |" in text
+    assert "| training time the manager counted (`train_ns`), for comparison | 240.0 s | |" in text
+    assert "| 1 | warm-up | with | 120.00 | 60.00 | 50.0% | 0 (0 ms) | 0.10 s (1.00 %) | 100, 50 | left out |" in text
     assert "the interval lies below the 0.5 % goal" in text
 
 
 def test_render_without_training_time_says_the_share_is_unknown(report: ModuleType) -> None:
     runs = _runs(report, 0.0)
     for r in runs:
-        r.train_ns = r.interference_ns = 0
+        r.trained_ns = r.interference_ns = 0
     text = report.render(_section(report, runs))
-    assert "0.00 s (no training time reported: share unknown)" in text
+    assert "0.00 s (no training time: share unknown)" in text
 
 
 def test_flagged_pairs_are_named_and_left_out(report: ModuleType) -> None:

@@ -46,7 +46,11 @@ class RunResult:
     overruns: int = 0
     overrun_ns: int = 0
     interference_ns: int = 0
+    """Side-task compute while the stages trained (the manager's count)."""
     train_ns: int = 0
+    """Training time the manager counted in this run (its ``train_ns``, summed over devices)."""
+    trained_ns: int = 0
+    """Training time by the job's own step times, summed over ranks: what interference is a share of."""
     task_steps: dict[str, int] = field(default_factory=dict)
     """Side-task steps in this run, by ``name@device``."""
     flags: list[str] = field(default_factory=list)
@@ -101,6 +105,10 @@ def _pct(x: float) -> str:
     return f"{x:+.2%}".replace("%", " %")
 
 
+def _pairs(n: int) -> str:
+    return f"{n} pair" if n == 1 else f"{n} pairs"
+
+
 def _goal_text() -> str:
     return f"{GOAL:.1%}".replace("%", " %")
 
@@ -112,15 +120,19 @@ def _estimate(pairs: list[tuple[float, float]]) -> Estimate | None:
 def _figure_row(name: str, est: Estimate | None, *, judged: bool, missing: str) -> str:
     if est is None:
         return f"| {name} | {missing} | | 0 | |"
-    few = f" (only {est.n} pairs: too few to judge by)" if est.n < MIN_PAIRS else ""
+    few = f" (only {_pairs(est.n)}: too few to judge by)" if est.n < MIN_PAIRS else ""
     judgement = f"{verdict(est)}{few}" if judged else ""
     return f"| {name} | {_pct(est.median)} | {_pct(est.low)} .. {_pct(est.high)} | {est.n} | {judgement} |"
 
 
-def _interference(interference_ns: int, train_ns: int) -> str:
-    if train_ns <= 0:
-        return f"{interference_ns / 1e9:.2f} s (no training time reported: share unknown)"
-    return f"{interference_ns / 1e9:.2f} s ({interference_ns / train_ns:.2%} of {train_ns / 1e9:.1f} s trained)"
+def _interference(interference_ns: int, trained_ns: int) -> str:
+    if trained_ns <= 0:
+        return f"{interference_ns / 1e9:.2f} s (no training time: share unknown)"
+    return f"{interference_ns / 1e9:.2f} s, {_share(interference_ns, trained_ns)} of {trained_ns / 1e9:.1f} s trained"
+
+
+def _share(part: float, whole: float) -> str:
+    return f"{part / whole:.2%}".replace("%", " %")
 
 
 def _run_rows(runs: Sequence[RunResult]) -> list[str]:
@@ -136,8 +148,8 @@ def _run_rows(runs: Sequence[RunResult]) -> list[str]:
             use = f"{r.used_ns / r.bubble_ns:.1%}" if r.bubble_ns else "no bubbles"
             over = f"{r.overruns} ({r.overrun_ns / 1e6:.0f} ms)"
             inter = (
-                f"{r.interference_ns / 1e9:.2f} s ({r.interference_ns / r.train_ns:.1%})"
-                if r.train_ns > 0
+                f"{r.interference_ns / 1e9:.2f} s ({_share(r.interference_ns, r.trained_ns)})"
+                if r.trained_ns > 0
                 else f"{r.interference_ns / 1e9:.2f} s"
             )
             steps = ", ".join(f"{n}" for _, n in sorted(r.task_steps.items()))
@@ -175,10 +187,10 @@ def _verdict_text(wall: Estimate | None, floor: Estimate | None, flagged: int, p
         return "**No slowdown figure** (no pairs ran)."
     text = (
         f"**Verdict: the wall-time slowdown is {_pct(wall.median)}, 95 % interval {_pct(wall.low)} .. "
-        f"{_pct(wall.high)} over {wall.n} pairs: the interval {verdict_text(wall, GOAL)}.**"
+        f"{_pct(wall.high)} over {_pairs(wall.n)}: the interval {verdict_text(wall, GOAL)}.**"
     )
     if wall.n < MIN_PAIRS:
-        text += f" Only {wall.n} pairs: too few for the interval to be trusted."
+        text += f" Only {_pairs(wall.n)}: too few for the interval to be trusted."
     if flagged:
         text += f" {flagged} of {pairs} pairs were left out (see the notes: their side tasks did not run through)."
     if floor is not None:
@@ -252,7 +264,9 @@ def render(section: Section) -> str:
         "| metric (runs with side tasks, warm-up left out) | value | goal |",
         "| --- | --- | --- |",
         "| interference: side-task compute while the stage trained | "
-        f"{_interference(sum(r.interference_ns for r in with_runs), sum(r.train_ns for r in with_runs))} | |",
+        f"{_interference(sum(r.interference_ns for r in with_runs), sum(r.trained_ns for r in with_runs))} | |",
+        "| training time the manager counted (`train_ns`), for comparison | "
+        f"{sum(r.train_ns for r in with_runs) / 1e9:.1f} s | |",
         f"| bubble time used by side-task steps | {used / bubble:.1%} of {bubble / 1e9:.2f} s | >= 85 % |"
         if bubble
         else "| bubble time used by side-task steps | no bubbles seen | >= 85 % |",

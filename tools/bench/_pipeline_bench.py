@@ -51,6 +51,7 @@ __all__ = [
     "RunKind",
     "RunResult",
     "SideTask",
+    "StepFigures",
     "add_bench_args",
     "add_side_task_args",
     "bench",
@@ -244,8 +245,20 @@ def serve_cmd(runtime: Path, profile: Path, side_priority: SidePriority, *, supp
 # --------------------------------------------------------------------------
 
 
-def parse_steps(stdout: str) -> tuple[float, float | None]:
-    """From a run's JSON lines: rank 0's median step time, and the summed per-rank median CPU time per step.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepFigures:
+    """What a run's JSON lines say."""
+
+    step_ms: float
+    """Rank 0's median step time (after :data:`SKIP_STEPS`)."""
+    cpu_ms: float | None
+    """Sum over ranks of each rank's median CPU time per step; None if the job does not report it."""
+    trained_ns: int
+    """Sum over ranks of all their step times: how long the stages trained."""
+
+
+def parse_steps(stdout: str) -> StepFigures:
+    """The figures of a run from its JSON lines (one per rank and step, with ``step_ms`` and maybe ``cpu_ms``).
 
     Raises:
         RuntimeError: rank 0 printed no more than :data:`SKIP_STEPS` steps.
@@ -268,7 +281,8 @@ def parse_steps(stdout: str) -> tuple[float, float | None]:
     cpu_ms = None
     if cpu and all(len(v) > SKIP_STEPS for v in cpu.values()):
         cpu_ms = sum(statistics.median(v[SKIP_STEPS:]) for v in cpu.values())
-    return statistics.median(times[SKIP_STEPS:]), cpu_ms
+    trained_ns = round(sum(sum(v) for v in steps.values()) * 1e6)
+    return StepFigures(step_ms=statistics.median(times[SKIP_STEPS:]), cpu_ms=cpu_ms, trained_ns=trained_ns)
 
 
 def with_figures(result: RunResult, before: p.StatusReply, after: p.StatusReply) -> None:
@@ -371,8 +385,11 @@ def _one_run(job: Job, planned: PlannedRun, steps: int, runtime: Path, endpoints
         case "with":
             cmd = _freeride("launch", "--runtime-dir", str(runtime), "--", *job.cmd(steps))
     stdout, wall = _run(cmd)
-    step_ms, cpu_ms = parse_steps(stdout)
-    result = RunResult(planned.kind, planned.role, planned.pair, planned.pair_kind, step_ms, cpu_ms, wall)
+    figures = parse_steps(stdout)
+    result = RunResult(
+        planned.kind, planned.role, planned.pair, planned.pair_kind, figures.step_ms, figures.cpu_ms, wall
+    )
+    result.trained_ns = figures.trained_ns
     if before is not None:
         with_figures(result, before, _status(endpoints))
     return result
