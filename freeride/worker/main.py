@@ -2,11 +2,9 @@
 
 The worker connects to the manager, receives its :class:`~freeride.protocol.Assign`,
 pins itself to the cores of its device, builds the task, restores its
-checkpoint and then runs the task's coroutine. The task's ``gate.step()`` is
-where the worker talks to the manager: it parks until a grant arrives, lets a
-step start only if the step's estimated duration fits before the grant's
-deadline minus the margin, and gives the grant back (with what it did) when
-the next step no longer fits or the bubble ends.
+checkpoint and then runs the task's coroutine through a
+:class:`~freeride.worker.gate.GrantGate`, which decides when each step may
+start.
 """
 
 from __future__ import annotations
@@ -18,25 +16,18 @@ import importlib
 import logging
 import os
 import sys
-import time
 import traceback
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Literal
 
 from freeride import protocol as p
 from freeride._procutil import bind_to_parent
-from freeride.sidetask import IterativeTask, StepEstimates, TaskContext, TaskStopped
-from freeride.transport import BadFrame, WorkerLink, new_async_context
+from freeride.sidetask import IterativeTask, TaskContext, TaskStopped
+from freeride.transport import WorkerLink, new_async_context
+from freeride.worker.gate import GrantGate
 
-__all__ = ["GrantGate", "load_target", "main"]
+__all__ = ["load_target", "main"]
 
 logger = logging.getLogger(__name__)
-
-_PROGRESS_EVERY_NS = 250_000_000
-
-GiveBackReason = Literal["no_fit", "revoked", "expired", "finished", "stopping"]
 
 
 def load_target(target: str) -> type[IterativeTask]:
@@ -70,199 +61,6 @@ def _load_checkpoint(task: IterativeTask, path: Path) -> int:
     saved = torch.load(path, weights_only=False)
     task.load_state_dict(saved["state"])
     return int(saved["steps"])
-
-
-class _RunDelay:
-    """How long this thread has waited for a CPU while runnable (Linux schedstat), in ns.
-
-    A side task runs at the lowest priority on its stage's core: when the
-    stage wakes up mid-step, the step waits until the stage blocks again.
-    That wait says nothing about what the step costs, so it is taken out of
-    the step times the estimate learns from (never out of the time reported
-    as used).
-    """
-
-    def __init__(self) -> None:
-        try:
-            self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            self._fd = -1
-
-    def ns(self) -> int:
-        if self._fd < 0:
-            return 0
-        try:
-            return int(os.pread(self._fd, 64, 0).split()[1])
-        except (OSError, ValueError, IndexError):
-            return 0
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
-class GrantGate:
-    """The :class:`~freeride.sidetask.StepGate` of a task run by the manager."""
-
-    def __init__(self, link: WorkerLink, assign: p.Assign, task: IterativeTask, steps: int) -> None:
-        self._link = link
-        self._assign = assign
-        self._task = task
-        self._steps = steps
-        hint = assign.spec.step_time_ns
-        if hint < 0 and task.step_time > 0:
-            hint = int(task.step_time * 1e9)
-        self.estimates = StepEstimates(hint)
-        self._run_delay = _RunDelay()
-        self._kind = task.step_kind()
-        """The kind of the step waiting to start (or of the next one)."""
-        self._grant: p.Grant | None = None
-        self._revoked = False
-        self._stop: str | None = None
-        # what the current grant has seen
-        self._g_steps = 0
-        self._g_busy = 0
-        self._g_first = -1
-        self._g_overrun = 0
-        self._g_last_end = 0
-        self._last_progress = 0
-        self._last_checkpoint = time.monotonic_ns()
-        self._checkpoint_ns = -1
-
-    @property
-    def steps(self) -> int:
-        return self._steps
-
-    def _handle(self, msg: p.ManagerToWorker | BadFrame) -> None:
-        match msg:
-            case p.Grant():
-                if self._grant is not None:
-                    self._give_back("expired")
-                self._grant, self._revoked = msg, False
-            case p.Revoke(grant_id=gid):
-                if self._grant is not None and self._grant.grant_id == gid:
-                    self._revoked = True
-            case p.Stop(reason=reason):
-                self._stop = reason
-            case p.Assign():
-                logger.warning("[worker] ignoring a second Assign")
-            case BadFrame(reason=reason):
-                logger.warning("[worker] rejected a frame from the manager: %s", reason)
-
-    def _give_back(self, reason: GiveBackReason) -> None:
-        grant = self._grant
-        if grant is None:
-            return
-        self._link.send_nowait(
-            p.GrantDone(
-                task_id=self._assign.task_id,
-                grant_id=grant.grant_id,
-                steps=self._g_steps,
-                busy_ns=self._g_busy,
-                first_step_delay_ns=self._g_first,
-                overrun_ns=self._g_overrun,
-                reason=reason,
-                step_estimate_ns=self.estimate_ns,
-                last_step_end_ns=self._g_last_end,
-                first_step_ns=grant.bubble_t_ns + self._g_first if self._g_first >= 0 else 0,
-                total_steps=self._steps,
-            )
-        )
-        self._grant = None
-        self._g_steps = self._g_busy = self._g_overrun = self._g_last_end = 0
-        self._g_first = -1
-
-    def _fits(self, now: int, need_ns: int) -> bool:
-        grant = self._grant
-        if grant is None or self._revoked:
-            return False
-        if need_ns < 0 or grant.probe:  # unknown or stale: one step, at the start of a grant still open
-            return self._g_steps == 0 and now + self._assign.margin_ns < grant.deadline_ns
-        return now + need_ns + self._assign.margin_ns <= grant.deadline_ns
-
-    def _progress(self, now: int) -> None:
-        if now - self._last_progress >= _PROGRESS_EVERY_NS:
-            self._last_progress = now
-            self._link.send_nowait(
-                p.Progress(task_id=self._assign.task_id, steps=self._steps, metrics=self._task.metrics())
-            )
-
-    def checkpoint(self) -> None:
-        """Save the task's state now.
-
-        Periodic checkpoints run inside grants, and only when the last one's
-        duration fits; this call itself does not check.
-        """
-        t0 = time.monotonic_ns()
-        path = Path(self._assign.checkpoint_path)
-        if _save_checkpoint(self._task, path, self._steps):
-            self._link.send_nowait(p.Checkpointed(task_id=self._assign.task_id, steps=self._steps, path=str(path)))
-        self._last_checkpoint = time.monotonic_ns()
-        self._checkpoint_ns = self._last_checkpoint - t0
-
-    async def _wait_for_fit(self) -> None:
-        while True:
-            while (msg := self._link.recv_nowait()) is not None:
-                self._handle(msg)
-            if self._stop is not None:
-                self._give_back("stopping")
-                raise TaskStopped(self._stop)
-            now = time.monotonic_ns()
-            due = now - self._last_checkpoint >= self._assign.checkpoint_every_ns
-            if due and self._checkpoint_ns >= 0 and self._fits(now, self._checkpoint_ns):
-                self._g_busy += self._timed(self.checkpoint)
-                continue
-            if self._fits(now, self.estimate_ns):
-                return
-            if self._grant is not None:
-                self._give_back("revoked" if self._revoked else "no_fit")
-            self._progress(now)
-            self._handle(await self._link.recv())
-
-    def _timed(self, fn: Any) -> int:
-        t0 = time.monotonic_ns()
-        fn()
-        t1 = time.monotonic_ns()
-        self._note_end(t1)
-        return t1 - t0
-
-    def _note_end(self, end: int) -> None:
-        self._g_last_end = end
-        grant = self._grant
-        if grant is not None and end > grant.deadline_ns:
-            self._g_overrun = end - grant.deadline_ns
-
-    @property
-    def estimate_ns(self) -> int:
-        """The running estimate of the pending step's kind (what the manager must fit)."""
-        return self.estimates.estimate_ns(self._kind)
-
-    @asynccontextmanager
-    async def step(self, kind: str = "") -> AsyncIterator[None]:
-        self._kind = kind
-        while True:
-            await self._wait_for_fit()
-            delay0 = self._run_delay.ns()
-            t0 = time.monotonic_ns()
-            # checked again with the step's own start time: the worker runs at the lowest
-            # priority and may have been preempted since the fit was decided
-            if self._fits(t0, self.estimate_ns):
-                break
-        if self._g_steps == 0 and self._grant is not None:
-            self._g_first = t0 - self._grant.bubble_t_ns
-        yield
-        t1 = time.monotonic_ns()
-        self.estimates.observe(kind, max(1, t1 - t0 - (self._run_delay.ns() - delay0)))
-        self._kind = self._task.step_kind()
-        self._steps += 1
-        self._g_steps += 1
-        self._g_busy += t1 - t0
-        self._note_end(t1)
-
-    def finish(self, reason: GiveBackReason) -> None:
-        self._give_back(reason)
-        self._run_delay.close()
 
 
 def _lower_cpu_priority() -> None:
@@ -356,7 +154,7 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
         await task.setup(tctx)
         if assign.memory_limit > 0 and assign.device.startswith("cpu"):
             _cap_address_space(assign.memory_limit)
-        gate = GrantGate(link, assign, task, steps)
+        gate = GrantGate(link, assign, task, steps, save=_save_checkpoint)
         if task.state_dict():
             import torch  # noqa: F401 - load the serializer before timing a checkpoint
         gate.checkpoint()  # before any bubble: measures what a checkpoint costs

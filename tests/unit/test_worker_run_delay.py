@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from freeride.worker.main import _RunDelay
+from freeride.worker.gate import _RunDelay
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="needs Linux schedstat")

@@ -1,0 +1,289 @@
+"""The worker's :class:`~freeride.sidetask.StepGate`: when a step of a managed task may start.
+
+The task's ``gate.step()`` is where the worker talks to the manager: it parks
+until a grant arrives, lets a step start only if the step's estimated duration
+fits before the grant's deadline minus the margin (:mod:`freeride.admission`),
+and gives the grant back (with what it did) when the next step no longer fits
+or the bubble ends.
+
+Every time reading goes through an injected :class:`~freeride.clock.Clock` and
+every message through a :class:`GateLink`, so the rule can be driven step by
+step in tests without sockets or sleeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Protocol, assert_never
+
+from freeride import protocol as p
+from freeride.admission import fits, room_ns
+from freeride.clock import MONOTONIC, Clock
+from freeride.sidetask import IterativeTask, StepEstimates, TaskStopped
+from freeride.transport import BadFrame
+
+__all__ = ["GateLink", "GrantGate", "RunDelay", "SaveCheckpoint"]
+
+logger = logging.getLogger(__name__)
+
+_PROGRESS_EVERY_NS = 250_000_000
+
+SaveCheckpoint = Callable[[IterativeTask, Path, int], bool]
+"""Saves a task's state with its step count to a path; False if the task has no state."""
+
+
+class GateLink(Protocol):
+    """What the gate needs of its link to the manager (a :class:`~freeride.transport.WorkerLink`)."""
+
+    def recv_nowait(self) -> p.ManagerToWorker | BadFrame | None:
+        """The next message if one has arrived, else ``None``."""
+        ...
+
+    async def recv(self) -> p.ManagerToWorker | BadFrame:
+        """Wait for the next message."""
+        ...
+
+    def send_nowait(self, msg: p.WorkerToManager) -> None:
+        """Send a message without waiting."""
+        ...
+
+
+class RunDelay(Protocol):
+    """How long this thread has waited for a CPU while runnable, in ns (a counter)."""
+
+    def ns(self) -> int:
+        """The counter's current value (0 where it cannot be read)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the counter holds; later reads return 0."""
+        ...
+
+
+class _RunDelay:
+    """How long this thread has waited for a CPU while runnable (Linux schedstat), in ns.
+
+    A side task runs at the lowest priority on its stage's core: when the
+    stage wakes up mid-step, the step waits until the stage blocks again.
+    That wait says nothing about what the step costs, so it is taken out of
+    the step times the estimate learns from (never out of the time reported
+    as used).
+    """
+
+    def __init__(self) -> None:
+        try:
+            self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._fd = -1
+
+    def ns(self) -> int:
+        if self._fd < 0:
+            return 0
+        try:
+            return int(os.pread(self._fd, 64, 0).split()[1])
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class GrantGate:
+    """The :class:`~freeride.sidetask.StepGate` of a task run by the manager.
+
+    Args:
+        link: The worker's link to the manager.
+        assign: What the manager assigned (margin, checkpoint path and period).
+        task: The task whose steps pass through the gate.
+        steps: Steps already done (restored from a checkpoint).
+        save: Writes the task's checkpoint (see :data:`SaveCheckpoint`).
+        clock: Where every time reading comes from.
+        run_delay: This thread's CPU wait counter, taken out of learned step
+            times; defaults to the thread's schedstat.
+    """
+
+    def __init__(
+        self,
+        link: GateLink,
+        assign: p.Assign,
+        task: IterativeTask,
+        steps: int,
+        *,
+        save: SaveCheckpoint,
+        clock: Clock = MONOTONIC,
+        run_delay: RunDelay | None = None,
+    ) -> None:
+        self._link = link
+        self._assign = assign
+        self._task = task
+        self._steps = steps
+        self._save = save
+        self._clock = clock
+        hint = assign.spec.step_time_ns
+        if hint < 0 and task.step_time > 0:
+            hint = int(task.step_time * 1e9)
+        self.estimates = StepEstimates(hint)
+        self._run_delay: RunDelay = _RunDelay() if run_delay is None else run_delay
+        self._kind = task.step_kind()
+        """The kind of the step waiting to start (or of the next one)."""
+        self._grant: p.Grant | None = None
+        self._revoked = False
+        self._stop: str | None = None
+        # what the current grant has seen
+        self._g_steps = 0
+        self._g_busy = 0
+        self._g_first = -1
+        self._g_overrun = 0
+        self._g_last_end = 0
+        self._last_progress = 0
+        self._last_checkpoint = clock.now_ns()
+        self._checkpoint_ns = -1
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    def _handle(self, msg: p.ManagerToWorker | BadFrame) -> None:
+        match msg:
+            case p.Grant():
+                if self._grant is not None:
+                    self._give_back("expired")
+                self._grant, self._revoked = msg, False
+            case p.Revoke(grant_id=gid):
+                if self._grant is not None and self._grant.grant_id == gid:
+                    self._revoked = True
+            case p.Stop(reason=reason):
+                self._stop = reason
+            case p.Assign():
+                logger.warning("[worker] ignoring a second Assign")
+            case BadFrame(reason=reason):
+                logger.warning("[worker] rejected a frame from the manager: %s", reason)
+            case _:
+                assert_never(msg)
+
+    def _give_back(self, reason: p.GrantDoneReason) -> None:
+        grant = self._grant
+        if grant is None:
+            return
+        self._link.send_nowait(
+            p.GrantDone(
+                task_id=self._assign.task_id,
+                grant_id=grant.grant_id,
+                steps=self._g_steps,
+                busy_ns=self._g_busy,
+                first_step_delay_ns=self._g_first,
+                overrun_ns=self._g_overrun,
+                reason=reason,
+                step_estimate_ns=self.estimate_ns,
+                last_step_end_ns=self._g_last_end,
+                first_step_ns=grant.bubble_t_ns + self._g_first if self._g_first >= 0 else 0,
+                total_steps=self._steps,
+            )
+        )
+        self._grant = None
+        self._g_steps = self._g_busy = self._g_overrun = self._g_last_end = 0
+        self._g_first = -1
+
+    def _fits(self, now: int, need_ns: int) -> bool:
+        grant = self._grant
+        if grant is None or self._revoked:
+            return False
+        margin = self._assign.margin_ns
+        if need_ns < 0 or grant.probe:  # unknown or stale: one step, at the start of a grant still open
+            return self._g_steps == 0 and room_ns(now, grant.deadline_ns, margin) > 0
+        return fits(now, need_ns, grant.deadline_ns, margin)
+
+    def _progress(self, now: int) -> None:
+        if now - self._last_progress >= _PROGRESS_EVERY_NS:
+            self._last_progress = now
+            self._link.send_nowait(
+                p.Progress(task_id=self._assign.task_id, steps=self._steps, metrics=self._task.metrics())
+            )
+
+    def checkpoint(self) -> None:
+        """Save the task's state now.
+
+        Periodic checkpoints run inside grants, and only when the last one's
+        duration fits; this call itself does not check.
+        """
+        t0 = self._clock.now_ns()
+        path = Path(self._assign.checkpoint_path)
+        if self._save(self._task, path, self._steps):
+            self._link.send_nowait(p.Checkpointed(task_id=self._assign.task_id, steps=self._steps, path=str(path)))
+        self._last_checkpoint = self._clock.now_ns()
+        self._checkpoint_ns = self._last_checkpoint - t0
+
+    async def _wait_for_fit(self) -> None:
+        while True:
+            while (msg := self._link.recv_nowait()) is not None:
+                self._handle(msg)
+            if self._stop is not None:
+                self._give_back("stopping")
+                raise TaskStopped(self._stop)
+            now = self._clock.now_ns()
+            due = now - self._last_checkpoint >= self._assign.checkpoint_every_ns
+            if due and self._checkpoint_ns >= 0 and self._fits(now, self._checkpoint_ns):
+                self._g_busy += self._timed(self.checkpoint)
+                continue
+            if self._fits(now, self.estimate_ns):
+                return
+            if self._grant is not None:
+                self._give_back("revoked" if self._revoked else "no_fit")
+            self._progress(now)
+            self._handle(await self._link.recv())
+
+    def _timed(self, fn: Callable[[], None]) -> int:
+        t0 = self._clock.now_ns()
+        fn()
+        t1 = self._clock.now_ns()
+        self._note_end(t1)
+        return t1 - t0
+
+    def _note_end(self, end: int) -> None:
+        self._g_last_end = end
+        grant = self._grant
+        if grant is not None and end > grant.deadline_ns:
+            self._g_overrun = end - grant.deadline_ns
+
+    @property
+    def estimate_ns(self) -> int:
+        """The running estimate of the pending step's kind (what the manager must fit)."""
+        return self.estimates.estimate_ns(self._kind)
+
+    @asynccontextmanager
+    async def step(self, kind: str = "") -> AsyncIterator[None]:
+        """Park until a step of ``kind`` fits in a grant, then time it.
+
+        Raises:
+            TaskStopped: The manager asked the task to stop.
+        """
+        self._kind = kind
+        while True:
+            await self._wait_for_fit()
+            delay0 = self._run_delay.ns()
+            t0 = self._clock.now_ns()
+            # checked again with the step's own start time: the worker runs at the lowest
+            # priority and may have been preempted since the fit was decided
+            if self._fits(t0, self.estimate_ns):
+                break
+        if self._g_steps == 0 and self._grant is not None:
+            self._g_first = t0 - self._grant.bubble_t_ns
+        yield
+        t1 = self._clock.now_ns()
+        self.estimates.observe(kind, max(1, t1 - t0 - (self._run_delay.ns() - delay0)))
+        self._kind = self._task.step_kind()
+        self._steps += 1
+        self._g_steps += 1
+        self._g_busy += t1 - t0
+        self._note_end(t1)
+
+    def finish(self, reason: p.GrantDoneReason) -> None:
+        """Give back the grant held (if any) for ``reason`` and release the CPU wait counter."""
+        self._give_back(reason)
+        self._run_delay.close()
