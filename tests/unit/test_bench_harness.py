@@ -377,6 +377,7 @@ def test_no_slowdown_when_the_side_tasks_never_ran(report: ModuleType) -> None:
     text = report.render(_section(report, _runs(report, 0.2, flag_pairs=tuple(range(8)))))
     assert "**No slowdown figure: in all 8 pairs the side tasks finished, failed or did no steps" in text
     assert "| slowdown, step time (with / alone) | no pair counted | | 0 | |" in text
+    assert "| slowdown, training ranks' CPU time per step | no pair counted | | 0 | |" in text
     assert "Verdict" not in text
 
 

@@ -218,6 +218,7 @@ def render(section: Section) -> str:
     warm = [r for r in runs if r.role == "warmup"]
     warm_alone = next((r for r in warm if r.kind == "alone"), None)
     warm_with = next((r for r in warm if r.kind == "with"), None)
+    has_cpu = any(r.cpu_ms is not None for r in runs)
     no_cpu = section.cpu_note or "not reported by this job"
     lines = [
         section.title,
@@ -240,9 +241,16 @@ def render(section: Section) -> str:
         f"| figure (per pair: b / a - 1) | median | 95 % interval | pairs | against the {_goal_text()} goal |",
         "| --- | --- | --- | --- | --- |",
         _figure_row("slowdown, step time (with / alone)", wall, judged=True, missing="no pair counted"),
-        _figure_row("slowdown, training ranks' CPU time per step", cpu, judged=True, missing=no_cpu),
+        _figure_row(
+            "slowdown, training ranks' CPU time per step",
+            cpu,
+            judged=True,
+            missing="no pair counted" if has_cpu else no_cpu,
+        ),
         _figure_row("A/A noise floor, step time (alone / alone)", floor, judged=False, missing="no A/A pairs"),
-        _figure_row("A/A noise floor, CPU time per step", floor_cpu, judged=False, missing=no_cpu),
+        _figure_row(
+            "A/A noise floor, CPU time per step", floor_cpu, judged=False, missing="no A/A pairs" if has_cpu else no_cpu
+        ),
     ]
     if hooked is not None:
         lines.append(_figure_row("hooks, no manager (hooked / alone)", hooked, judged=False, missing=""))
