@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -94,6 +95,10 @@ class _RunDelay:
             self._fd = -1
 
 
+def _process_cpu_ns() -> int:
+    return time.clock_gettime_ns(time.CLOCK_PROCESS_CPUTIME_ID)
+
+
 class GrantGate:
     """The :class:`~freeride.sidetask.StepGate` of a task run by the manager.
 
@@ -104,6 +109,8 @@ class GrantGate:
         steps: Steps already done (restored from a checkpoint).
         save: Writes the task's checkpoint (see :data:`SaveCheckpoint`).
         clock: Where every time reading comes from.
+        cpu_clock: The process's CPU clock, all threads (reported with each grant
+            so that the manager can tell the compute that ran after a bubble ended).
         run_delay: This thread's CPU wait counter, taken out of learned step
             times; defaults to the thread's schedstat.
     """
@@ -117,6 +124,7 @@ class GrantGate:
         *,
         save: SaveCheckpoint,
         clock: Clock = MONOTONIC,
+        cpu_clock: Callable[[], int] = _process_cpu_ns,
         run_delay: RunDelay | None = None,
     ) -> None:
         self._link = link
@@ -125,6 +133,8 @@ class GrantGate:
         self._steps = steps
         self._save = save
         self._clock = clock
+        self._cpu_clock = cpu_clock
+        self._g_cpu = -1
         hint = assign.spec.step_time_ns
         if hint < 0 and task.step_time > 0:
             hint = int(task.step_time * 1e9)
@@ -184,10 +194,12 @@ class GrantGate:
                 last_step_end_ns=self._g_last_end,
                 first_step_ns=grant.bubble_t_ns + self._g_first if self._g_first >= 0 else 0,
                 total_steps=self._steps,
+                cpu_ns=self._g_cpu,
             )
         )
         self._grant = None
         self._g_steps = self._g_busy = self._g_overrun = self._g_last_end = 0
+        self._g_cpu = -1
         self._g_first = -1
 
     def _fits(self, now: int, need_ns: int) -> bool:
@@ -247,6 +259,7 @@ class GrantGate:
 
     def _note_end(self, end: int) -> None:
         self._g_last_end = end
+        self._g_cpu = self._cpu_clock()
         grant = self._grant
         if grant is not None and end > grant.deadline_ns:
             self._g_overrun = end - grant.deadline_ns

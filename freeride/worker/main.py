@@ -137,7 +137,8 @@ async def _run(endpoint: str, task_id: int) -> int:
 async def _serve(link: WorkerLink, assign: p.Assign) -> int:
     if assign.cpu_affinity:
         os.sched_setaffinity(0, assign.cpu_affinity)
-    _lower_cpu_priority()
+    if assign.side_priority == "low":  # "same": the stage's own, so an overrun delays it as on a GPU
+        _lower_cpu_priority()
     _cap_torch_cuda_memory()
     task: IterativeTask | None = None
     try:

@@ -24,23 +24,29 @@ class SpinSteps(IterativeTask):
         self.count = 0
         self.log = log
         self.intervals: list[tuple[int, int]] = []
+        self.cpu: list[int] = []
+        """CPU time of each step, as the process's CPU clock measured it."""
 
     async def setup(self, ctx: TaskContext) -> None:
         self.ctx = ctx
 
     def step(self) -> None:
+        c0 = time.process_time_ns()
         t0 = time.monotonic_ns()
         end = t0 + self.step_ns
         while time.monotonic_ns() < end:
             pass
         self.count += 1
         self.intervals.append((t0, time.monotonic_ns()))
+        self.cpu.append(time.process_time_ns() - c0)
         if self.log and len(self.intervals) % 50 == 0:
             self._flush()
 
     def _flush(self) -> None:
         tmp = self.log + ".tmp"
-        Path(tmp).write_text(json.dumps({"pid": os.getpid(), "count": self.count, "intervals": self.intervals}))
+        Path(tmp).write_text(
+            json.dumps({"pid": os.getpid(), "count": self.count, "intervals": self.intervals, "cpu": self.cpu})
+        )
         os.replace(tmp, self.log)
 
     def done(self) -> bool:

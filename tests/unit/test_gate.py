@@ -154,7 +154,8 @@ def make_rig(
         margin_ns=MARGIN,
         checkpoint_every_ns=checkpoint_every_ns,
     )
-    gate = GrantGate(link, assign, Task(), steps, save=saver, clock=clock, run_delay=delay)
+    # the process's CPU clock runs with the wall clock here: nothing else takes the core
+    gate = GrantGate(link, assign, Task(), steps, save=saver, clock=clock, cpu_clock=clock.now_ns, run_delay=delay)
     return Rig(gate, link, clock, delay, saver)
 
 
@@ -378,3 +379,24 @@ async def test_a_bad_frame_is_logged_and_ignored(tmp_path: Path) -> None:
     await rig.step()
     rig.gate.finish("finished")
     assert rig.link.done_brief() == [(1, "finished", 1)]
+
+
+async def test_a_grant_reports_the_cpu_clock_at_its_last_step_end(tmp_path: Path) -> None:
+    """The manager subtracts its own reading at the bubble's end: what ran after it is interference."""
+    rig = make_rig(tmp_path)
+    rig.link.push(rig.grant(1, 10 * STEP))
+    await rig.step()
+    await rig.step()
+    end = rig.clock.now_ns()
+    rig.clock.advance(STEP)  # time passes with no step: not in the report
+    rig.gate.finish("finished")
+    assert rig.link.done()[0].cpu_ns == end
+
+
+async def test_a_grant_without_a_step_reports_no_cpu_clock(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    rig.link.push(rig.grant(1, STEP // 2))  # nothing fits
+    stepping = asyncio.create_task(rig.step())
+    await rig.link.parked()
+    assert rig.link.done_brief() == [(1, "no_fit", 0)] and rig.link.done()[0].cpu_ns == -1
+    await cancel(stepping)
