@@ -52,11 +52,9 @@ async def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str)
         raise AssertionError(f"timed out after {timeout_s}s waiting for {what}") from None
 
 
-@pytest.fixture
-async def manager(runtime_dir: Path) -> AsyncIterator[Manager]:
-    config = ServeConfig(
-        endpoints=Endpoints.ipc(runtime_dir), state_dir=runtime_dir / "state", checkpoint_every_s=0.2, stop_timeout_s=5
-    )
+@contextlib.asynccontextmanager
+async def running_manager(config: ServeConfig) -> AsyncIterator[Manager]:
+    """A manager in this process, serving until the block ends."""
     stop = asyncio.Event()
     async with Manager(config) as mgr:
         runner = asyncio.create_task(mgr.run(stop), name="test-manager")
@@ -66,6 +64,15 @@ async def manager(runtime_dir: Path) -> AsyncIterator[Manager]:
         finally:
             stop.set()
             await runner
+
+
+@pytest.fixture
+async def manager(runtime_dir: Path) -> AsyncIterator[Manager]:
+    config = ServeConfig(
+        endpoints=Endpoints.ipc(runtime_dir), state_dir=runtime_dir / "state", checkpoint_every_s=0.2, stop_timeout_s=5
+    )
+    async with running_manager(config) as mgr:
+        yield mgr
 
 
 def freeride_cmd(*args: str) -> list[str]:

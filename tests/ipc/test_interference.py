@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
+from conftest import running_manager, wait_until
 
 from freeride import protocol as p
 from freeride.serve.config import ServeConfig
@@ -39,15 +39,8 @@ async def manager(runtime_dir: Path) -> AsyncIterator[Manager]:
         stop_timeout_s=5,
         side_priority="same",
     )
-    stop = asyncio.Event()
-    async with Manager(config) as mgr:
-        runner = asyncio.create_task(mgr.run(stop), name="test-manager")
-        await asyncio.sleep(0)
-        try:
-            yield mgr
-        finally:
-            stop.set()
-            await runner
+    async with running_manager(config) as mgr:
+        yield mgr
 
 
 async def _run(
