@@ -18,11 +18,15 @@ one node. Evolve append-only: new fields get defaults, and
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 __all__ = [
+    "I64_MAX",
+    "MAX_CONTROL_FRAME",
+    "MAX_EVENT_FRAME",
+    "MAX_WORKER_FRAME",
     "PROTOCOL_VERSION",
     "Assign",
     "BackendEvent",
@@ -68,10 +72,49 @@ __all__ = [
 PROTOCOL_VERSION = 1
 """Bumped only when a peer of another version could misread a frame."""
 
-Metrics = dict[str, float]
+# --------------------------------------------------------------------------
+# bounds: what a decoder admits. A frame with a value outside them is
+# rejected like a malformed one, so no arithmetic in the manager meets an
+# integer that msgpack cannot encode again (it stops at 2**64 - 1).
+# --------------------------------------------------------------------------
+
+I64_MAX = 2**63 - 1
+"""Largest signed 64-bit integer: the ceiling of every time, count and size on the wire."""
+
+MAX_EVENT_FRAME = 64 * 1024
+"""Largest backend event frame, in bytes (a Hello with 4096 cores is ~20 kB)."""
+MAX_WORKER_FRAME = 4 * 1024 * 1024
+"""Largest worker frame (a failure's traceback is the big one)."""
+MAX_CONTROL_FRAME = 4 * 1024 * 1024
+"""Largest control request (a task's options and command line)."""
+
+_I32_MAX = 2**31 - 1
+
+Nanos = Annotated[int, msgspec.Meta(ge=0, le=I64_MAX)]
+"""A monotonic timestamp or a duration, in ns."""
+NanosOrUnknown = Annotated[int, msgspec.Meta(ge=-1, le=I64_MAX)]
+"""A duration, or -1 for unknown."""
+Count = Annotated[int, msgspec.Meta(ge=0, le=I64_MAX)]
+"""Steps, events, ids."""
+CountOrUnknown = Annotated[int, msgspec.Meta(ge=-1, le=I64_MAX)]
+Bytes = Annotated[int, msgspec.Meta(ge=-1, le=I64_MAX)]
+"""A size in bytes, or -1 for unknown."""
+Small = Annotated[int, msgspec.Meta(ge=0, le=_I32_MAX)]
+"""Ranks, stages, pids, cores, versions."""
+Position = Annotated[int, msgspec.Meta(ge=-1, le=I64_MAX)]
+"""A training step or a bubble's index in it (-1 admitted: before the first step)."""
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+"""Devices, frameworks, task names, metric keys."""
+Text = Annotated[str, msgspec.Meta(max_length=64 * 1024)]
+"""Error messages, reasons, paths, targets, one argument."""
+LongText = Annotated[str, msgspec.Meta(max_length=1024 * 1024)]
+"""A traceback."""
+Cores = Annotated[list[Small], msgspec.Meta(max_length=4096)]
+
+Metrics = Annotated[dict[Name, float], msgspec.Meta(max_length=1024)]
 """Named numbers a side task reports (loss, accuracy, images, ...)."""
 
-Options = dict[str, str | int | float | bool]
+Options = Annotated[dict[Name, Text | int | float | bool], msgspec.Meta(max_length=1024)]
 """Constructor arguments of a side task: plain scalars only."""
 
 
@@ -87,77 +130,77 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True):
 class Hello(_Msg, frozen=True, tag="hello"):
     """First message of a training rank; announces who it is."""
 
-    protocol_version: int
-    rank: int
-    stage: int
-    num_stages: int
-    device: str
+    protocol_version: Small
+    rank: Small
+    stage: Small
+    num_stages: Small
+    device: Name
     """Device the stage computes on, e.g. ``cuda:0`` or ``cpu:1``."""
-    framework: str
+    framework: Name
     """``deepspeed``, ``megatron`` or ``sim``."""
-    pid: int
-    cpu_affinity: list[int] = []
+    pid: Small
+    cpu_affinity: Cores = []
     """Cores the rank may run on; side tasks of this device are pinned to them."""
-    device_memory: int = -1
+    device_memory: Bytes = -1
     """Total memory of the device in bytes, -1 if unknown."""
-    t_ns: int = 0
+    t_ns: Nanos = 0
 
 
 class BubbleStarted(_Msg, frozen=True, tag="bubble_started"):
     """A stage has entered a bubble: its device is idle from ``t_ns``."""
 
-    rank: int
-    stage: int
-    device: str
-    step: int
+    rank: Small
+    stage: Small
+    device: Name
+    step: Position
     """Training step (optimizer step) the bubble belongs to."""
-    index: int
+    index: Position
     """Position of the bubble within the step, 0-based, in time order."""
-    t_ns: int
-    expected_ns: int
+    t_ns: Nanos
+    expected_ns: Nanos
     """Predicted duration, from the profile or a running estimate."""
-    spare_memory: int = -1
+    spare_memory: Bytes = -1
     """Bytes of device memory the stage leaves free, -1 if unknown."""
 
 
 class BubbleEnded(_Msg, frozen=True, tag="bubble_ended"):
     """The stage has left the bubble and computes again."""
 
-    rank: int
-    stage: int
-    device: str
-    step: int
-    index: int
-    t_ns: int
-    duration_ns: int
+    rank: Small
+    stage: Small
+    device: Name
+    step: Position
+    index: Position
+    t_ns: Nanos
+    duration_ns: Nanos
     """Measured duration of the bubble."""
 
 
 class StepFinished(_Msg, frozen=True, tag="step_finished"):
     """A training step of this rank has finished."""
 
-    rank: int
-    stage: int
-    step: int
-    t_ns: int
-    duration_ns: int
-    bubble_ns: int = 0
+    rank: Small
+    stage: Small
+    step: Position
+    t_ns: Nanos
+    duration_ns: Nanos
+    bubble_ns: Nanos = 0
     """Sum of the measured bubbles of this step."""
 
 
 class Heartbeat(_Msg, frozen=True, tag="heartbeat"):
     """Sent by a rank that has been quiet for a while, so it is not taken for dead."""
 
-    rank: int
-    t_ns: int
+    rank: Small
+    t_ns: Nanos
 
 
 class Goodbye(_Msg, frozen=True, tag="goodbye"):
     """Last message of a rank that exits cleanly."""
 
-    rank: int
-    t_ns: int
-    dropped: int = 0
+    rank: Small
+    t_ns: Nanos
+    dropped: Count = 0
     """Events the emitter could not send (manager away or slow)."""
 
 
@@ -185,19 +228,19 @@ class TaskSpec(_Msg, frozen=True, tag="task_spec"):
     """What a user submits: a side task and what it needs."""
 
     kind: TaskKind
-    target: str = ""
+    target: Text = ""
     """``module:Class`` of an iterative task."""
-    argv: list[str] = []
+    argv: Annotated[list[Text], msgspec.Meta(max_length=4096)] = []
     """Command line of an imperative task."""
-    name: str = ""
+    name: Name = ""
     options: Options = {}
-    peak_memory: int = -1
+    peak_memory: Bytes = -1
     """Peak device memory in bytes (declared or profiled), -1 if unknown."""
-    step_time_ns: int = -1
+    step_time_ns: NanosOrUnknown = -1
     """Profiled step time of an iterative task, -1 if unknown."""
-    device: str = ""
+    device: Name = ""
     """Pin to this device; empty lets the manager place the task."""
-    max_restarts: int = 3
+    max_restarts: Small = 3
     """How often a crashed task is restarted from its last checkpoint."""
 
 
@@ -261,12 +304,12 @@ ManagerToWorker = Assign | Grant | Revoke | Stop
 class WorkerReady(_Msg, frozen=True, tag="worker_ready"):
     """The worker has connected; after :class:`Assign`, also that setup is done."""
 
-    protocol_version: int
-    task_id: int
-    pid: int
+    protocol_version: Small
+    task_id: Count
+    pid: Small
     set_up: bool = False
-    step_estimate_ns: int = -1
-    steps: int = 0
+    step_estimate_ns: NanosOrUnknown = -1
+    steps: Count = 0
     """Steps already done (restored from a checkpoint)."""
 
 
@@ -277,25 +320,25 @@ GrantDoneReason = Literal["no_fit", "revoked", "expired", "finished", "stopping"
 class GrantDone(_Msg, frozen=True, tag="grant_done"):
     """The worker gives a grant back and says what it did with it."""
 
-    task_id: int
-    grant_id: int
-    steps: int
-    busy_ns: int
+    task_id: Count
+    grant_id: Count
+    steps: Count
+    busy_ns: Nanos
     """Time spent in steps inside the grant."""
-    first_step_delay_ns: int
+    first_step_delay_ns: NanosOrUnknown
     """Bubble start to first step start; -1 if no step ran."""
-    overrun_ns: int
+    overrun_ns: Nanos
     """How far the last step ran past the deadline (0 if it did not)."""
     reason: GrantDoneReason
-    step_estimate_ns: int = -1
+    step_estimate_ns: NanosOrUnknown = -1
     """What the worker now expects its next step to take."""
-    last_step_end_ns: int = 0
+    last_step_end_ns: Nanos = 0
     """When the last step inside the grant ended (0 if none ran)."""
-    first_step_ns: int = 0
+    first_step_ns: Nanos = 0
     """When the first step inside the grant started (0 if none ran)."""
-    total_steps: int = -1
+    total_steps: CountOrUnknown = -1
     """Steps the task has done in all (restored ones included); -1 if not counted."""
-    cpu_ns: int = -1
+    cpu_ns: NanosOrUnknown = -1
     """The worker process's CPU clock (all threads) when its last step in the grant ended; -1 unknown.
 
     The manager reads the same clock when the bubble ends: what the process ran
@@ -306,33 +349,33 @@ class GrantDone(_Msg, frozen=True, tag="grant_done"):
 class Progress(_Msg, frozen=True, tag="progress"):
     """Periodic progress of a task."""
 
-    task_id: int
-    steps: int
+    task_id: Count
+    steps: Count
     metrics: Metrics = {}
 
 
 class Checkpointed(_Msg, frozen=True, tag="checkpointed"):
     """State saved; a restart resumes from ``steps``."""
 
-    task_id: int
-    steps: int
-    path: str
+    task_id: Count
+    steps: Count
+    path: Text
 
 
 class TaskFinished(_Msg, frozen=True, tag="task_finished"):
     """The task has completed its work."""
 
-    task_id: int
-    steps: int
+    task_id: Count
+    steps: Count
     metrics: Metrics = {}
 
 
 class TaskFailed(_Msg, frozen=True, tag="task_failed"):
     """The task raised; the traceback is for the user's eyes."""
 
-    task_id: int
-    error: str
-    traceback: str = ""
+    task_id: Count
+    error: Text
+    traceback: LongText = ""
 
 
 WorkerToManager = WorkerReady | GrantDone | Progress | Checkpointed | TaskFinished | TaskFailed
@@ -348,7 +391,7 @@ class Submit(_Msg, frozen=True, tag="submit"):
 
 
 class Cancel(_Msg, frozen=True, tag="cancel"):
-    task_id: int
+    task_id: Count
 
 
 class StatusRequest(_Msg, frozen=True, tag="status_request"):
