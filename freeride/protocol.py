@@ -34,6 +34,7 @@ __all__ = [
     "BubbleStarted",
     "Cancel",
     "Cancelled",
+    "CheckpointFailed",
     "Checkpointed",
     "ControlReply",
     "ControlRequest",
@@ -267,6 +268,10 @@ class Assign(_Msg, frozen=True, tag="assign"):
     """Bytes the task may use at its peak (its declared peak); -1: no cap."""
     side_priority: SidePriority = "low"
     """The CPU priority the worker runs at (see :data:`SidePriority`)."""
+    max_loss_ns: Nanos = 0
+    """Step time the task may lose to a crash: a checkpoint is forced before more is unsaved (0: no bound)."""
+    max_loss_steps: Count = 0
+    """Steps the task may lose to a crash, likewise (0: no bound)."""
 
 
 class Grant(_Msg, frozen=True, tag="grant"):
@@ -362,6 +367,15 @@ class Checkpointed(_Msg, frozen=True, tag="checkpointed"):
     path: Text
 
 
+class CheckpointFailed(_Msg, frozen=True, tag="checkpoint_failed"):
+    """Saving the state failed (a full disk, say); the worker goes on and retries."""
+
+    task_id: Count
+    steps: Count
+    """The steps that are unsaved."""
+    error: Text
+
+
 class TaskFinished(_Msg, frozen=True, tag="task_finished"):
     """The task has completed its work."""
 
@@ -378,7 +392,7 @@ class TaskFailed(_Msg, frozen=True, tag="task_failed"):
     traceback: LongText = ""
 
 
-WorkerToManager = WorkerReady | GrantDone | Progress | Checkpointed | TaskFinished | TaskFailed
+WorkerToManager = WorkerReady | GrantDone | Progress | Checkpointed | TaskFinished | TaskFailed | CheckpointFailed
 
 
 # --------------------------------------------------------------------------
@@ -458,6 +472,22 @@ class TaskStatus(_Msg, frozen=True, tag="task_status"):
     """Device memory the task's process uses (NVML; -1 unknown)."""
     interference_ns: int = 0
     """This task's compute while its stage was not in a bubble."""
+    hangs: int = 0
+    """Steps detected hung (the task was killed and restarted from its checkpoint)."""
+    backoff_s: float = 0.0
+    """Delay before the latest restart (doubles per restart, bounded)."""
+    checkpointed_steps: int = -1
+    """Steps in the last saved checkpoint (-1: none yet)."""
+    checkpoint_error: str = ""
+    """Why the last checkpoint write failed ("" after a good one); it is retried."""
+    max_loss_steps: int = 0
+    """The most steps a crash may lose (0: bounded by time or not at all)."""
+    max_loss_ns: int = 0
+    """The most step time a crash may lose (0: bounded by steps or not at all)."""
+    memory_cap: int = -1
+    """Bytes the task's processes may use (-1: uncapped)."""
+    memory_cap_by: str = ""
+    """What enforces ``memory_cap``: cgroup2, cgroup1, rlimit_as, mps, torch_fraction."""
 
 
 class LatencySummary(_Msg, frozen=True, tag="latency"):
