@@ -41,6 +41,18 @@ class ServeConfig:
     """Serve Prometheus metrics on this port (127.0.0.1); 0 picks a free one."""
     side_priority: p.SidePriority = "low"
     """CPU priority of side tasks: ``low`` (nice 19, the default) or ``same`` as the stage (GPU-faithful on CPU)."""
+    hang_after_s: float = 10.0
+    """A grant not given back this long after its bubble's end (and ``hang_factor`` step estimates) is a hung step."""
+    hang_factor: float = 10.0
+    """A step is hung only once it ran this many times its estimate past its bubble's end."""
+    restart_backoff_s: float = 1.0
+    """Delay before the first restart after a crash; it doubles with each restart."""
+    restart_backoff_max_s: float = 60.0
+    """The longest delay between two restarts."""
+    max_loss_s: float = 120.0
+    """Step time a crash may lose: past it a checkpoint is forced even when none fits a bubble (0: no bound)."""
+    max_loss_steps: int = 0
+    """Steps a crash may lose, likewise (0: no bound)."""
 
     def __post_init__(self) -> None:
         if self.margin_ns < 0:
@@ -51,6 +63,15 @@ class ServeConfig:
             raise ValueError(f"backend_timeout_s must be > 0, got {self.backend_timeout_s}")
         if self.stop_timeout_s <= 0:
             raise ValueError(f"stop_timeout_s must be > 0, got {self.stop_timeout_s}")
+        for name in ("hang_after_s", "hang_factor", "restart_backoff_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.restart_backoff_max_s < self.restart_backoff_s:
+            raise ValueError(f"restart_backoff_max_s must be >= restart_backoff_s, got {self.restart_backoff_max_s}")
+        if self.max_loss_s < 0:
+            raise ValueError(f"max_loss_s must be >= 0, got {self.max_loss_s}")
+        if self.max_loss_steps < 0:
+            raise ValueError(f"max_loss_steps must be >= 0, got {self.max_loss_steps}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         if self.side_priority not in get_args(p.SidePriority):

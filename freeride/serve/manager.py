@@ -313,7 +313,7 @@ class Manager:
             case p.Submit(spec=spec):
                 return self.submit(spec)
             case p.Cancel(task_id=task_id):
-                return await self.cancel(task_id)
+                return self.supervisor.cancel_nowait(task_id)  # the stop goes on in the background
             case p.StatusRequest():
                 return self.status()
             case _:

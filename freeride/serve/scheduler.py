@@ -16,6 +16,7 @@ grant is revoked. All accounting of bubble time and its use lives here.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from freeride import protocol as p
@@ -41,6 +42,8 @@ class _GrantState:
     bubble_t_ns: int = 0
     bubble_end_ns: int = 0
     """Actual end of the bubble (0 while it lasts)."""
+    deadline_ns: int = 0
+    """Expected end of the bubble, when the grant was handed over."""
     last_step_end_ns: int = 0
     returned: bool = False
     busy_ns: int = 0
@@ -215,6 +218,33 @@ class DeviceScheduler:
             if done.reason in ("no_fit", "finished") and self._bubble is not None:
                 self._grant_next(fresh=False)
 
+    # -- liveness (the supervisor's hang detector calls these) ----------------
+
+    def overdue(self, now_ns: int, grace_ns: Callable[[TaskRecord], int]) -> list[tuple[TaskRecord, int]]:
+        """Tasks holding a grant not given back ``grace_ns(task)`` after its bubble ended: hung steps.
+
+        Returns:
+            Each such task once, with how long past its bubble's end (its
+            deadline, where the end was not seen) the oldest such grant is.
+        """
+        late: dict[int, tuple[TaskRecord, int]] = {}
+        for state in self._grants.values():
+            if state.returned or state.task.runner is None:
+                continue
+            past = now_ns - (state.bubble_end_ns or state.deadline_ns)
+            if past > grace_ns(state.task) and past > late.get(state.task.task_id, (state.task, 0))[1]:
+                late[state.task.task_id] = (state.task, past)
+        return list(late.values())
+
+    def forget(self, task: TaskRecord) -> None:
+        """Drop the grants ``task`` holds: its worker was killed and never answers for them."""
+        for grant_id, state in list(self._grants.items()):
+            if state.task is task:
+                del self._grants[grant_id]
+                if self._holder == grant_id:
+                    self._holder = None
+                    self._grant_next(fresh=False)
+
     # -- granting -------------------------------------------------------------
 
     def _settle(self, state: _GrantState) -> None:
@@ -270,10 +300,18 @@ class DeviceScheduler:
         remaining = room_ns(self._clock.now_ns(), self._deadline_ns, self._margin_ns)
         if remaining <= 0:
             return
+        # A task still in a step a full estimate after its last bubble's end gets no grant: it
+        # would sit unread in its socket while the bubble passes by the tasks that could use it.
+        now = self._clock.now_ns()
+        stuck = {
+            st.task.task_id
+            for st in self._grants.values()
+            if not st.returned and (st.bubble_end_ns or st.deadline_ns) + max(st.task.estimate_ns, 0) < now
+        }
         n = len(self.tasks)
         for k in range(n):
             task = self.tasks[(self._rr + k) % n]
-            if not task.runnable or task.task_id in self._tried:
+            if not task.runnable or task.task_id in self._tried or task.task_id in stuck:
                 continue
             estimate = task.estimate_ns
             probe = False
@@ -298,7 +336,12 @@ class DeviceScheduler:
             if task.runner is None or not task.runner.grant(grant):
                 continue
             # read after the grant is on its way: this is on the bubble-start -> step path
-            state = _GrantState(task=task, bubble_t_ns=self._bubble.t_ns, cpu_at_grant=task.runner.cpu_ns())
+            state = _GrantState(
+                task=task,
+                bubble_t_ns=self._bubble.t_ns,
+                deadline_ns=self._deadline_ns,
+                cpu_at_grant=task.runner.cpu_ns(),
+            )
             self._holder = grant_id
             self._grants[grant_id] = state
             return

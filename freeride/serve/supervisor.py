@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, assert_never
@@ -32,7 +33,7 @@ from freeride.serve.placement import DeviceView, NoFit, place
 from freeride.serve.ranks import DeviceInfo
 from freeride.serve.runners import ProgramRunner, SendFn, WorkerRunner
 from freeride.serve.scheduler import DeviceScheduler
-from freeride.serve.tasks import TaskRecord, spawn_worker, stop_process, task_name
+from freeride.serve.tasks import TaskRecord, restart_delay_s, spawn_worker, stop_process, task_name
 
 __all__ = ["Supervisor"]
 
@@ -70,6 +71,7 @@ class Supervisor:
     def start(self, spawn: SpawnFn) -> None:
         """Begin supervising, with ``spawn`` putting coroutines in the manager's TaskGroup."""
         self._spawn = spawn
+        spawn(self._liveness(), "supervisor-liveness")
         for task in self.tasks.values():
             if task.state == "starting" and task.runner is None:
                 spawn(self._supervise(task), f"task-{task.task_id}")
@@ -107,7 +109,17 @@ class Supervisor:
                 task.metrics.update(_finite(metrics))
                 task.steps = max(task.steps, steps)
             case p.Checkpointed(steps=steps, path=path):
+                task.checkpointed_steps, task.checkpoint_error = steps, ""
                 logger.debug("[workers] task %d checkpointed at step %d to %s", task.task_id, steps, path)
+            case p.CheckpointFailed(steps=steps, error=error):
+                task.checkpoint_error = error
+                logger.warning(
+                    "[workers] task %d (%s): checkpoint at step %d failed, will retry: %s",
+                    task.task_id,
+                    task.name,
+                    steps,
+                    error,
+                )
             case p.TaskFinished(metrics=metrics):
                 task.metrics.update(_finite(metrics))
                 task.finish()
@@ -147,8 +159,10 @@ class Supervisor:
             checkpoint_every_ns=int(self.config.checkpoint_every_s * 1e9),
             cpu_affinity=device.cpu_affinity,
             workdir=str(workdir),
-            memory_limit=task.spec.peak_memory,
+            memory_limit=self._peak(task),
             side_priority=self.config.side_priority,
+            max_loss_ns=task.max_loss_ns,
+            max_loss_steps=task.max_loss_steps,
         )
 
     # -- submit and place ---------------------------------------------------------------
@@ -168,6 +182,8 @@ class Supervisor:
             spec=spec,
             name=name,
             checkpoint_path=self.config.checkpoint_dir / f"{name}.pt",
+            max_loss_ns=int(self.config.max_loss_s * 1e9) if spec.kind == "iterative" else 0,
+            max_loss_steps=self.config.max_loss_steps if spec.kind == "iterative" else 0,
         )
         where = self._placement(task)
         if isinstance(where, NoFit):
@@ -225,17 +241,34 @@ class Supervisor:
         if self._spawn is not None:  # otherwise start() does
             self._spawn(self._supervise(task), f"task-{task.task_id}")
 
+    def _peak(self, task: TaskRecord) -> int:
+        """The memory ``task`` may use: its declared (or profiled) peak.
+
+        A task that declares none may use what its device can spare beside the
+        peaks the other tasks there declared (all of the spare memory if they
+        took it all): never the whole machine. -1 only where nothing is known.
+        """
+        if task.spec.peak_memory > 0:
+            return task.spec.peak_memory
+        spare = self.devices[task.device].spare_memory
+        others = sum(
+            max(0, t.spec.peak_memory)
+            for t in self.tasks.values()
+            if t is not task and t.device == task.device and t.active
+        )
+        return spare - others if spare - others > 0 else spare
+
     def _memory_cap(self, task: TaskRecord) -> MemoryCap:
         device = self.devices[task.device]
         kind = task.device.partition(":")[0]
+        peak = self._peak(task)
         if kind not in ("cpu", "cuda"):  # a backend's own device naming: host memory, like cpu
-            return plan_memory_cap("cpu:0", task.spec.peak_memory)
-        return plan_memory_cap(
-            task.device,
-            task.spec.peak_memory,
-            mps_pipe_dir=self.mps_pipe_dir,
-            total_bytes=device.device_memory,
-        )
+            cap = plan_memory_cap("cpu:0", peak)
+        else:
+            cap = plan_memory_cap(task.device, peak, mps_pipe_dir=self.mps_pipe_dir, total_bytes=device.device_memory)
+        task.memory_cap = peak if cap.mechanism != "none" else -1
+        task.memory_cap_by = "" if cap.mechanism == "none" else cap.mechanism
+        return cap
 
     # -- run, restart, stop ---------------------------------------------------------------
 
@@ -275,9 +308,17 @@ class Supervisor:
                     task.restarts,
                     task.spec.max_restarts,
                 )
-            self._notify(task)
             if not restart:
+                self._notify(task)
                 return
+            task.backoff_s = restart_delay_s(
+                task.restarts, base_s=self.config.restart_backoff_s, max_s=self.config.restart_backoff_max_s
+            )
+            self._notify(task)
+            logger.info("[tasks] task %d (%s): restart in %.3gs", task.task_id, task.name, task.backoff_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(task.backoff_s):
+                    await task.done.wait()  # a cancel ends the wait
 
     async def _run_worker(self, task: TaskRecord) -> int:
         process = await spawn_worker(
@@ -331,14 +372,38 @@ class Supervisor:
             task.error = f"program {why} (log: {self.config.log_dir / program.name}.err)"
         return info.returncode
 
-    async def cancel(self, task_id: int) -> p.Cancelled | p.Rejected:
-        """Stop a task; it checkpoints first, so submitting it again resumes it."""
+    def _cancellable(self, task_id: int) -> TaskRecord | p.Rejected:
         task = self.tasks.get(task_id)
         if task is None:
             return p.Rejected(reason=f"no task {task_id}; `freeride status` lists them")
         if task.terminal:
             return p.Rejected(reason=f"task {task_id} is already {task.state}")
+        return task
+
+    def cancel_nowait(self, task_id: int) -> p.Cancelled | p.Rejected:
+        """Start stopping a task and answer at once; the stop goes on in the background.
+
+        What the control socket calls: a task that does not stop (a hung step)
+        must not hold up every other client for the stop timeout.
+        """
+        task = self._cancellable(task_id)
+        if isinstance(task, p.Rejected):
+            return task
+        if self._spawn is None:
+            return p.Rejected(reason="the manager is not running")
+        self._spawn(self._stop_task(task, "cancelled"), f"cancel-task-{task_id}")
+        return p.Cancelled(task_id=task_id)
+
+    async def cancel(self, task_id: int) -> p.Cancelled | p.Rejected:
+        """Stop a task and wait until it has; it checkpoints first, so submitting it again resumes it."""
+        task = self._cancellable(task_id)
+        if isinstance(task, p.Rejected):
+            return task
         await self._stop_task(task, "cancelled")
+        if self._spawn is not None:  # its supervisor records the exit
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.stop_timeout_s):
+                    await task.done.wait()
         return p.Cancelled(task_id=task_id)
 
     async def _stop_task(self, task: TaskRecord, reason: str) -> None:
@@ -356,6 +421,53 @@ class Supervisor:
                 await program.terminate(timeout_s=self.config.stop_timeout_s)
             case WorkerRunner(process=process):
                 await stop_process(process, timeout_s=self.config.stop_timeout_s)
+
+    # -- liveness -------------------------------------------------------------------
+
+    async def _liveness(self) -> None:
+        """Look for hung steps, a few times per ``hang_after_s``."""
+        period = min(1.0, self.config.hang_after_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            self.check_liveness()
+
+    def check_liveness(self) -> None:
+        """Kill the worker of every task whose grant is still out long after its bubble ended.
+
+        A grant is given back within a step of its bubble's end; one still out
+        ``hang_after_s`` later (and ``hang_factor`` times the step's estimate)
+        is a step that does not end. Its worker is killed and the task
+        restarts from its checkpoint: a frozen worker would keep its memory.
+        """
+        after = int(self.config.hang_after_s * 1e9)
+
+        def grace(task: TaskRecord) -> int:
+            return max(after, int(self.config.hang_factor * max(task.estimate_ns, 0)))
+
+        now = self._clock.now_ns()
+        for scheduler in list(self.schedulers.values()):
+            for task, late_ns in scheduler.overdue(now, grace):
+                self._hung(task, late_ns, scheduler)
+
+    def _hung(self, task: TaskRecord, late_ns: int, scheduler: DeviceScheduler) -> None:
+        runner = task.runner
+        task.hangs += 1
+        task.error = (
+            f"step hung: still running {late_ns / 1e9:.1f}s after its bubble ended"
+            f" (estimate {max(task.estimate_ns, 0) / 1e6:.1f} ms); killed, restarts from its checkpoint"
+        )
+        logger.error("[tasks] task %d (%s): %s", task.task_id, task.name, task.error)
+        task.park()
+        scheduler.forget(task)
+        self._notify(task)
+        match runner:
+            case WorkerRunner(process=process) if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)  # the worker leads its own session
+            case ProgramRunner(program=program):
+                program.suspend()
+            case _:
+                pass
 
     async def stop_all(self) -> None:
         """Ask every live task to checkpoint and stop; terminate those that do not."""
@@ -380,7 +492,9 @@ def _check_spec(spec: p.TaskSpec) -> str:
         except ValueError as exc:
             return str(exc)
         try:
-            found = importlib.util.find_spec(module)
+            # the top-level package only: finding a submodule imports its parents
+            # (torch for torch.nn), which would stall the manager's loop
+            found = importlib.util.find_spec(module.partition(".")[0])
         except (ImportError, ValueError):
             found = None
         if found is None:

@@ -21,7 +21,7 @@ from freeride.transport import worker_identity
 if TYPE_CHECKING:
     from freeride.serve.runners import Runner
 
-__all__ = ["TERMINAL", "BadTransition", "TaskRecord", "spawn_worker", "stop_process", "task_name"]
+__all__ = ["TERMINAL", "BadTransition", "TaskRecord", "restart_delay_s", "spawn_worker", "stop_process", "task_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,16 @@ class TaskRecord:
     """Set when the task reaches a final state."""
     device_memory: int = -1
     """What NVML last saw the task's process use."""
+    hangs: int = 0
+    """Steps found hung (each killed the worker; the task restarted from its checkpoint)."""
+    backoff_s: float = 0.0
+    """Delay before the latest restart."""
+    checkpointed_steps: int = -1
+    checkpoint_error: str = ""
+    max_loss_steps: int = 0
+    max_loss_ns: int = 0
+    memory_cap: int = -1
+    memory_cap_by: str = ""
 
     # -- views ------------------------------------------------------------------
 
@@ -128,6 +138,14 @@ class TaskRecord:
             error=self.error,
             pid=self.pid,
             device_memory=self.device_memory,
+            hangs=self.hangs,
+            backoff_s=self.backoff_s,
+            checkpointed_steps=self.checkpointed_steps,
+            checkpoint_error=self.checkpoint_error,
+            max_loss_steps=self.max_loss_steps,
+            max_loss_ns=self.max_loss_ns,
+            memory_cap=self.memory_cap,
+            memory_cap_by=self.memory_cap_by,
         )
 
     # -- transitions (the supervisor's) -------------------------------------------
@@ -202,6 +220,17 @@ class TaskRecord:
         # absolute when the worker counts (a Progress may have overtaken this report)
         self.steps = max(self.steps, done.total_steps) if done.total_steps >= 0 else self.steps + done.steps
         self.busy_ns += done.busy_ns
+
+
+def restart_delay_s(restarts: int, *, base_s: float, max_s: float) -> float:
+    """Delay before restart number ``restarts`` (1-based): ``base_s`` doubling per restart, at most ``max_s``.
+
+    A task that crashes at once must not spin: each restart costs a process
+    start (and for a GPU task, a CUDA context) on a node that trains.
+    """
+    if restarts <= 0:
+        return 0.0
+    return min(max_s, base_s * 2.0 ** min(restarts - 1, 62))
 
 
 def _worker_env(base: Mapping[str, str], device: str, cpu_affinity: list[int]) -> dict[str, str]:

@@ -32,6 +32,8 @@ __all__ = ["GateLink", "GrantGate", "RunDelay", "SaveCheckpoint"]
 logger = logging.getLogger(__name__)
 
 _PROGRESS_EVERY_NS = 250_000_000
+_RETRY_MAX_NS = 5_000_000_000
+"""A failed checkpoint is tried again after the checkpoint period, or this, whichever is shorter."""
 
 SaveCheckpoint = Callable[[IterativeTask, Path, int], bool]
 """Saves a task's state with its step count to a path; False if the task has no state."""
@@ -154,6 +156,11 @@ class GrantGate:
         self._last_progress = 0
         self._last_checkpoint = clock.now_ns()
         self._checkpoint_ns = -1
+        self._saved_steps = steps
+        self._unsaved_ns = 0
+        """Step time since the last checkpoint: what a crash now would lose."""
+        self._failed_ns = -1
+        """When the last checkpoint failed (-1: it did not)."""
 
     @property
     def steps(self) -> int:
@@ -211,6 +218,15 @@ class GrantGate:
             return self._g_steps == 0 and room_ns(now, grant.deadline_ns, margin) > 0
         return fits(now, need_ns, grant.deadline_ns, margin)
 
+    def _at_grant_start(self, now: int) -> bool:
+        grant = self._grant
+        return (
+            grant is not None
+            and not self._revoked
+            and self._g_steps == 0
+            and room_ns(now, grant.deadline_ns, self._assign.margin_ns) > 0
+        )
+
     def _progress(self, now: int) -> None:
         if now - self._last_progress >= _PROGRESS_EVERY_NS:
             self._last_progress = now
@@ -218,18 +234,52 @@ class GrantGate:
                 p.Progress(task_id=self._assign.task_id, steps=self._steps, metrics=self._task.metrics())
             )
 
-    def checkpoint(self) -> None:
-        """Save the task's state now.
+    def checkpoint(self) -> bool:
+        """Save the task's state now; False if the write failed (reported, and retried later).
 
         Periodic checkpoints run inside grants, and only when the last one's
-        duration fits; this call itself does not check.
+        duration fits, unless the loss bound forces one; this call itself does
+        not check. A failure (a full disk: ``torch.save`` raises
+        ``RuntimeError: basic_ios::clear``) must not end the task: it keeps its
+        previous checkpoint and tries again.
         """
         t0 = self._clock.now_ns()
         path = Path(self._assign.checkpoint_path)
-        if self._save(self._task, path, self._steps):
+        try:
+            saved = self._save(self._task, path, self._steps)
+        except Exception as exc:
+            now = self._clock.now_ns()
+            self._failed_ns = now
+            self._checkpoint_ns = max(self._checkpoint_ns, now - t0)
+            error = f"{type(exc).__name__}: {exc}"
+            logger.warning("[worker] checkpoint at step %d to %s failed: %s", self._steps, path, error)
+            self._link.send_nowait(p.CheckpointFailed(task_id=self._assign.task_id, steps=self._steps, error=error))
+            return False
+        if saved:
             self._link.send_nowait(p.Checkpointed(task_id=self._assign.task_id, steps=self._steps, path=str(path)))
         self._last_checkpoint = self._clock.now_ns()
         self._checkpoint_ns = self._last_checkpoint - t0
+        self._saved_steps, self._unsaved_ns, self._failed_ns = self._steps, 0, -1
+        return True
+
+    def _retry_allowed(self, now: int) -> bool:
+        if self._failed_ns < 0:
+            return True
+        return now - self._failed_ns >= min(self._assign.checkpoint_every_ns, _RETRY_MAX_NS)
+
+    def _loss_bound_reached(self) -> bool:
+        """Whether one more step would leave more unsaved than the assigned bound."""
+        a = self._assign
+        if a.max_loss_steps and self._steps - self._saved_steps + 1 > a.max_loss_steps:
+            return True
+        # nothing unsaved: a step longer than the whole bound still runs (after a checkpoint)
+        unsaved = self._steps > self._saved_steps
+        return bool(a.max_loss_ns) and unsaved and self._unsaved_ns + max(0, self.estimate_ns) > a.max_loss_ns
+
+    @property
+    def unsaved_steps(self) -> int:
+        """Steps a crash now would lose."""
+        return self._steps - self._saved_steps
 
     async def _wait_for_fit(self) -> None:
         while True:
@@ -239,18 +289,26 @@ class GrantGate:
                 self._give_back("stopping")
                 raise TaskStopped(self._stop)
             now = self._clock.now_ns()
-            due = now - self._last_checkpoint >= self._assign.checkpoint_every_ns
-            if due and self._checkpoint_ns >= 0 and self._fits(now, self._checkpoint_ns):
+            retry = self._retry_allowed(now)
+            due = retry and now - self._last_checkpoint >= self._assign.checkpoint_every_ns
+            bound = retry and self._loss_bound_reached()
+            if (due or bound) and self._checkpoint_ns >= 0 and self._fits(now, self._checkpoint_ns):
                 self._g_busy += self._timed(self.checkpoint)
                 continue
-            if self._fits(now, self.estimate_ns):
+            if bound and self._at_grant_start(now):
+                # No bubble fits the checkpoint: take it at the start of one, overrunning
+                # its end once, rather than let a crash lose more than the bound.
+                logger.info("[worker] checkpoint forced at step %d (loss bound reached)", self._steps)
+                self._g_busy += self._timed(self.checkpoint)
+                continue
+            if not bound and self._fits(now, self.estimate_ns):
                 return
             if self._grant is not None:
                 self._give_back("revoked" if self._revoked else "no_fit")
             self._progress(now)
             self._handle(await self._link.recv())
 
-    def _timed(self, fn: Callable[[], None]) -> int:
+    def _timed(self, fn: Callable[[], object]) -> int:
         t0 = self._clock.now_ns()
         fn()
         t1 = self._clock.now_ns()
@@ -294,6 +352,7 @@ class GrantGate:
         self._steps += 1
         self._g_steps += 1
         self._g_busy += t1 - t0
+        self._unsaved_ns += t1 - t0
         self._note_end(t1)
 
     def finish(self, reason: p.GrantDoneReason) -> None:

@@ -48,8 +48,13 @@ def _save_checkpoint(task: IterativeTask, path: Path, steps: int) -> bool:
     import torch  # only tasks with state pay for the import
 
     tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save({"steps": steps, "state": state}, tmp)
-    os.replace(tmp, path)  # atomic: a crash mid-save keeps the previous checkpoint
+    try:
+        torch.save({"steps": steps, "state": state}, tmp)
+        os.replace(tmp, path)  # atomic: a crash mid-save keeps the previous checkpoint
+    except BaseException:
+        with contextlib.suppress(OSError):  # a partial file would only fill the disk further
+            tmp.unlink()
+        raise
     return True
 
 
@@ -104,8 +109,13 @@ def _cap_address_space(limit_bytes: int) -> None:
     reported as the task's failure. Never used on CUDA devices, where the
     driver reserves a huge virtual range.
     """
+    import importlib.util
     import resource
 
+    # torch maps most of a GiB of address space when imported; the checkpoint
+    # writer imports it, and so may the task, after the cap: load it first
+    if importlib.util.find_spec("torch") is not None:
+        import torch  # noqa: F401
     size, rss = _vm_kb("VmSize") * 1024, _vm_kb("VmRSS") * 1024
     cap = size + max(0, limit_bytes - rss) + (64 << 20)
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
@@ -153,7 +163,8 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
             workdir=workdir,
         )
         await task.setup(tctx)
-        if assign.memory_limit > 0 and assign.device.startswith("cpu"):
+        capped = os.environ.get("FREERIDE_MEMORY_CAP_BY", "").startswith("cgroup")  # the manager's, tighter
+        if assign.memory_limit > 0 and assign.device.startswith("cpu") and not capped:
             _cap_address_space(assign.memory_limit)
         gate = GrantGate(link, assign, task, steps, save=_save_checkpoint)
         if task.state_dict():
