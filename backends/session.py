@@ -123,8 +123,10 @@ class BackendSession:
         """Start (monotonic ns) of the bubble announced and not yet ended, else 0."""
         return self._open.t_ns if self._open is not None else 0
 
-    def bubble_started(self, step: int, expected_ns: int, *, spare_memory: int | None = None) -> bool:
-        """Announce a bubble of ``expected_ns`` starting now.
+    def bubble_started(
+        self, step: int, expected_ns: int, *, spare_memory: int | None = None, t_ns: int | None = None
+    ) -> bool:
+        """Announce a bubble of ``expected_ns`` starting now (or at ``t_ns``, the device's start).
 
         Returns:
             Whether the bubble was announced (long enough, none open).
@@ -140,7 +142,7 @@ class BackendSession:
             device=self.config.device,
             step=step,
             index=self._index,
-            t_ns=time.monotonic_ns(),
+            t_ns=time.monotonic_ns() if t_ns is None else t_ns,
             expected_ns=expected_ns,
             spare_memory=self.config.spare_memory if spare_memory is None else spare_memory,
         )
@@ -149,8 +151,8 @@ class BackendSession:
         self._emitter.emit(event)
         return True
 
-    def bubble_ended(self) -> int:
-        """Close the open bubble, if any.
+    def bubble_ended(self, *, t_ns: int | None = None) -> int:
+        """Close the open bubble, if any, now (or at ``t_ns``, the device's end).
 
         Returns:
             Its measured duration in ns (0 if none was open).
@@ -159,8 +161,8 @@ class BackendSession:
         if start is None:
             return 0
         self._open = None
-        now = time.monotonic_ns()
-        duration = now - start.t_ns
+        now = time.monotonic_ns() if t_ns is None else t_ns
+        duration = max(0, now - start.t_ns)
         self._step_bubble_ns += duration
         self.bubbles += 1
         self._emitter.emit(

@@ -39,7 +39,7 @@ from backends.predict import BubblePredictor
 from backends.schedule import Action, Durations, Groups, Kind, Schedule, bubbles, simulate
 from freeride.profile import StepRecord, WaitRecord
 
-__all__ = ["TAIL_KEY", "BubbleSink", "PlanKey", "StepPlan", "StepTracker", "schedule_priors"]
+__all__ = ["TAIL_KEY", "BubbleSink", "DeviceWaits", "PlanKey", "StepPlan", "StepTracker", "schedule_priors"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,31 @@ class BubbleSink(Protocol):
     def bubble_ended(self) -> int: ...
 
     def step_finished(self, step: int, duration_ns: int) -> None: ...
+
+
+class DeviceWaits(Protocol):
+    """Times waits on the device (a :class:`~backends.cuda_timing.DeviceTimeline`).
+
+    The tracker marks each wait's start and end; the device's durations come
+    back later, by ticket, from :meth:`drain`. An announced wait is announced
+    through :meth:`wait_began`, when the device gets there.
+    """
+
+    def wait_began(self, announce: tuple[int, int, int | None] | None = None) -> None: ...
+
+    def wait_finished(self, ticket: object) -> None: ...
+
+    def drain(self) -> list[tuple[object, int]]: ...
+
+
+@dataclass(slots=True)
+class _DevicePlace:
+    """A place whose waits the device is still timing."""
+
+    key: Hashable
+    pending: int = 0
+    total_ns: int = 0
+    flushed: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -129,6 +154,8 @@ class _Step:
     place_expected: int = -1
     wait_t0: int = -1
     open_announced: bool = False
+    place_serial: int = -1
+    """The place's ticket with the device timer (device timing only)."""
 
 
 class StepTracker:
@@ -145,6 +172,9 @@ class StepTracker:
             a GPU it waits for queued kernels, so the bubble is the device's.
         on_step: Called with the :class:`~freeride.profile.StepRecord` of every
             finished step (profile mode, tests).
+        device: Times waits on the device instead of the host (predictions then
+            learn device durations) and announces bubbles when the device
+            reaches them; ``sink`` is then the same object's.
     """
 
     def __init__(
@@ -157,8 +187,12 @@ class StepTracker:
         clock: Callable[[], int] = time.monotonic_ns,
         settle: Callable[[], None] | None = None,
         on_step: Callable[[StepRecord], None] | None = None,
+        device: DeviceWaits | None = None,
     ) -> None:
         self._sink = sink
+        self._device = device
+        self._device_places: dict[int, _DevicePlace] = {}
+        self._serial = 0
         self._min_ns = min_bubble_ns
         self._warmup = warmup_steps
         self._clock = clock
@@ -219,6 +253,7 @@ class StepTracker:
             return None
         self._close_wait(st)
         self._flush_place(st)
+        self._drain_device()
         if st.plan is not None and st.valid and st.cursor != len(st.plan.actions):
             self._break(st, f"ran {st.cursor} of {len(st.plan.actions)} actions")
         self._step = None
@@ -238,6 +273,7 @@ class StepTracker:
         st = self._step
         if st is not None:
             self._close_wait(st)
+            self._device_places.pop(st.place_serial, None)
             self._step = None
 
     # ------------------------------------------------------------- compute
@@ -268,6 +304,7 @@ class StepTracker:
         st = self._step
         if st is None or st.wait_t0 >= 0:
             return
+        self._drain_device()
         if key is None:
             key = st.plan.place_key(self._next(st)) if st.plan is not None else TAIL_KEY
         if st.place is not None and st.place != key:
@@ -276,13 +313,24 @@ class StepTracker:
             st.place = key
             st.place_start = self._clock() - st.t0
             st.place_expected = self._expect(st, key) if st.valid and not st.warm else -1
+            if self._device is not None:
+                st.place_serial = self._serial
+                self._serial += 1
+                if st.valid and not st.warm:
+                    self._device_places[st.place_serial] = _DevicePlace(key=self._predictor_key(st, key))
         remaining = st.place_expected - st.place_waited
         announce = st.valid and not st.warm and remaining >= max(self._min_ns, 1)
         if announce and self._settle is not None:
             self._settle()
         # from before the announcement: the bubble the manager sees includes sending it
         st.wait_t0 = self._clock()
-        if announce:
+        if self._device is not None:
+            self._device.wait_began((st.number, remaining, st.spare_memory) if announce else None)
+            st.open_announced = announce
+            place = self._device_places.get(st.place_serial)
+            if place is not None:
+                place.pending += 1
+        elif announce:
             st.open_announced = self._sink.bubble_started(st.number, remaining, spare_memory=st.spare_memory)
 
     def wait_ended(self) -> None:
@@ -299,9 +347,30 @@ class StepTracker:
             self._settle()  # the wait lasts until what was received is on the device
         st.place_waited += self._clock() - st.wait_t0
         st.wait_t0 = -1
-        if st.open_announced:
+        if self._device is not None:
+            self._device.wait_finished(st.place_serial)
+            st.open_announced = False
+        elif st.open_announced:
             st.open_announced = False
             self._sink.bubble_ended()
+
+    def _drain_device(self) -> None:
+        if self._device is None:
+            return
+        for ticket, ns in self._device.drain():
+            if not isinstance(ticket, int):
+                continue
+            place = self._device_places.get(ticket)
+            if place is not None:
+                place.pending -= 1
+                place.total_ns += ns
+                self._learn_device(ticket, place)
+
+    def _learn_device(self, serial: int, place: _DevicePlace) -> None:
+        if place.flushed and place.pending <= 0:
+            del self._device_places[serial]
+            self.predictor.observe(place.key, place.total_ns)
+            self._waits.append(place.total_ns)
 
     @staticmethod
     def _next(st: _Step) -> Action | None:
@@ -316,7 +385,12 @@ class StepTracker:
     def _flush_place(self, st: _Step) -> None:
         if st.place is None:
             return
-        if st.valid and not st.warm:
+        if self._device is not None:
+            place = self._device_places.get(st.place_serial)
+            if place is not None:  # learnt from once the device has timed all its waits
+                place.flushed = True
+                self._learn_device(st.place_serial, place)
+        elif st.valid and not st.warm:
             self.predictor.observe(self._predictor_key(st, st.place), st.place_waited)
             self._waits.append(st.place_waited)
         st.waits.append(

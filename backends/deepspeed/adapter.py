@@ -18,6 +18,12 @@ One :class:`DeepSpeedAdapter` watches one engine. Each training batch it
   mode, every wait recorded in an :class:`~backends.observations.ObservationLog`
   for :func:`freeride.profile.build_profile`.
 
+On a GPU whose p2p goes through NCCL the instructions return to the host before
+the device has waited: bubbles are then timed on the device's timeline
+(:mod:`backends.cuda_timing`), announced when the compute stream reaches the
+wait and measured by CUDA events; ``timing`` (or ``FREERIDE_BUBBLE_TIMING``)
+forces host or device timing.
+
 Nothing here may disturb training: our own errors are logged and swallowed, the
 framework's pass through untouched, and a missing manager only costs dropped sends.
 """
@@ -31,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from backends.cuda_timing import DeviceTimeline, Timing, timeline_for
 from backends.deepspeed import _compat
 from backends.deepspeed._device import device_memory, device_name
 from backends.launch import Mode, read_mode
@@ -70,6 +77,9 @@ class DeepSpeedAdapter:
         profile_dir: Where profile observations go (``rank-<rank>.json``).
         min_bubble_ns: Waits expected to be shorter are not announced.
         clock: Monotonic ns clock (injectable for tests).
+        timing: ``host`` or ``device`` forces how bubbles are timed; ``auto``
+            chooses by where waits block; None reads ``FREERIDE_BUBBLE_TIMING``.
+        timeline: A device timeline to use instead of building one (tests).
     """
 
     def __init__(
@@ -81,6 +91,8 @@ class DeepSpeedAdapter:
         profile_dir: Path | None = None,
         min_bubble_ns: int = 1_000_000,
         clock: Callable[[], int] = time.monotonic_ns,
+        timing: Timing | None = None,
+        timeline: DeviceTimeline | None = None,
     ) -> None:
         env_mode, env_dir = read_mode()
         self.mode: Mode = env_mode if mode is None else mode
@@ -105,9 +117,18 @@ class DeepSpeedAdapter:
                 )
             )
         self.session = session
+        if timeline is None:
+            timeline = timeline_for(session, device_type=self.facts.device_type, timing=timing)
+        self.timeline = timeline
+        """Device-timed bubbles (None: timed on the host); it then owns the session's socket."""
         # the first batch runs slow (buffers, meta exchange): it only primes the schedule's prediction
         self.tracker = StepTracker(
-            session, min_bubble_ns=min_bubble_ns, warmup_steps=1, clock=clock, on_step=self._step_finished
+            session if timeline is None else timeline,
+            min_bubble_ns=min_bubble_ns,
+            warmup_steps=1,
+            clock=clock,
+            on_step=self._step_finished,
+            device=timeline,
         )
         self.log: ObservationLog | None = None
         """Profile mode's record (created with the first training batch)."""
@@ -167,7 +188,7 @@ class DeepSpeedAdapter:
         if self.tracker.in_step:  # a batch whose loss was never aggregated (custom train loop)
             self._end_step()
         if self._clock() - self._last_event_ns > _HEARTBEAT_NS:
-            self.session.heartbeat()
+            (self.session if self.timeline is None else self.timeline).heartbeat()
         if self.mode == "profile" and self.log is None:
             self._open_log(engine, facts.name)
         self._occurrences.clear()
@@ -311,4 +332,7 @@ class DeepSpeedAdapter:
             _compat.unshadow_instruction_map(engine)
         if self.log is not None:
             self.log.close()
-        self.session.close()
+        if self.timeline is not None:
+            self.timeline.close()
+        else:
+            self.session.close()

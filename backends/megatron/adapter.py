@@ -8,6 +8,12 @@ one :class:`MegatronAdapter`, which keeps a :class:`~backends.tracker.StepTracke
 (and, in profile mode, the :class:`~backends.observations.ObservationLog`
 ``freeride profile`` reads).
 
+On a GPU whose p2p goes through NCCL the receives return to the host before
+the device has waited (``_p2p_ops`` without ``batch_p2p_sync``): bubbles are
+then timed on the device's timeline (:mod:`backends.cuda_timing`); with host
+timing on a GPU (forced, or gloo) the tracker synchronises the stream around
+each announced wait instead. ``FREERIDE_BUBBLE_TIMING`` forces either.
+
 Nothing here may break training: every FreeRide error is logged and turns the
 adapter off; the wrapped megatron call always runs.
 """
@@ -18,6 +24,7 @@ import logging
 import os
 from typing import Any
 
+from backends.cuda_timing import DeviceApi, DeviceTimeline, Timing, timeline_for
 from backends.launch import read_mode
 from backends.megatron import _compat
 from backends.megatron._device import RankDevice
@@ -34,9 +41,17 @@ logger = logging.getLogger(__name__)
 
 
 class MegatronAdapter:
-    """Turns the calls of one process's megatron schedules into bubble events."""
+    """Turns the calls of one process's megatron schedules into bubble events.
 
-    def __init__(self) -> None:
+    Args:
+        timing: Forces host or device timing; None reads ``FREERIDE_BUBBLE_TIMING``.
+        device_api: The CUDA calls of a device timeline (tests pass a stand-in).
+    """
+
+    def __init__(self, *, timing: Timing | None = None, device_api: DeviceApi | None = None) -> None:
+        self._timing = timing
+        self._device_api = device_api
+        self._timeline: DeviceTimeline | None = None
         self._session: BackendSession | None = None
         self._tracker: StepTracker | None = None
         self._device: RankDevice | None = None
@@ -123,6 +138,9 @@ class MegatronAdapter:
             device_memory=device.memory,
         )
         self._session = BackendSession(config)
+        self._timeline = timeline_for(
+            self._session, device_type="cuda" if device.cuda else "cpu", timing=self._timing, api=self._device_api
+        )
         if self._mode == "profile":
             base = RankObservations(
                 framework="megatron",
@@ -136,10 +154,12 @@ class MegatronAdapter:
             )
             self._log = ObservationLog(base, self._profile_dir, spare_memory=device.spare_memory)
         self._tracker = StepTracker(
-            self._session,
+            self._session if self._timeline is None else self._timeline,
             min_bubble_ns=config.min_bubble_ns,
-            settle=device.settle if device.cuda else None,
+            # host timing on a GPU: wait for the queued kernels, so the host's wait is the device's
+            settle=device.settle if device.cuda and self._timeline is None else None,
             on_step=self._log.add if self._log is not None else None,
+            device=self._timeline,
         )
         logger.info(
             "[attach] megatron rank %d stage %d/%d on %s (%s mode)",
@@ -222,7 +242,9 @@ class MegatronAdapter:
         """Write observations and say goodbye (idempotent)."""
         if self._log is not None:
             self._log.close()
-        if self._session is not None:
+        if self._timeline is not None:
+            self._timeline.close()
+        elif self._session is not None:
             self._session.close()
 
 
