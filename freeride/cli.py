@@ -122,6 +122,12 @@ def _parse_opts(pairs: Sequence[str]) -> dict[str, str | int | float | bool]:
     return opts
 
 
+def _sm_share(percent: int) -> int:
+    if percent != -1 and not 1 <= percent <= 100:
+        raise SystemExit(f"freeride: --sm-share must be a percentage in 1..100, got {percent}")
+    return percent
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     from sidetasks import CATALOG, PROGRAMS, describe, resolve
 
@@ -157,6 +163,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         peak_memory=parse_bytes(args.peak_memory) if args.peak_memory else -1,
         device=args.device or "",
         max_restarts=args.max_restarts,
+        sm_share=_sm_share(args.sm_share),
     )
     with _control(args) as client:
         reply = client.request(p.Submit(spec=spec))
@@ -182,6 +189,10 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 2
 
 
+def _sm_shown(percent: int) -> str:
+    return f"{percent}%" if percent > 0 else "-"
+
+
 def format_status(status: p.StatusReply) -> str:
     lines = [
         f"{'device':10} {'stage':>5} {'alive':>5} {'bubbles':>8} {'bubble time':>12} {'used':>7} {'overruns':>8}"
@@ -196,13 +207,14 @@ def format_status(status: p.StatusReply) -> str:
         )
     lines.append("")
     lines.append(
-        f"{'task':>4} {'name':28} {'state':10} {'device':10} {'steps':>8} {'busy':>10} {'interference':>13}  metrics"
+        f"{'task':>4} {'name':28} {'state':10} {'device':10} {'steps':>8} {'busy':>10} {'interference':>13}"
+        f" {'sm':>4}  metrics"
     )
     for t in status.tasks:
         metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(t.metrics.items()))
         lines.append(
             f"{t.task_id:>4} {t.name[:28]:28} {t.state:10} {t.device or '-':10} {t.steps:>8} "
-            f"{format_ns(t.busy_ns):>10} {format_ns(t.interference_ns):>13}  {metrics}"
+            f"{format_ns(t.busy_ns):>10} {format_ns(t.interference_ns):>13} {_sm_shown(t.sm_share):>4}  {metrics}"
             f"{('  error: ' + t.error) if t.error else ''}"
         )
     lines.append("")
@@ -389,6 +401,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--step-time", metavar="DURATION", help="expected step time, e.g. 5ms, until measured")
     s.add_argument("--device", help="pin to a device, e.g. cuda:1")
     s.add_argument("--max-restarts", type=int, default=3, help="restarts from checkpoint after a crash")
+    s.add_argument(
+        "--sm-share",
+        type=int,
+        default=-1,
+        metavar="PCT",
+        help="percent of the GPU's SMs the task may occupy under MPS (default 75: the rest stays free for "
+        "the trainer's NCCL kernels)",
+    )
     s.add_argument("--imperative", action="store_true", help="run an unmodified program (give it after --)")
     s.add_argument("--timeout", type=float, default=5.0, help=argparse.SUPPRESS)
     s.set_defaults(fn=cmd_submit)

@@ -243,6 +243,9 @@ class TaskSpec(_Msg, frozen=True, tag="task_spec"):
     """Pin to this device; empty lets the manager place the task."""
     max_restarts: Small = 3
     """How often a crashed task is restarted from its last checkpoint."""
+    sm_share: Annotated[int, msgspec.Meta(ge=-1, le=100)] = -1
+    """Percent of the GPU's SMs the task's process may occupy (MPS active thread
+    percentage; 0 and -1: the manager's default, which leaves SMs for the trainer's NCCL kernels)."""
 
 
 # --------------------------------------------------------------------------
@@ -488,6 +491,8 @@ class TaskStatus(_Msg, frozen=True, tag="task_status"):
     """Bytes the task's processes may use (-1: uncapped)."""
     memory_cap_by: str = ""
     """What enforces ``memory_cap``: cgroup2, cgroup1, rlimit_as, mps, torch_fraction."""
+    sm_share: int = -1
+    """Percent of the GPU's SMs the task's process may occupy under MPS (-1: not capped)."""
 
 
 class LatencySummary(_Msg, frozen=True, tag="latency"):

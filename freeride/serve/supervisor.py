@@ -26,6 +26,7 @@ import msgspec
 from freeride import protocol as p
 from freeride.clock import MONOTONIC, Clock
 from freeride.gpu.memcap import MemoryCap, plan_memory_cap
+from freeride.gpu.smshare import plan_sm_share
 from freeride.observe.base import Observers
 from freeride.serve.config import ServeConfig
 from freeride.serve.imperative import ImperativeProcess
@@ -268,7 +269,10 @@ class Supervisor:
             cap = plan_memory_cap(task.device, peak, mps_pipe_dir=self.mps_pipe_dir, total_bytes=device.device_memory)
         task.memory_cap = peak if cap.mechanism != "none" else -1
         task.memory_cap_by = "" if cap.mechanism == "none" else cap.mechanism
-        return cap
+        # the SM share rides along: fixed at the process's start, like the memory cap
+        share, sm_env = plan_sm_share(task.device, task.spec.sm_share, mps_pipe_dir=self.mps_pipe_dir)
+        task.sm_share = share
+        return MemoryCap(mechanism=cap.mechanism, env={**cap.env, **sm_env}, rlimit_as=cap.rlimit_as) if sm_env else cap
 
     # -- run, restart, stop ---------------------------------------------------------------
 

@@ -99,6 +99,8 @@ class TaskRecord:
     max_loss_ns: int = 0
     memory_cap: int = -1
     memory_cap_by: str = ""
+    sm_share: int = -1
+    """Percent of the GPU's SMs the task's process may occupy under MPS (-1: not capped)."""
 
     # -- views ------------------------------------------------------------------
 
@@ -146,6 +148,7 @@ class TaskRecord:
             max_loss_ns=self.max_loss_ns,
             memory_cap=self.memory_cap,
             memory_cap_by=self.memory_cap_by,
+            sm_share=self.sm_share,
         )
 
     # -- transitions (the supervisor's) -------------------------------------------

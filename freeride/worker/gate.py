@@ -115,6 +115,9 @@ class GrantGate:
             so that the manager can tell the compute that ran after a bubble ended).
         run_delay: This thread's CPU wait counter, taken out of learned step
             times; defaults to the thread's schedstat.
+        device_sync: Called at the end of each step before its end time is read:
+            on a GPU it waits for an event recorded on the task's stream, so step
+            times (and so the estimates that must fit a bubble) are the device's.
     """
 
     def __init__(
@@ -128,8 +131,10 @@ class GrantGate:
         clock: Clock = MONOTONIC,
         cpu_clock: Callable[[], int] = _process_cpu_ns,
         run_delay: RunDelay | None = None,
+        device_sync: Callable[[], None] | None = None,
     ) -> None:
         self._link = link
+        self._device_sync = device_sync
         self._assign = assign
         self._task = task
         self._steps = steps
@@ -346,6 +351,8 @@ class GrantGate:
         if self._g_steps == 0 and self._grant is not None:
             self._g_first = t0 - self._grant.bubble_t_ns
         yield
+        if self._device_sync is not None:
+            self._device_sync()  # the step's kernels, not just their launches
         t1 = self._clock.now_ns()
         self.estimates.observe(kind, max(1, t1 - t0 - (self._run_delay.ns() - delay0)))
         self._kind = self._task.step_kind()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from freeride import protocol as p
 from freeride._procutil import bind_to_parent
+from freeride.gpu.streams import step_end_sync, use_side_stream
 from freeride.sidetask import IterativeTask, TaskContext, TaskStopped
 from freeride.transport import WorkerLink, new_async_context
 from freeride.worker.gate import GrantGate
@@ -150,6 +151,8 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
     if assign.side_priority == "low":  # "same": the stage's own, so an overrun delays it as on a GPU
         _lower_cpu_priority()
     _cap_torch_cuda_memory()
+    # before the task builds anything: its kernels go to a lowest-priority stream
+    stream = use_side_stream(_torch_device(assign.device))
     task: IterativeTask | None = None
     try:
         cls = load_target(assign.spec.target)
@@ -166,7 +169,7 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
         capped = os.environ.get("FREERIDE_MEMORY_CAP_BY", "").startswith("cgroup")  # the manager's, tighter
         if assign.memory_limit > 0 and assign.device.startswith("cpu") and not capped:
             _cap_address_space(assign.memory_limit)
-        gate = GrantGate(link, assign, task, steps, save=_save_checkpoint)
+        gate = GrantGate(link, assign, task, steps, save=_save_checkpoint, device_sync=step_end_sync(stream))
         if task.state_dict():
             import torch  # noqa: F401 - load the serializer before timing a checkpoint
         gate.checkpoint()  # before any bubble: measures what a checkpoint costs
