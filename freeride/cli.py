@@ -193,6 +193,14 @@ def _sm_shown(percent: int) -> str:
     return f"{percent}%" if percent > 0 else "-"
 
 
+def _shown(text: str) -> str:
+    """``text`` with control characters escaped: names and errors come from other processes,
+    and an escape sequence printed raw would drive the reader's terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def format_status(status: p.StatusReply) -> str:
     lines = [
         f"{'device':10} {'stage':>5} {'alive':>5} {'bubbles':>8} {'bubble time':>12} {'used':>7} {'overruns':>8}"
@@ -202,7 +210,7 @@ def format_status(status: p.StatusReply) -> str:
         share = d.used_ns / d.bubble_ns if d.bubble_ns else 0.0
         taken = f"{d.interference_ns / d.train_ns:.2%}" if d.train_ns else "-"
         lines.append(
-            f"{d.device:10} {d.stage:>5} {'yes' if d.alive else 'no':>5} {d.bubbles:>8} "
+            f"{_shown(d.device):10} {d.stage:>5} {'yes' if d.alive else 'no':>5} {d.bubbles:>8} "
             f"{format_ns(d.bubble_ns):>12} {share:>6.1%} {d.overruns:>8} {format_ns(d.interference_ns):>13} {taken:>11}"
         )
     lines.append("")
@@ -211,11 +219,11 @@ def format_status(status: p.StatusReply) -> str:
         f" {'sm':>4}  metrics"
     )
     for t in status.tasks:
-        metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(t.metrics.items()))
+        metrics = " ".join(f"{_shown(k)}={v:.4g}" for k, v in sorted(t.metrics.items()))
         lines.append(
-            f"{t.task_id:>4} {t.name[:28]:28} {t.state:10} {t.device or '-':10} {t.steps:>8} "
+            f"{t.task_id:>4} {_shown(t.name)[:28]:28} {t.state:10} {_shown(t.device) or '-':10} {t.steps:>8} "
             f"{format_ns(t.busy_ns):>10} {format_ns(t.interference_ns):>13} {_sm_shown(t.sm_share):>4}  {metrics}"
-            f"{('  error: ' + t.error) if t.error else ''}"
+            f"{('  error: ' + _shown(t.error)) if t.error else ''}"
         )
     lines.append("")
     lines.append(

@@ -13,7 +13,11 @@ frames:
   synchronous DEALER with a deadline (CLI).
 
 Frames that do not decode come back as :class:`BadFrame` with a reason, so the
-owner can log and count them and keep going.
+owner can log and count them and keep going. Every receiving socket refuses
+frames over its protocol limit (``ZMQ_MAXMSGSIZE``: libzmq drops the sender's
+connection before the frame is buffered whole), and the manager's sockets hand
+out what is queued in batches of a bounded size, so one busy socket cannot keep
+the others' owners from running.
 """
 
 from __future__ import annotations
@@ -238,6 +242,33 @@ class _AsyncOwner(Generic[_M]):
             self._sock.close(linger=0)
             self._sock = None
 
+    def _queued_nowait(self) -> list[bytes] | None:
+        """The next message if one is already queued, without waiting.
+
+        Goes through pyzmq's own non-blocking path (see :meth:`WorkerLink.recv_nowait`).
+        """
+        fut = self._live().recv_multipart(zmq.NOBLOCK)
+        assert isinstance(fut, asyncio.Future) and fut.done()  # pyzmq answers NOBLOCK at once
+        exc = fut.exception()
+        if isinstance(exc, zmq.Again):
+            return None
+        if exc is not None:
+            raise exc
+        frames: list[bytes] = fut.result()
+        return frames
+
+    async def _recv_frames_batch(self, limit: int) -> list[list[bytes]]:
+        # Awaiting a socket with messages queued returns at once without giving the
+        # event loop a turn: a flooded socket read one message per await starves every
+        # other task. The caller handles a batch, then yields.
+        batch: list[list[bytes]] = [await self._live().recv_multipart()]
+        while len(batch) < limit:
+            frames = self._queued_nowait()
+            if frames is None:
+                break
+            batch.append(frames)
+        return batch
+
 
 class EventReceiver(_AsyncOwner[p.BackendEvent]):
     """The manager's PULL socket for backend events."""
@@ -245,11 +276,18 @@ class EventReceiver(_AsyncOwner[p.BackendEvent]):
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, rcvhwm: int = 100_000) -> None:
         sock = ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_EVENT_FRAME)
         sock.bind(endpoint)
         super().__init__(sock, msgspec.msgpack.Decoder(p.BackendEvent))
 
     async def recv(self) -> p.BackendEvent | BadFrame:
-        frames = await self._live().recv_multipart()
+        return self._event(await self._live().recv_multipart())
+
+    async def recv_batch(self, limit: int) -> list[p.BackendEvent | BadFrame]:
+        """The next event, and up to ``limit - 1`` more that are already queued."""
+        return [self._event(frames) for frames in await self._recv_frames_batch(limit)]
+
+    def _event(self, frames: list[bytes]) -> p.BackendEvent | BadFrame:
         if len(frames) != 1:
             return BadFrame(reason=f"expected 1 frame, got {len(frames)}", size=sum(map(len, frames)))
         return _decode(self._decoder, frames[0])
@@ -257,7 +295,13 @@ class EventReceiver(_AsyncOwner[p.BackendEvent]):
 
 class _RouterOwner(_AsyncOwner[_M]):
     async def recv(self) -> tuple[bytes, _M | BadFrame]:
-        frames = await self._live().recv_multipart()
+        return self._message(await self._live().recv_multipart())
+
+    async def recv_batch(self, limit: int) -> list[tuple[bytes, _M | BadFrame]]:
+        """The next message, and up to ``limit - 1`` more that are already queued."""
+        return [self._message(frames) for frames in await self._recv_frames_batch(limit)]
+
+    def _message(self, frames: list[bytes]) -> tuple[bytes, _M | BadFrame]:
         if len(frames) != 2:
             ident = frames[0] if frames else b""
             return ident, BadFrame(reason=f"expected 2 frames, got {len(frames)}", size=sum(map(len, frames)))
@@ -280,6 +324,7 @@ class WorkerHub(_RouterOwner[p.WorkerToManager]):
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_WORKER_FRAME)
         sock.bind(endpoint)
         super().__init__(sock, msgspec.msgpack.Decoder(p.WorkerToManager))
 
@@ -292,6 +337,7 @@ class ControlServer(_RouterOwner[p.ControlRequest]):
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
         sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_CONTROL_FRAME)
         sock.bind(endpoint)
         super().__init__(sock, msgspec.msgpack.Decoder(p.ControlRequest))
 

@@ -47,6 +47,14 @@ __all__ = ["Manager"]
 
 logger = logging.getLogger(__name__)
 
+_BATCH = 64
+"""Messages one loop handles before the others get a turn (about half a millisecond of events)."""
+
+
+def _sampled(count: int) -> bool:
+    """Whether the ``count``-th rejection is logged: a misbehaving sender must not flood the log."""
+    return count <= 10 or count % 1000 == 0
+
 
 class _Stop(Exception):
     """Raised inside the TaskGroup to end :meth:`Manager.run`."""
@@ -188,9 +196,12 @@ class Manager:
     async def _events_loop(self) -> None:
         assert self._receiver is not None
         while True:
-            event = await self._receiver.recv()
-            self.events += 1
-            self._on_event(event)
+            for event in await self._receiver.recv_batch(_BATCH):
+                self.events += 1
+                self._on_event(event)
+            # A socket with messages queued answers an await at once, without yielding:
+            # read one by one, a flood of events would keep control and workers waiting.
+            await asyncio.sleep(0)
 
     def _on_event(self, event: p.BackendEvent | BadFrame) -> None:
         if not isinstance(event, BadFrame):
@@ -198,8 +209,7 @@ class Manager:
         match event:
             case BadFrame(reason=reason, size=size):
                 self.rejected_frames += 1
-                # a misbehaving sender must not flood the log: the first ten, then one in a thousand
-                if self.rejected_frames <= 10 or self.rejected_frames % 1000 == 0:
+                if _sampled(self.rejected_frames):
                     logger.warning(
                         "[events] rejected a %d-byte frame (%d so far): %s", size, self.rejected_frames, reason
                     )
@@ -240,6 +250,18 @@ class Manager:
 
     def rank_ready(self, info: DeviceInfo) -> None:
         self.supervisor.place_pending()
+
+    def device_in_use(self, name: str) -> bool:
+        scheduler = self.schedulers.get(name)
+        return scheduler is not None and scheduler.in_use
+
+    def device_removed(self, name: str) -> None:
+        self.schedulers.pop(name, None)
+
+    def event_refused(self, reason: str) -> None:
+        self.rejected_frames += 1
+        if _sampled(self.rejected_frames):
+            logger.warning("[events] refused an event (%d rejected so far): %s", self.rejected_frames, reason)
 
     async def _watchdog(self) -> None:
         while True:
@@ -289,21 +311,29 @@ class Manager:
     async def _workers_loop(self) -> None:
         assert self._hub is not None
         while True:
-            ident, msg = await self._hub.recv()
-            if isinstance(msg, BadFrame):
-                self.rejected_frames += 1
-                logger.warning("[workers] rejected a frame from %r: %s", ident, msg.reason)
-            else:
-                self.supervisor.on_worker(ident, msg)
+            for ident, msg in await self._hub.recv_batch(_BATCH):
+                if isinstance(msg, BadFrame):
+                    self.rejected_frames += 1
+                    if _sampled(self.rejected_frames):
+                        logger.warning("[workers] rejected a frame from %r: %s", ident, msg.reason)
+                else:
+                    self.supervisor.on_worker(ident, msg)
+            await asyncio.sleep(0)  # see _events_loop
 
     # -- control --------------------------------------------------------------
 
     async def _control_loop(self) -> None:
         assert self._control is not None
         while True:
-            ident, req = await self._control.recv()
-            reply = await self._on_control(req)
-            self._control.reply_nowait(ident, reply)
+            for ident, req in await self._control.recv_batch(_BATCH):
+                reply = await self._on_control(req)
+                try:
+                    self._control.reply_nowait(ident, reply)
+                except (OverflowError, msgspec.EncodeError):
+                    # a value no check caught must cost this reply, not the manager
+                    logger.exception("[control] cannot encode the reply to %s", type(req).__name__)
+                    self._control.reply_nowait(ident, p.Rejected(reason="the manager could not encode its reply"))
+            await asyncio.sleep(0)  # see _events_loop
 
     async def _on_control(self, req: p.ControlRequest | BadFrame) -> p.ControlReply:
         match req:

@@ -7,6 +7,14 @@ rank's record. A rank is watched through a pidfd where the kernel allows it,
 and by its silence otherwise. The manager tells :class:`Ranks` what arrived;
 :class:`Ranks` tells its :class:`RankListener` what that means (a new device,
 a device without its rank, a rank ready to be served).
+
+Every frame may come from a hostile or broken sender, so what it can make the
+manager hold is capped: at most ``max_ranks`` ranks (each with its pidfd) and
+``max_devices`` devices. A full device table makes room by forgetting the
+least recently seen device that no live rank trains on and no side task uses;
+a full rank table makes room for a rank that says hello (and so can be watched
+through its pidfd) by forgetting the least recently seen rank known only by its
+events. What finds no room is refused, and the caller counts it.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -22,9 +31,19 @@ from typing import Protocol
 from freeride import protocol as p
 from freeride.clock import MONOTONIC, Clock
 
-__all__ = ["DeviceInfo", "RankListener", "Ranks"]
+__all__ = ["MAX_DEVICES", "MAX_RANKS", "DeviceInfo", "RankListener", "Ranks"]
 
 logger = logging.getLogger(__name__)
+
+MAX_RANKS = 256
+"""Ranks one manager follows at once (one node: a handful of GPUs, at most a core each on CPU)."""
+MAX_DEVICES = 512
+"""Devices one manager keeps: room for every rank's device, declared ones and a few dead ones."""
+
+
+def _sampled(count: int) -> bool:
+    """Whether the ``count``-th of a repeated complaint is logged: the first ten, then one in a thousand."""
+    return count <= 10 or count % 1000 == 0
 
 
 @dataclass(slots=True, eq=False)
@@ -78,40 +97,77 @@ class RankListener(Protocol):
         """A rank said hello: tasks waiting for a device may be placed."""
         ...
 
+    def device_in_use(self, name: str) -> bool:
+        """Whether side tasks are placed on ``name`` (asked before forgetting it to make room)."""
+        ...
+
+    def device_removed(self, name: str) -> None:
+        """``name`` was forgotten to make room for another device."""
+        ...
+
+    def event_refused(self, reason: str) -> None:
+        """A bubble event found no room for its rank or device and was dropped."""
+        ...
+
 
 class Ranks:
     """The ranks reporting to one manager, and their devices."""
 
-    def __init__(self, *, listener: RankListener, backend_timeout_s: float, clock: Clock = MONOTONIC) -> None:
+    def __init__(
+        self,
+        *,
+        listener: RankListener,
+        backend_timeout_s: float,
+        clock: Clock = MONOTONIC,
+        max_ranks: int = MAX_RANKS,
+        max_devices: int = MAX_DEVICES,
+    ) -> None:
+        if max_ranks < 1 or max_devices < 1:
+            raise ValueError(f"max_ranks and max_devices must be >= 1, got {max_ranks} and {max_devices}")
         self.devices: dict[str, DeviceInfo] = {}
         self._ranks: dict[int, _Rank] = {}
         self._listener = listener
         self._timeout_ns = int(backend_timeout_s * 1e9)
         self._timeout_s = backend_timeout_s
         self._clock = clock
+        self.max_ranks = max_ranks
+        self.max_devices = max_devices
+        self._recent: OrderedDict[str, None] = OrderedDict()
+        """Device names, least recently seen first (kept beside :attr:`devices`, whose order status shows)."""
+        self._declared: set[str] = set()
+        """Devices from a profile or a launcher: never forgotten to make room."""
+        self._wrong_version = 0
 
     # -- what arrives -------------------------------------------------------------
 
     def hello(self, hello: p.Hello) -> bool:
         """A rank introduced itself (again, every few seconds); False if it must be refused."""
         if hello.protocol_version != p.PROTOCOL_VERSION:
-            logger.error(
-                "[events] rank %d (pid %d) speaks protocol %d but this manager speaks %d; "
-                "install the same FreeRide version in the training environment",
-                hello.rank,
-                hello.pid,
-                hello.protocol_version,
-                p.PROTOCOL_VERSION,
-            )
+            self._wrong_version += 1
+            if _sampled(self._wrong_version):  # a rank repeats its Hello: say it once, not every time
+                logger.error(
+                    "[events] rank %d (pid %d) speaks protocol %d but this manager speaks %d; "
+                    "install the same FreeRide version in the training environment (%d such frames)",
+                    hello.rank,
+                    hello.pid,
+                    hello.protocol_version,
+                    p.PROTOCOL_VERSION,
+                    self._wrong_version,
+                )
             return False
         now = self._clock.now_ns()
         known = self._ranks.get(hello.rank)
         if known is not None and known.pid == hello.pid and known.alive:
             known.last_seen_ns = now  # the periodic repeat
+            self._touch(known.device)
             return True
+        if known is None and len(self._ranks) >= self.max_ranks and not self._evict_rank():
+            return False
+        info = self._device(hello.device)
+        if info is None:
+            return False
         if known is not None:
             self._forget(known)  # the rank restarted: a new process under the same number
-        info = self._device(hello.device)
         info.stage, info.rank, info.framework = hello.stage, hello.rank, hello.framework
         info.cpu_affinity = list(hello.cpu_affinity)
         info.device_memory = hello.device_memory
@@ -120,7 +176,7 @@ class Ranks:
         info.trainer = trainer
         self._watch(trainer)
         logger.info(
-            "[events] %s rank %d (pid %d) stage %d/%d on %s",
+            "[events] %r rank %d (pid %d) stage %d/%d on %r",
             hello.framework,
             hello.rank,
             hello.pid,
@@ -136,9 +192,18 @@ class Ranks:
         trainer = self._seen(ev.rank)
         if trainer is None:
             return None
-        if trainer.device != ev.device:  # a rank seen only through its events names its device here
-            trainer.device = ev.device
         info = self._device(ev.device)
+        if info is None:
+            self._listener.event_refused(f"device {ev.device!r}: already keeping {self.max_devices} devices")
+            return None
+        if trainer.device != ev.device:
+            # A rank seen only through its events names its device here; a rank that
+            # names another device has left the old one, which no longer has a trainer.
+            old = self.devices.get(trainer.device)
+            trainer.device = ev.device
+            if old is not None and old.trainer is trainer:
+                old.trainer = None
+                self._listener.device_lost(old.name)
         info.stage, info.rank, info.trainer = ev.stage, ev.rank, trainer
         if isinstance(ev, p.BubbleStarted) and ev.spare_memory >= 0:
             info.spare_memory = ev.spare_memory
@@ -158,7 +223,8 @@ class Ranks:
             return
         logger.info("[events] rank %d said goodbye (%d events dropped)", rank, dropped)
         if trainer.device in self.devices:
-            self.devices[trainer.device].dropped += dropped
+            info = self.devices[trainer.device]
+            info.dropped = min(p.I64_MAX, info.dropped + dropped)
         self._forget(trainer)
         self._listener.device_lost(trainer.device)
 
@@ -167,7 +233,9 @@ class Ranks:
 
         Side tasks can then be placed on it and set up before training starts.
         """
-        info = self._device(name)
+        self._declared.add(name)
+        info = self._device(name, force=True)
+        assert info is not None  # forced
         info.stage, info.spare_memory, info.cpu_affinity = stage, spare_memory, list(cpu_affinity)
         return info
 
@@ -208,20 +276,63 @@ class Ranks:
             self._unwatch(trainer)
         self._ranks.clear()
 
+    def watched(self) -> int:
+        """Pidfds held open (one per rank watched through its process)."""
+        return sum(1 for r in self._ranks.values() if r.pidfd >= 0)
+
     # -- internals ------------------------------------------------------------------
 
-    def _device(self, name: str) -> DeviceInfo:
+    def _touch(self, name: str) -> None:
+        if name in self._recent:
+            self._recent.move_to_end(name)
+
+    def _device(self, name: str, *, force: bool = False) -> DeviceInfo | None:
+        """The device called ``name``, made known if need be; None if there is no room for it."""
         info = self.devices.get(name)
-        if info is None:
-            info = DeviceInfo(name=name, first_seen_ns=self._clock.now_ns())
-            self.devices[name] = info
-            self._listener.device_added(info)
+        if info is not None:
+            self._touch(name)
+            return info
+        if len(self.devices) >= self.max_devices and not self._evict_device() and not force:
+            return None
+        info = DeviceInfo(name=name, first_seen_ns=self._clock.now_ns())
+        self.devices[name] = info
+        self._recent[name] = None
+        self._listener.device_added(info)
         return info
+
+    def _evict_device(self) -> bool:
+        """Forget the least recently seen device nobody trains on or uses; False if there is none."""
+        for name in self._recent:  # oldest first; at most max_devices looked at, only when full
+            info = self.devices[name]
+            if info.alive or name in self._declared or self._listener.device_in_use(name):
+                continue
+            del self.devices[name], self._recent[name]
+            self._listener.device_removed(name)
+            return True
+        return False
+
+    def _evict_rank(self) -> bool:
+        """Forget the least recently seen rank known only by its events; False if there is none.
+
+        Such a rank cannot be watched, so it is the one to give way to a rank that
+        says hello (and can be). It comes back with its next event if there is room.
+        """
+        victim: _Rank | None = None
+        for trainer in self._ranks.values():
+            if trainer.pidfd < 0 and (victim is None or trainer.last_seen_ns < victim.last_seen_ns):
+                victim = trainer
+        if victim is None:
+            return False
+        self._lose(victim, "a rank that said hello needed its place")
+        return True
 
     def _seen(self, rank: int) -> _Rank | None:
         trainer = self._ranks.get(rank)
         now = self._clock.now_ns()
         if trainer is None:
+            if len(self._ranks) >= self.max_ranks:
+                self._listener.event_refused(f"rank {rank}: already following {self.max_ranks} ranks")
+                return None
             # A rank that started before this manager: serve it all the same, and
             # watch it by its silence (its pid is unknown until it says hello).
             trainer = _Rank(rank=rank, device="", pid=0, last_seen_ns=now)

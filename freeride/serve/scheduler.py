@@ -11,6 +11,11 @@ robin) whose estimated step fits in the bubble; a task that gives the grant
 back early (its next step no longer fits, or it finished) passes the rest of
 the bubble on to another task whose step does fit. When the bubble ends the
 grant is revoked. All accounting of bubble time and its use lives here.
+
+Each event costs O(1) in the number of events seen: the grants in flight are at
+most one per task still placed here (those of a task that leaves go with it),
+and every sum saturates at 2**63 - 1, so no sender can make a total that the
+status reply could not encode.
 """
 
 from __future__ import annotations
@@ -30,6 +35,11 @@ from freeride.serve.tasks import TaskRecord
 __all__ = ["PROBE_AFTER_BUBBLES", "DeviceScheduler"]
 
 logger = logging.getLogger(__name__)
+
+
+def _sat(total: int, more: int) -> int:
+    """``total + more``, held at the largest value the wire carries."""
+    return min(p.I64_MAX, total + more)
 
 
 PROBE_AFTER_BUBBLES = 20
@@ -132,6 +142,16 @@ class DeviceScheduler:
     def task_interference_ns(self, task_id: int) -> int:
         return self._task_interference.get(task_id, 0)
 
+    @property
+    def in_use(self) -> bool:
+        """Side tasks are placed here, or grants are out: the device must not be forgotten."""
+        return bool(self.tasks) or bool(self._grants)
+
+    def forget_task(self, task_id: int) -> None:
+        """Drop what is kept about a task that left the manager's table."""
+        self._task_interference.pop(task_id, None)
+        self._starved.pop(task_id, None)
+
     def bubble_share(self) -> float:
         elapsed = self._clock.now_ns() - self.first_seen_ns
         return self.bubble_ns / elapsed if elapsed > 0 else 0.0
@@ -154,14 +174,14 @@ class DeviceScheduler:
         self._first_event_ns = self._first_event_ns or ev.t_ns
         self._last_event_ns = max(self._last_event_ns, ev.t_ns)
         self._bubble = ev
-        self._deadline_ns = ev.t_ns + ev.expected_ns
+        self._deadline_ns = min(p.I64_MAX, ev.t_ns + ev.expected_ns)
         self._tried.clear()
         self.bubbles += 1
         self._grant_next(fresh=True)
 
     def on_bubble_ended(self, ev: p.BubbleEnded) -> None:
-        self.bubble_ns += ev.duration_ns
-        self._first_event_ns = self._first_event_ns or ev.t_ns - ev.duration_ns
+        self.bubble_ns = _sat(self.bubble_ns, ev.duration_ns)
+        self._first_event_ns = self._first_event_ns or max(0, ev.t_ns - ev.duration_ns)
         self._last_event_ns = max(self._last_event_ns, ev.t_ns)
         for state in self._grants.values():
             if state.bubble_end_ns == 0:
@@ -181,10 +201,15 @@ class DeviceScheduler:
         if task.device != self.device or task.terminal:
             if task in self.tasks:
                 self.tasks.remove(task)
+            self._starved.pop(task.task_id, None)
             holder = self._holder
             held = self._grants.get(holder) if holder is not None else None
+            # Its grants still out go with it (a report that comes later is counted as an
+            # unknown grant's); one already returned waits for the bubble's end to be settled.
+            gone = [gid for gid, state in self._grants.items() if state.task is task and not state.returned]
+            for gid in gone:
+                del self._grants[gid]
             if holder is not None and held is not None and held.task is task:
-                del self._grants[holder]
                 self._holder = None
                 self._grant_next(fresh=False)
             return
@@ -201,7 +226,7 @@ class DeviceScheduler:
             self._latency.record(done.first_step_delay_ns)
         state = self._grants.get(done.grant_id)
         if state is None:  # a grant forgotten when its task left: all we know is its own account
-            self.used_ns += done.busy_ns
+            self.used_ns = _sat(self.used_ns, done.busy_ns)
         else:
             state.returned = True
             state.busy_ns = done.busy_ns
@@ -262,15 +287,15 @@ class DeviceScheduler:
         late = max(0, state.last_step_end_ns - end if end and state.last_step_end_ns else state.overrun_ns)
         if late > 0:
             self.overruns += 1
-            self.overrun_ns += late
+            self.overrun_ns = _sat(self.overrun_ns, late)
         inside_wall = max(0, state.busy_ns - late)
         work = -1
         if state.cpu_done >= 0 and state.cpu_at_grant >= 0:
             upto = state.cpu_done if state.cpu_at_end < 0 else min(state.cpu_done, state.cpu_at_end)
             work = max(0, upto - state.cpu_at_grant)
-            self.used_ns += min(work, inside_wall)
+            self.used_ns = _sat(self.used_ns, min(work, inside_wall))
         else:
-            self.used_ns += inside_wall
+            self.used_ns = _sat(self.used_ns, inside_wall)
         if state.cpu_done >= 0 and state.cpu_at_end >= 0:
             interference = max(0, state.cpu_done - state.cpu_at_end)
         elif late > 0 and state.cpu_done >= 0 and state.cpu_at_grant >= 0:
@@ -279,8 +304,8 @@ class DeviceScheduler:
             interference = late
         if interference > 0:
             task = state.task
-            self.interference_ns += interference
-            self._task_interference[task.task_id] = self._task_interference.get(task.task_id, 0) + interference
+            self.interference_ns = _sat(self.interference_ns, interference)
+            self._task_interference[task.task_id] = _sat(self._task_interference.get(task.task_id, 0), interference)
             if self._observers is not None:
                 self._observers.interference(
                     self.device, task.task_id, task.name, end or state.last_step_end_ns - late, interference

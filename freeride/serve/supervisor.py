@@ -36,9 +36,12 @@ from freeride.serve.runners import ProgramRunner, SendFn, WorkerRunner
 from freeride.serve.scheduler import DeviceScheduler
 from freeride.serve.tasks import TaskRecord, restart_delay_s, spawn_worker, stop_process, task_name
 
-__all__ = ["Supervisor"]
+__all__ = ["KEEP_ENDED", "Supervisor"]
 
 logger = logging.getLogger(__name__)
+
+KEEP_ENDED = 1000
+"""Tasks that have ended (finished, failed, cancelled) kept in the table for status; older ones are dropped."""
 
 SpawnFn = Callable[[Coroutine[Any, Any, None], str], object]
 
@@ -65,6 +68,8 @@ class Supervisor:
         self._send = send
         self._clock = clock
         self._next_task = 1
+        self._unknown = 0
+        """Messages from workers the table does not know (log sampling)."""
         self._spawn: SpawnFn | None = None
         self.mps_pipe_dir: Path | None = None
         """Pipe directory of the MPS daemon side tasks join (None without MPS)."""
@@ -92,7 +97,11 @@ class Supervisor:
         """Handle a message from a worker (identified by its socket identity)."""
         task = self.tasks.get(msg.task_id)
         if task is None or task.ident != ident:
-            logger.warning("[workers] message for unknown task %d from %r", msg.task_id, ident)
+            self._unknown += 1
+            if self._unknown <= 10 or self._unknown % 1000 == 0:  # a stray worker repeats itself
+                logger.warning(
+                    "[workers] message for unknown task %d from %r (%d so far)", msg.task_id, ident, self._unknown
+                )
             return
         match msg:
             case p.WorkerReady() if not msg.set_up:
@@ -190,11 +199,21 @@ class Supervisor:
         if isinstance(where, NoFit):
             return p.Rejected(reason=where.reason)
         self._next_task += 1
+        self._prune()
         self.tasks[task.task_id] = task
         if where is not None:
             self._start(task, where)
         logger.info("[tasks] task %d (%s) submitted, device %s", task.task_id, name, where or "pending")
         return p.Submitted(task_id=task.task_id, device=where or "")
+
+    def _prune(self) -> None:
+        """Drop the oldest ended tasks beyond :data:`KEEP_ENDED` (the table only grows here, at submit)."""
+        ended = [t for t in self.tasks.values() if t.terminal and t.runner is None]
+        for task in ended[: max(0, len(ended) - KEEP_ENDED)]:
+            del self.tasks[task.task_id]
+            scheduler = self.schedulers.get(task.device)
+            if scheduler is not None:
+                scheduler.forget_task(task.task_id)
 
     def _free_name(self, name: str) -> str:
         """``name``, or ``name-2``, ``name-3``... if a live task holds it (names key checkpoints)."""
