@@ -402,3 +402,14 @@ def test_low_priority_and_missing_cpu_time_are_said(report: ModuleType) -> None:
     assert "(this `freeride serve` has no --side-priority: side tasks ran at nice 19)" in text
     assert "| slowdown, training ranks' CPU time per step | none: timed by the wall clock | | 0 | |" in text
     assert "By the training ranks' CPU time" not in text
+
+
+# -- the slowly converging PageRank graph ------------------------------------------------------------
+
+
+def test_dag_edges_point_forward_within_reach(mod: Callable[[str], ModuleType]) -> None:
+    dag = mod("pagerank_dag")
+    edges = dag.dag_edges(100, 3, 5, 0)
+    assert edges == dag.dag_edges(100, 3, 5, 0)
+    assert all(0 < j - i <= 5 and j < 100 for i, j in edges)
+    assert len(edges) > 280  # only edges past the last node are dropped
