@@ -48,7 +48,9 @@ RESET_SIGNALS = (
 # Kills the program's group when the runtime's end of its stdin closes: if the
 # runtime dies without terminating the program, a stopped group would otherwise
 # stay stopped forever, holding its (device) memory.
-_WATCHDOG = 'read -r _; kill -KILL -"$1"'
+# With a cgroup, its cgroup.kill file (argument 2) also gets those that left the
+# group with setsid.
+_WATCHDOG = 'read -r _; kill -KILL -"$1"; [ -z "$2" ] || echo 1 > "$2"'
 
 
 class _TimerSpec(ctypes.Structure):
@@ -142,13 +144,18 @@ def read_state(fd: int) -> str:
     return chr(raw[end + 2]) if 0 <= end < len(raw) - 2 else "X"
 
 
-def spawn_watchdog(pgid: int) -> tuple[int, int]:
-    """Start the watchdog of group ``pgid``; returns its pid and the pipe end that keeps it waiting."""
+def spawn_watchdog(pgid: int, kill_file: str = "") -> tuple[int, int]:
+    """Start the watchdog of group ``pgid``; returns its pid and the pipe end that keeps it waiting.
+
+    Args:
+        pgid: The process group it kills.
+        kill_file: A cgroup's ``cgroup.kill``, written too ("" for none).
+    """
     read_end, write_end = os.pipe()  # both close-on-exec: no program inherits the write end
     try:
         pid = os.posix_spawn(
             SHELL,
-            ["freeride-watchdog", "-c", _WATCHDOG, "freeride-watchdog", str(pgid)],
+            ["freeride-watchdog", "-c", _WATCHDOG, "freeride-watchdog", str(pgid), kill_file],
             {"PATH": os.defpath},
             file_actions=[
                 (os.POSIX_SPAWN_DUP2, read_end, 0),

@@ -9,6 +9,7 @@ process pinned to its stage's core that only steps inside granted bubbles.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import statistics
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -111,6 +112,14 @@ async def _wait_for(predicate: object, timeout_s: float, what: str) -> None:
 
 async def _demo(options: DemoOptions) -> DemoReport:
     runtime_dir = Path(tempfile.mkdtemp(prefix="freeride-demo-"))
+    try:
+        return await _demo_in(options, runtime_dir)
+    finally:
+        # sockets, logs and checkpoints of a demo are of no use once it has reported
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+async def _demo_in(options: DemoOptions, runtime_dir: Path) -> DemoReport:
     config = ServeConfig(endpoints=Endpoints.ipc(runtime_dir), state_dir=runtime_dir / "state")
     sim_config = replace(options.sim, endpoint=config.endpoints.events)
     target = _target(options.task)

@@ -26,8 +26,16 @@ kills the program's group, so no stopped program outlives the runtime.
 (A process forked, not spawned, by the runtime would inherit that pipe end and
 delay this until it exits.)
 
-Memory on a CPU device is capped with ``RLIMIT_AS`` applied to the stopped shim
-before the program starts. Never cap a CUDA program that way: CUDA reserves a
+With a :class:`~freeride._cgroup.TaskCgroup` the stopped shim is moved into it
+before the program starts: every process the program makes is then signalled
+with its group, one that called ``setsid`` included, and killed with it; the
+cgroup also caps their memory together, by what they use. Without one a
+``setsid`` child escapes SIGSTOP and SIGKILL (only the watchdog's process group
+is reached).
+
+Memory on a CPU device without a memory cgroup is capped with ``RLIMIT_AS``
+applied to the stopped shim before the program starts (loose: address space,
+not memory in use). Never cap a CUDA program that way: CUDA reserves a
 huge virtual range at init and fails with out-of-memory under a small
 ``RLIMIT_AS``; on a GPU the cap is MPS's (see :mod:`freeride.gpu.mps`).
 """
@@ -47,6 +55,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from freeride._cgroup import TaskCgroup
 from freeride._procutil import RESET_SIGNALS, SHELL, DeadlineTimer, group_members, read_state, spawn_watchdog
 from freeride.admission import latest_end_ns
 
@@ -125,6 +134,7 @@ class ImperativeProcess:
         sync_every: For PyTorch programs, synchronize CUDA every this many
             optimizer steps (see :func:`sync_every_env`); 0 leaves the program alone.
         cwd: Working directory; None keeps the parent's.
+        cgroup: The program's cgroup (empty, made for it), removed at :meth:`terminate`; None for none.
 
     Raises:
         ValueError: On an invalid argument (the message names it).
@@ -142,6 +152,7 @@ class ImperativeProcess:
         margin_ns: int = 0,
         sync_every: int = 0,
         cwd: Path | None = None,
+        cgroup: TaskCgroup | None = None,
     ) -> None:
         if not argv or not argv[0]:
             raise ValueError("argv must be a non-empty command line")
@@ -159,6 +170,7 @@ class ImperativeProcess:
         self.cpu_affinity = tuple(cpu_affinity)
         self.memory_limit, self.margin_ns = memory_limit, margin_ns
         self.cwd = cwd
+        self.cgroup = cgroup
         self.pid = -1
         """Process id of the program (and id of its process group); -1 before start."""
         self.busy_ns = 0
@@ -216,8 +228,10 @@ class ImperativeProcess:
         try:
             self._stat_fd = os.open(f"/proc/{self.pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
             self._pidfd = os.pidfd_open(self.pid)
-            self._watchdog = spawn_watchdog(self.pid)
+            self._watchdog = spawn_watchdog(self.pid, self.cgroup.kill_file() if self.cgroup else "")
             if await self._until_shim_stopped():
+                if self.cgroup is not None:
+                    self.cgroup.add(self.pid)
                 if self.cpu_affinity:
                     os.sched_setaffinity(self.pid, self.cpu_affinity)
                 if self.memory_limit > 0:
@@ -228,6 +242,8 @@ class ImperativeProcess:
             os.waitpid(self.pid, 0)
             self._close_fds()
             self._retire_watchdog()
+            if self.cgroup is not None:
+                self.cgroup.remove()
             raise
         self._timer = DeadlineTimer(loop, self._on_deadline)
         loop.add_reader(self._pidfd, self._reap)
@@ -350,6 +366,12 @@ class ImperativeProcess:
     def _kill_group(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, sig)
+        if self.cgroup is not None:  # after the group: its stop is the one timed
+            self.cgroup.signal(sig, skip_group=self.pid)
+
+    def _members(self) -> bool:
+        """Whether any process of the program is left (its group, or its cgroup)."""
+        return bool(group_members(self.pid)) or (self.cgroup is not None and bool(self.cgroup.pids()))
 
     # -------------------------------------------------------------- exit
 
@@ -379,6 +401,8 @@ class ImperativeProcess:
             max_rss_kb=usage.ru_maxrss if usage else 0,
         )
         logger.info("[imperative] %s: pid %d exited %s", self.name, self.pid, info)
+        if not self._members():  # nothing left for the watchdog to kill
+            self._retire_watchdog()
         if not self._exit.done():
             self._exit.set_result(info)
 
@@ -420,8 +444,10 @@ class ImperativeProcess:
             raise RuntimeError(f"{self.name}: terminate() before start()")
         if self._timer is not None:
             self._timer.cancel()
-        if self.exited and not group_members(self.pid):
+        if self.exited and not self._members():
             self._retire_watchdog()
+            if self.cgroup is not None:
+                self.cgroup.remove()
             return self._exit.result()
         if self._resumed_ns is not None:
             self.busy_ns += time.monotonic_ns() - self._resumed_ns
@@ -431,9 +457,13 @@ class ImperativeProcess:
         if not await self._group_gone(time.monotonic() + timeout_s):
             logger.warning("[imperative] %s: still alive %.1fs after SIGTERM, killing", self.name, timeout_s)
             self._kill_group(signal.SIGKILL)
+            if self.cgroup is not None:
+                self.cgroup.kill()
             if not await self._group_gone(time.monotonic() + 10.0):
                 logger.error("[imperative] %s: group %d survived SIGKILL", self.name, self.pid)
         self._retire_watchdog()
+        if self.cgroup is not None:
+            self.cgroup.remove()
         return await asyncio.shield(self._exit)
 
     def _retire_watchdog(self) -> None:
@@ -452,7 +482,7 @@ class ImperativeProcess:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._exit), max(0.0, deadline - time.monotonic()))
         delay = 0.002
-        while group_members(self.pid):
+        while self._members():
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(delay)

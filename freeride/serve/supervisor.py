@@ -24,6 +24,7 @@ from typing import Any, assert_never
 import msgspec
 
 from freeride import protocol as p
+from freeride._cgroup import TaskCgroup, remove_own_cgroups
 from freeride.clock import MONOTONIC, Clock
 from freeride.gpu.memcap import MemoryCap, plan_memory_cap
 from freeride.gpu.smshare import plan_sm_share
@@ -44,6 +45,11 @@ KEEP_ENDED = 1000
 """Tasks that have ended (finished, failed, cancelled) kept in the table for status; older ones are dropped."""
 
 SpawnFn = Callable[[Coroutine[Any, Any, None], str], object]
+
+_SETUP_ROOM = 1 << 30
+"""Host memory a worker may use beyond its task's cap until set up (interpreter, torch, the task's imports)."""
+_WORKER_SLACK = 64 << 20
+"""Added to a set-up worker's use and its task's cap: allocator slack."""
 
 
 class Supervisor:
@@ -112,6 +118,7 @@ class Supervisor:
                 self._send(task.ident, self._assignment(task))
             case p.WorkerReady():
                 task.ready(estimate_ns=msg.step_estimate_ns, steps=msg.steps)
+                self._tighten(task)
                 self._notify(task)
             case p.GrantDone():
                 self.report(task, msg)
@@ -278,6 +285,25 @@ class Supervisor:
         )
         return spare - others if spare - others > 0 else spare
 
+    def _tighten(self, task: TaskRecord) -> None:
+        """A worker is set up: cap its cgroup at what it uses now plus its task's cap."""
+        group = task.cgroup
+        if group is None or not group.memory_by or task.memory_cap <= 0:
+            return
+        used = group.memory_current()
+        if used > 0:
+            group.set_memory_max(used + task.memory_cap + _WORKER_SLACK)
+
+    def _cgroup(self, task: TaskRecord, host_cap: int) -> TaskCgroup | None:
+        """The cgroup a task's processes run in; ``host_cap`` bytes of host memory, -1 for no cap.
+
+        A GPU task's declared peak is device memory: its cgroup holds its
+        processes (setsid ones included) but caps nothing.
+        """
+        if task.device.partition(":")[0] == "cuda":
+            host_cap = -1
+        return TaskCgroup.create(f"task-{task.task_id}-{task.restarts}", memory_max=host_cap)
+
     def _memory_cap(self, task: TaskRecord) -> MemoryCap:
         device = self.devices[task.device]
         kind = task.device.partition(":")[0]
@@ -344,35 +370,64 @@ class Supervisor:
                     await task.done.wait()  # a cancel ends the wait
 
     async def _run_worker(self, task: TaskRecord) -> int:
-        process = await spawn_worker(
-            task,
-            python=self.config.python,
-            endpoint=self.config.endpoints.workers,
-            log_dir=self.config.log_dir,
-            cpu_affinity=self.devices[task.device].cpu_affinity,
-            extra_env=self._memory_cap(task).env,
-        )
-        if task.terminal:  # cancelled while the worker was being started
-            return await stop_process(process, timeout_s=0)
-        task.runner = WorkerRunner(task.ident, process, send=self._send)
-        return await process.wait()
+        cap = self._memory_cap(task)
+        host = task.memory_cap if cap.mechanism == "rlimit_as" else -1
+        group = self._cgroup(task, host + _SETUP_ROOM if host > 0 else -1)
+        env = dict(cap.env)
+        if group is not None and group.memory_by:
+            env["FREERIDE_MEMORY_CAP_BY"] = task.memory_cap_by = group.memory_by
+        try:
+            process = await spawn_worker(
+                task,
+                python=self.config.python,
+                endpoint=self.config.endpoints.workers,
+                log_dir=self.config.log_dir,
+                cpu_affinity=self.devices[task.device].cpu_affinity,
+                extra_env=env,
+            )
+            if group is not None:
+                try:
+                    group.add(process.pid)
+                    task.cgroup = group
+                except OSError as exc:
+                    logger.warning("[tasks] task %d: cannot move its worker into %s: %s", task.task_id, group.v2, exc)
+            if task.terminal:  # cancelled while the worker was being started
+                return await stop_process(process, timeout_s=0)
+            task.runner = WorkerRunner(task.ident, process, send=self._send)
+            code = await process.wait()
+            if code != 0 and group is not None and group.oom_killed():
+                task.error = f"worker killed: over its memory cap of {task.memory_cap >> 20} MiB"
+            return code
+        finally:
+            task.cgroup = None
+            if group is not None:
+                group.remove()  # and whatever the worker left running
 
     async def _run_program(self, task: TaskRecord) -> int:
         """Start an imperative task's program stopped, let bubbles run it, and wait for its exit."""
         device = self.devices[task.device]
         cap = self._memory_cap(task)
+        host = task.memory_cap if cap.mechanism == "rlimit_as" else -1
+        # tight: the program's own declared peak, with a little slack for the allocator
+        group = self._cgroup(task, host + max(host // 16, 8 << 20) if host > 0 else -1)
+        by_cgroup = group is not None and bool(group.memory_by)
+        if group is not None and group.memory_by:
+            task.memory_cap_by = group.memory_by
         program = ImperativeProcess(
             task.spec.argv,
             env={**os.environ, **cap.env},
             log_dir=self.config.log_dir,
             name=f"task-{task.task_id}-{task.name}",
             cpu_affinity=device.cpu_affinity,
-            memory_limit=cap.rlimit_as if cap.mechanism == "rlimit_as" else -1,
+            memory_limit=cap.rlimit_as if cap.mechanism == "rlimit_as" and not by_cgroup else -1,
             margin_ns=self.config.margin_ns,
+            cgroup=group,
         )
         try:
             await program.start()
         except OSError as exc:
+            if group is not None:
+                group.remove()
             task.error = f"cannot start {task.spec.argv[0]!r}: {exc}"
             return 127
         if task.terminal:  # cancelled while the program was being started
@@ -392,7 +447,11 @@ class Supervisor:
         task.metrics.update({"user_s": info.user_s, "system_s": info.system_s, "max_rss_mb": info.max_rss_kb / 1024})
         if info.returncode != 0:
             why = f"killed by signal {info.signal}" if info.signal else f"exited with code {info.returncode}"
+            if group is not None and group.oom_killed():
+                why += f": over its memory cap of {task.memory_cap >> 20} MiB"
             task.error = f"program {why} (log: {self.config.log_dir / program.name}.err)"
+        # what it left running, its watchdog and its cgroup go with it
+        await program.terminate(timeout_s=self.config.stop_timeout_s)
         return info.returncode
 
     def _cancellable(self, task_id: int) -> TaskRecord | p.Rejected:
@@ -483,6 +542,8 @@ class Supervisor:
         task.park()
         scheduler.forget(task)
         self._notify(task)
+        if task.cgroup is not None:
+            task.cgroup.kill()
         match runner:
             case WorkerRunner(process=process) if process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -498,6 +559,7 @@ class Supervisor:
         if live:
             logger.info("[shutdown] stopping %d side task(s)", len(live))
         await asyncio.gather(*(self._stop_task(t, "manager shutting down") for t in live))
+        remove_own_cgroups()
 
 
 def _finite(metrics: dict[str, float]) -> dict[str, float]:

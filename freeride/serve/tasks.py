@@ -19,6 +19,7 @@ from freeride import protocol as p
 from freeride.transport import worker_identity
 
 if TYPE_CHECKING:
+    from freeride._cgroup import TaskCgroup
     from freeride.serve.runners import Runner
 
 __all__ = ["TERMINAL", "BadTransition", "TaskRecord", "restart_delay_s", "spawn_worker", "stop_process", "task_name"]
@@ -99,6 +100,8 @@ class TaskRecord:
     max_loss_ns: int = 0
     memory_cap: int = -1
     memory_cap_by: str = ""
+    cgroup: TaskCgroup | None = None
+    """The cgroup of the task's worker, while it runs (None where cgroups are not to be had)."""
     sm_share: int = -1
     """Percent of the GPU's SMs the task's process may occupy under MPS (-1: not capped)."""
 
