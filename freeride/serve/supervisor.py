@@ -410,7 +410,6 @@ class Supervisor:
         host = task.memory_cap if cap.mechanism == "rlimit_as" else -1
         # tight: the program's own declared peak, with a little slack for the allocator
         group = self._cgroup(task, host + max(host // 16, 8 << 20) if host > 0 else -1)
-        by_cgroup = group is not None and bool(group.memory_by)
         if group is not None and group.memory_by:
             task.memory_cap_by = group.memory_by
         program = ImperativeProcess(
@@ -419,7 +418,8 @@ class Supervisor:
             log_dir=self.config.log_dir,
             name=f"task-{task.task_id}-{task.name}",
             cpu_affinity=device.cpu_affinity,
-            memory_limit=cap.rlimit_as if cap.mechanism == "rlimit_as" and not by_cgroup else -1,
+            # kept under a cgroup too: a huge allocation then fails cleanly (MemoryError) instead of an OOM kill
+            memory_limit=cap.rlimit_as if cap.mechanism == "rlimit_as" else -1,
             margin_ns=self.config.margin_ns,
             cgroup=group,
         )

@@ -166,8 +166,8 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
             workdir=workdir,
         )
         await task.setup(tctx)
-        capped = os.environ.get("FREERIDE_MEMORY_CAP_BY", "").startswith("cgroup")  # the manager's, tighter
-        if assign.memory_limit > 0 and assign.device.startswith("cpu") and not capped:
+        # also under the manager's cgroup cap (tighter): a huge allocation fails here as a MemoryError
+        if assign.memory_limit > 0 and assign.device.startswith("cpu"):
             _cap_address_space(assign.memory_limit)
         gate = GrantGate(link, assign, task, steps, save=_save_checkpoint, device_sync=step_end_sync(stream))
         if task.state_dict():
