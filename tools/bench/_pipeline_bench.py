@@ -404,11 +404,21 @@ def _profile(job: Job, runtime: Path) -> Path:
     return path
 
 
-def bench(job: Job, task: SideTask, options: BenchOptions, *, command: str = "", cpu_note: str = "") -> str:
+def bench(
+    job: Job,
+    task: SideTask,
+    options: BenchOptions,
+    *,
+    command: str = "",
+    cpu_note: str = "",
+    serve_args: Sequence[str] = (),
+    submit_args: Sequence[str] = (),
+) -> str:
     """Profile, serve, submit and run :func:`plan`'s runs of ``job``; its markdown section.
 
     ``command`` is the benchmark's own command line, shown in the section; ``cpu_note`` says why the
-    job reports no CPU time per step, if it does not.
+    job reports no CPU time per step, if it does not. ``serve_args`` and ``submit_args`` are added to
+    ``freeride serve`` and each ``freeride submit`` (``--mps``, ``--sm-share 50``).
     """
     load_before = os.getloadavg()[0]
     runtime = Path(tempfile.mkdtemp(prefix="frbench-", dir="/tmp"))
@@ -420,7 +430,7 @@ def bench(job: Job, task: SideTask, options: BenchOptions, *, command: str = "",
         supported = _serve_knows_side_priority()
         with open(runtime / "serve.log", "wb") as log:
             serve = subprocess.Popen(
-                serve_cmd(runtime, profile_path, options.side_priority, supported=supported),
+                [*serve_cmd(runtime, profile_path, options.side_priority, supported=supported), *serve_args],
                 env=_plain_env(),
                 stdout=subprocess.DEVNULL,
                 stderr=log,
@@ -430,7 +440,7 @@ def bench(job: Job, task: SideTask, options: BenchOptions, *, command: str = "",
         opts = [x for opt in task.options for x in ("--opt", opt)]
         for device in profile.devices:
             submit = _freeride("submit", "--runtime-dir", str(runtime), task.target, *opts)
-            _run([*submit, "--step-time", task.step_time, "--device", device])
+            _run([*submit, "--step-time", task.step_time, "--device", device, *submit_args])
         _wait_for("side tasks to start", 120, lambda: _tasks_running(endpoints, len(profile.devices)))
         runs: list[RunResult] = []
         for planned in plan(options):
