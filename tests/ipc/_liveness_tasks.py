@@ -1,0 +1,91 @@
+"""Side tasks for the liveness tests (imported by worker processes via PYTHONPATH)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from _tasks import SpinSteps
+
+from freeride.sidetask import IterativeTask, TaskContext
+
+__all__ = ["CrashInSetup", "HangOnce", "LateTorch", "SlowCheckpoint"]
+
+
+class HangOnce(SpinSteps):
+    """Hangs in step ``hang_at`` (writing ``marker`` first) unless ``marker`` exists: a step that never ends."""
+
+    def __init__(self, *, hang_at: int = 20, marker: str = "", **kw: Any) -> None:
+        super().__init__(**kw)
+        self.hang_at, self.marker = hang_at, marker
+
+    def step(self) -> None:
+        super().step()
+        if self.count == self.hang_at and self.marker and not Path(self.marker).exists():
+            Path(self.marker).write_text(str(os.getpid()))
+            time.sleep(3600)
+
+
+class SlowCheckpoint(SpinSteps):
+    """Saving takes ``save_ms``, longer than any bubble; the count after each step goes to ``count_file``."""
+
+    def __init__(self, *, save_ms: float = 300.0, count_file: str = "", restored_file: str = "", **kw: Any) -> None:
+        super().__init__(**kw)
+        self.save_s = save_ms / 1e3
+        self.count_file, self.restored_file = count_file, restored_file
+
+    def step(self) -> None:
+        super().step()
+        if self.count_file:
+            tmp = self.count_file + ".tmp"
+            Path(tmp).write_text(str(self.count))
+            os.replace(tmp, self.count_file)
+
+    def state_dict(self) -> dict[str, Any]:
+        time.sleep(self.save_s)
+        return super().state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.restored_file:
+            Path(self.restored_file).write_text(str(self.count))
+
+
+class CrashInSetup(IterativeTask):
+    """Dies at once, every time: what restart backoff is for."""
+
+    async def setup(self, ctx: TaskContext) -> None:
+        os._exit(3)
+
+    def step(self) -> None:
+        pass
+
+
+class LateTorch(IterativeTask):
+    """Imports torch only in its first step, after the manager's memory cap is in place, then finishes."""
+
+    step_time = 0.001
+
+    def __init__(self, *, steps: int = 3) -> None:
+        self.steps, self.count = steps, 0
+        self.total = 0.0
+
+    def step(self) -> None:
+        import torch
+
+        self.total += float(torch.ones(1000).sum())
+        self.count += 1
+
+    def done(self) -> bool:
+        return self.count >= self.steps
+
+    def metrics(self) -> dict[str, float]:
+        return {"total": self.total}
+
+    def state_dict(self) -> dict[str, Any]:  # a state: the worker's checkpoints import torch too
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = int(state["count"])

@@ -1,0 +1,194 @@
+"""Liveness with real workers: hung steps, cancels that do not block, bounded loss, restart backoff, memory caps.
+
+Each test runs its own manager with short liveness settings and a simulated
+pipeline for bubbles; waits are on the manager's own state (bounded), never
+fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+from conftest import wait_until
+
+from backends.sim import SimConfig, SimPipeline
+from freeride import protocol as p
+from freeride.observe.base import Observer
+from freeride.serve.config import ServeConfig
+from freeride.serve.manager import Manager
+from freeride.transport import ControlClient, Endpoints
+
+FAST: dict[str, Any] = {
+    "checkpoint_every_s": 0.2,
+    "stop_timeout_s": 2.0,
+    "hang_after_s": 0.5,
+    "restart_backoff_s": 0.05,
+    "restart_backoff_max_s": 0.2,
+}
+
+
+@contextlib.asynccontextmanager
+async def serving(runtime_dir: Path, **overrides: Any) -> AsyncIterator[Manager]:
+    config = ServeConfig(endpoints=Endpoints.ipc(runtime_dir), state_dir=runtime_dir / "state", **{**FAST, **overrides})
+    stop = asyncio.Event()
+    async with Manager(config) as mgr:
+        runner = asyncio.create_task(mgr.run(stop), name="test-manager")
+        await asyncio.sleep(0)
+        try:
+            yield mgr
+        finally:
+            stop.set()
+            await runner
+
+
+@contextlib.contextmanager
+def training(manager: Manager, steps: int = 2000) -> Iterator[SimConfig]:
+    """A simulated two-stage job feeding bubbles to ``cpu:0`` (and ``cpu:1``) until the block ends."""
+    config = SimConfig(endpoint=manager.config.endpoints.events, steps=steps, forward_s=0.005, backward_s=0.010)
+    sim = SimPipeline(config).start()
+    try:
+        yield config
+    finally:
+        sim.terminate()
+
+
+def submit(manager: Manager, target: str, device: str = "cpu:0", **kw: Any) -> p.Submitted:
+    options = kw.pop("options", {})
+    reply = manager.submit(p.TaskSpec(kind="iterative", target=target, device=device, options=options, **kw))
+    assert isinstance(reply, p.Submitted), reply
+    return reply
+
+
+def declare(manager: Manager, spare: int = 1 << 30) -> None:
+    for stage in range(2):
+        manager.declare_device(f"cpu:{stage}", stage=stage, spare_memory=spare, cpu_affinity=[stage])
+
+
+async def test_a_hung_step_is_detected_and_restarted_while_a_healthy_task_keeps_stepping(
+    runtime_dir: Path, tmp_path: Path
+) -> None:
+    marker = tmp_path / "hung"
+    async with serving(runtime_dir) as manager:
+        declare(manager)
+        hung = submit(manager, "_liveness_tasks:HangOnce", options={"step_ms": 1.0, "marker": str(marker)})
+        healthy = submit(manager, "_tasks:SpinSteps", options={"step_ms": 1.0})
+        h, ok = manager.tasks[hung.task_id], manager.tasks[healthy.task_id]
+        await wait_until(lambda: h.state == ok.state == "running", 60, "both tasks set up")
+        with training(manager):
+            await wait_until(marker.exists, 60, "the step that hangs")
+            before = ok.steps
+            await wait_until(lambda: h.hangs == 1, 10, "the hang to be detected")
+            assert "step hung" in h.error
+            # the healthy task had the bubbles to itself meanwhile (the hung one got no grant)
+            assert ok.steps > before
+            await wait_until(lambda: h.state == "running" and h.restarts == 1, 60, "the restart")
+            assert h.checkpointed_steps > 0  # it restarted from there, not from scratch
+            resumed = h.steps
+            await wait_until(lambda: h.steps > resumed + 10, 60, "the restarted task to step")
+        assert ok.restarts == 0 and ok.hangs == 0
+
+
+async def test_cancelling_a_hung_task_answers_at_once(runtime_dir: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "hung"
+    # the detector stays out of it: only the cancel stops the task
+    async with serving(runtime_dir, hang_after_s=600.0, stop_timeout_s=1.0) as manager:
+        declare(manager)
+        reply = submit(manager, "_liveness_tasks:HangOnce", options={"step_ms": 1.0, "marker": str(marker)})
+        task = manager.tasks[reply.task_id]
+        await wait_until(lambda: task.state == "running", 60, "setup")
+        with training(manager):
+            await wait_until(marker.exists, 60, "the step that hangs")
+        endpoint = manager.config.endpoints.control
+
+        def cancel_then_status() -> tuple[p.ControlReply, p.ControlReply, float]:
+            with ControlClient(endpoint, timeout_s=5.0) as client:
+                t0 = time.monotonic()
+                cancelled = client.request(p.Cancel(task_id=reply.task_id))
+                answered = client.request(p.StatusRequest())
+                return cancelled, answered, time.monotonic() - t0
+
+        cancelled, answered, took = await asyncio.to_thread(cancel_then_status)
+        assert cancelled == p.Cancelled(task_id=reply.task_id)
+        assert isinstance(answered, p.StatusReply)
+        # the worker will not checkpoint: its stop takes stop_timeout_s and more, the answers did not
+        assert took < 0.5, took
+        await wait_until(lambda: task.state == "cancelled", 20, "the stop, in the background")
+
+
+async def test_a_task_whose_checkpoint_fits_no_bubble_loses_at_most_the_bound_to_sigkill(
+    runtime_dir: Path, tmp_path: Path
+) -> None:
+    count, restored = tmp_path / "count", tmp_path / "restored"
+    bound = 20
+    async with serving(runtime_dir, max_loss_steps=bound) as manager:
+        declare(manager)
+        reply = submit(
+            manager,
+            "_liveness_tasks:SlowCheckpoint",
+            options={"step_ms": 1.0, "save_ms": 300.0, "count_file": str(count), "restored_file": str(restored)},
+        )
+        task = manager.tasks[reply.task_id]
+        await wait_until(lambda: task.state == "running", 60, "setup")
+        with training(manager):
+            # a 300 ms save fits no bubble here (they last tens of ms): only forced ones happen
+            await wait_until(lambda: task.checkpointed_steps >= 2 * bound, 60, "checkpoints forced by the bound")
+            assert task.status().max_loss_steps == bound
+            os.kill(task.pid, signal.SIGKILL)
+            await wait_until(restored.exists, 60, "the restart from the checkpoint")
+        lost = int(count.read_text()) - int(restored.read_text())
+        assert 0 <= lost <= bound, lost
+
+
+class _Restarts(Observer):
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, float, float]] = []
+
+    def task_status(self, status: p.TaskStatus) -> None:
+        if status.restarts and (not self.seen or self.seen[-1][0] != status.restarts):
+            self.seen.append((status.restarts, status.backoff_s, time.monotonic()))
+
+
+async def test_restarts_back_off_exponentially_up_to_the_bound(runtime_dir: Path) -> None:
+    async with serving(runtime_dir) as manager:
+        restarts = _Restarts()
+        manager.observers.add(restarts)
+        declare(manager)
+        reply = submit(manager, "_liveness_tasks:CrashInSetup", max_restarts=4)
+        task = manager.tasks[reply.task_id]
+        await wait_until(lambda: task.state == "failed", 60, "the restarts to be spent")
+    assert [(n, backoff) for n, backoff, _ in restarts.seen] == [(1, 0.05), (2, 0.1), (3, 0.2), (4, 0.2)]
+    for (_, backoff, at), (_, _, next_at) in zip(restarts.seen, restarts.seen[1:], strict=False):
+        assert next_at - at >= backoff  # each restart waited its delay (a lower bound: not timing-flaky)
+
+
+async def test_a_task_without_a_declared_peak_is_still_capped_and_fails_alone(runtime_dir: Path) -> None:
+    async with serving(runtime_dir) as manager:
+        declare(manager, spare=256 << 20)  # what the device can spare: the cap of a task that declares none
+        hog = submit(manager, "_tasks:Hog", options={"mb": 800}, max_restarts=0)
+        good = submit(manager, "_tasks:SpinSteps", options={"step_ms": 1.0})
+        bad, ok = manager.tasks[hog.task_id], manager.tasks[good.task_id]
+        await wait_until(lambda: bad.state == ok.state == "running", 60, "setup")
+        assert bad.memory_cap == 256 << 20 and bad.memory_cap_by
+        with training(manager):
+            await wait_until(lambda: bad.state == "failed", 30, "the hog to fail")
+            steps = ok.steps
+            await wait_until(lambda: ok.steps > steps, 30, "the other task to keep stepping")
+        assert bad.error.startswith("MemoryError") or "memory cap" in bad.error, bad.error
+        assert ok.state == "running"
+
+
+async def test_a_task_that_imports_torch_after_the_cap_runs(runtime_dir: Path) -> None:
+    async with serving(runtime_dir) as manager:
+        declare(manager)
+        reply = submit(manager, "_liveness_tasks:LateTorch", peak_memory=256 << 20, max_restarts=0)
+        task = manager.tasks[reply.task_id]
+        with training(manager):
+            await wait_until(lambda: task.terminal, 90, "the task to finish")
+        assert task.state == "finished", task.error
