@@ -201,6 +201,26 @@ def _shown(text: str) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
+def _liveness_shown(t: p.TaskStatus) -> str:
+    """Restarts, hung steps, checkpoint and memory cap of a task ("" when there is nothing to say)."""
+    parts = []
+    if t.restarts:
+        parts.append(f"restarts {t.restarts} (the last after {t.backoff_s:g}s)")
+    if t.hangs:
+        parts.append(f"hung steps {t.hangs}")
+    if t.checkpointed_steps >= 0:
+        bounds = [f"{t.max_loss_steps} steps"] if t.max_loss_steps else []
+        bounds += [f"{format_ns(t.max_loss_ns)} of steps"] if t.max_loss_ns else []
+        bound = f"; a crash loses at most {' or '.join(bounds)}" if bounds else ""
+        unsaved = max(0, t.steps - t.checkpointed_steps)
+        parts.append(f"checkpoint at step {t.checkpointed_steps} ({unsaved} unsaved{bound})")
+    if t.checkpoint_error:
+        parts.append(f"checkpoint failing, retried: {_shown(t.checkpoint_error)}")
+    if t.memory_cap > 0:
+        parts.append(f"memory cap {t.memory_cap >> 20} MiB ({t.memory_cap_by})")
+    return "; ".join(parts)
+
+
 def format_status(status: p.StatusReply) -> str:
     lines = [
         f"{'device':10} {'stage':>5} {'alive':>5} {'bubbles':>8} {'bubble time':>12} {'used':>7} {'overruns':>8}"
@@ -225,6 +245,9 @@ def format_status(status: p.StatusReply) -> str:
             f"{format_ns(t.busy_ns):>10} {format_ns(t.interference_ns):>13} {_sm_shown(t.sm_share):>4}  {metrics}"
             f"{('  error: ' + _shown(t.error)) if t.error else ''}"
         )
+        liveness = _liveness_shown(t)
+        if liveness:
+            lines.append(f"{'':>4} {liveness}")
     lines.append("")
     lines.append(
         "used: side-task compute inside bubbles, as a share of bubble time; interference: side-task compute after"
