@@ -10,6 +10,16 @@
   libraries maps far more than it touches (CPython with torch: about 0.7 GiB), so
   the limit is the task's peak plus ``address_space_overhead``.
 
+  Where the manager can make cgroups (:mod:`freeride._cgroup`) the processes of a
+  CPU task are also capped together by the memory they use: an imperative
+  program at its peak plus 1/16, a worker at its use once set up plus its peak.
+  ``RLIMIT_AS`` stays on as the outer bound, so that a huge allocation fails
+  cleanly (``MemoryError``) rather than by the kernel's OOM kill.
+
+A task that declares no peak is capped by its device's spare memory less the
+peaks the other tasks there declared (see ``Supervisor._peak``): never uncapped
+where the spare memory is known.
+
 ``RLIMIT_AS`` is never used for a CUDA device: CUDA reserves a large virtual
 address range (unified addressing) at initialisation and fails with
 out-of-memory under a limit sized for real memory use.
