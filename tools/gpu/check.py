@@ -208,7 +208,7 @@ def section_mps(config: CheckConfig) -> str:
         pipe_dir = daemon.pipe_dir
         lines.append(f"- MPS daemon started with a private pipe directory ({pipe_dir})")
     try:
-        cap = 256 << 20
+        cap = 1 << 30  # well above a CUDA context's own allocations, which the MPS limit counts
         plan = plan_memory_cap(device, cap, mps_pipe_dir=pipe_dir, total_bytes=-1)
         lines.append(f"- memory cap {cap >> 20} MiB by `{plan.mechanism}`")
         env = {**os.environ, **plan.env}
@@ -233,7 +233,7 @@ def section_mps(config: CheckConfig) -> str:
             preexec_fn=limited,
         )
         under = subprocess.run(
-            [sys.executable, "-c", _ALLOC, kind, str((cap >> 20) // 4)],
+            [sys.executable, "-c", _ALLOC, kind, str((cap >> 20) // 16)],
             env=env,
             capture_output=True,
             text=True,
@@ -248,7 +248,7 @@ def section_mps(config: CheckConfig) -> str:
         lines += [
             f"- over-cap allocation ({4 * (cap >> 20)} MiB): `{over.stdout.strip() or over.stderr.strip()[-200:]}`"
             f" -> {'fails alone' if over_ok else 'DID NOT FAIL'}",
-            f"- under-cap allocation ({(cap >> 20) // 4} MiB): `{under.stdout.strip()}`",
+            f"- under-cap allocation ({(cap >> 20) // 16} MiB): `{under.stdout.strip()}`",
             f"- training beside it: exit {trainer.returncode}, {steps}/20 steps -> {'goes on' if train_ok else 'HURT'}",
         ]
         share, sm_env = plan_sm_share("cuda:0", 25, mps_pipe_dir=pipe_dir or tmp / "pipe")
