@@ -30,6 +30,7 @@ stand-in for the few event and stream calls used (:class:`DeviceApi`).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
@@ -274,6 +275,9 @@ class DeviceTimeline:
         self._cal_at_ns = 0
         self._thread = threading.Thread(target=self._loop, name="freeride-device-timeline", daemon=True)
         self._thread.start()
+        # registered after the session's own: runs first at exit, so the helper thread
+        # has finished with the socket before the session says goodbye on it
+        atexit.register(self.close)
 
     # ------------------------------------------------------- training thread
     def _event(self) -> DeviceEvent:
@@ -346,6 +350,7 @@ class DeviceTimeline:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.close)
         self._put(_STOP)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
