@@ -35,6 +35,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
+
 from backends.predict import BubblePredictor
 from backends.schedule import Action, Durations, Groups, Kind, Schedule, bubbles, simulate
 from freeride.profile import StepRecord, WaitRecord
@@ -80,9 +82,13 @@ class _DevicePlace:
     """A place whose waits the device is still timing."""
 
     key: Hashable
+    learn: bool
+    """A step to learn from (valid, not warm-up)."""
     pending: int = 0
     total_ns: int = 0
     flushed: bool = False
+    record: tuple[list[WaitRecord], int] | None = None
+    """Where the place's :class:`WaitRecord` is, to get the device's duration."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -316,8 +322,8 @@ class StepTracker:
             if self._device is not None:
                 st.place_serial = self._serial
                 self._serial += 1
-                if st.valid and not st.warm:
-                    self._device_places[st.place_serial] = _DevicePlace(key=self._predictor_key(st, key))
+                learn = st.valid and not st.warm
+                self._device_places[st.place_serial] = _DevicePlace(key=self._predictor_key(st, key), learn=learn)
         remaining = st.place_expected - st.place_waited
         announce = st.valid and not st.warm and remaining >= max(self._min_ns, 1)
         if announce and self._settle is not None:
@@ -369,8 +375,12 @@ class StepTracker:
     def _learn_device(self, serial: int, place: _DevicePlace) -> None:
         if place.flushed and place.pending <= 0:
             del self._device_places[serial]
-            self.predictor.observe(place.key, place.total_ns)
-            self._waits.append(place.total_ns)
+            if place.learn:
+                self.predictor.observe(place.key, place.total_ns)
+                self._waits.append(place.total_ns)
+            if place.record is not None:  # the step's record (profile mode) gets the device's duration
+                waits, i = place.record
+                waits[i] = msgspec.structs.replace(waits[i], duration_ns=place.total_ns)
 
     @staticmethod
     def _next(st: _Step) -> Action | None:
@@ -385,12 +395,7 @@ class StepTracker:
     def _flush_place(self, st: _Step) -> None:
         if st.place is None:
             return
-        if self._device is not None:
-            place = self._device_places.get(st.place_serial)
-            if place is not None:  # learnt from once the device has timed all its waits
-                place.flushed = True
-                self._learn_device(st.place_serial, place)
-        elif st.valid and not st.warm:
+        if self._device is None and st.valid and not st.warm:
             self.predictor.observe(self._predictor_key(st, st.place), st.place_waited)
             self._waits.append(st.place_waited)
         st.waits.append(
@@ -398,6 +403,11 @@ class StepTracker:
                 key=st.place, offset_ns=st.place_start, duration_ns=st.place_waited, expected_ns=st.place_expected
             )
         )
+        place = self._device_places.get(st.place_serial) if self._device is not None else None
+        if place is not None:  # learnt from, and recorded, once the device has timed all its waits
+            place.flushed = True
+            place.record = (st.waits, len(st.waits) - 1)
+            self._learn_device(st.place_serial, place)
         st.place, st.place_start, st.place_waited, st.place_expected = None, -1, 0, -1
 
     def _expect(self, st: _Step, place: str) -> int:

@@ -20,6 +20,7 @@ from backends.schedule import one_f_one_b
 from backends.session import BackendConfig, BackendSession
 from backends.tracker import StepPlan, StepTracker
 from freeride import protocol as p
+from freeride.profile import StepRecord
 from freeride.transport import EventEmitter
 
 MS = 1_000_000
@@ -175,7 +176,8 @@ def test_tracker_learns_device_waits_where_the_host_does_not_wait() -> None:
     """Stage 1 of a 2-stage 1F1B: each receive returns to the host at once, the device waits 20 ms."""
     timeline, recorder, gpu = _timeline()
     host = [1_000 * MS]
-    tracker = StepTracker(timeline, clock=lambda: host[0], device=timeline)
+    records: list[StepRecord] = []
+    tracker = StepTracker(timeline, clock=lambda: host[0], device=timeline, on_step=records.append)
     plan = StepPlan(schedule=one_f_one_b(2, 4), stage=1, merge_tail=True)
     device_ms = 0.0
     try:
@@ -203,3 +205,6 @@ def test_tracker_learns_device_waits_where_the_host_does_not_wait() -> None:
     assert last and last[0].expected_ns == pytest.approx(20 * MS, rel=0.02)
     ended = [e for e in recorder.of(p.BubbleEnded) if isinstance(e, p.BubbleEnded)]
     assert all(e.duration_ns == pytest.approx(20 * MS, rel=0.02) for e in ended)
+    # the step records (profile mode) get the device's waits once they are timed
+    first = records[1].waits[0]
+    assert first.key == "1F0" and first.duration_ns == pytest.approx(20 * MS, rel=0.02)
