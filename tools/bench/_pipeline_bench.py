@@ -420,7 +420,7 @@ def bench(
     job reports no CPU time per step, if it does not. ``serve_args`` and ``submit_args`` are added to
     ``freeride serve`` and each ``freeride submit`` (``--mps``, ``--sm-share 50``).
     """
-    load_before = os.getloadavg()[0]
+    load_before, started = os.getloadavg()[0], time.strftime("%Y-%m-%d %H:%M %Z")
     runtime = Path(tempfile.mkdtemp(prefix="frbench-", dir="/tmp"))
     endpoints = Endpoints.ipc(runtime)
     serve: subprocess.Popen[bytes] | None = None
@@ -453,7 +453,7 @@ def bench(
         section = Section(
             title=job.title,
             command=command,
-            date=time.strftime("%Y-%m-%d %H:%M %Z"),
+            date=f"started {started}",
             load=f"{load_before:.2f} -> {os.getloadavg()[0]:.2f}",
             training=job.shown(options.steps),
             task_target=task.target,
