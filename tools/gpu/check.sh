@@ -10,12 +10,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
-LIMIT_S=${FREERIDE_CHECK_LIMIT_S:-590}
-
 dry=0
+two=0
 for arg in "$@"; do
     [[ $arg == --dry-run ]] && dry=1
+    [[ $arg == --two-gpu ]] && two=1
 done
+# one GPU: under 10 minutes; the real two-GPU pipelines come on top
+LIMIT_S=${FREERIDE_CHECK_LIMIT_S:-$((two == 1 ? 1500 : 590))}
 
 if [[ $dry == 1 ]]; then
     PY=${PYTHON:-$ROOT/.venv/bin/python}
