@@ -165,9 +165,9 @@ class Stage:
             loss.backward()
         return start, self.dev.mark()
 
-    def step(self, number: int, *, waits: bool) -> tuple[float, float]:
-        """One training step; returns its time and the stage's compute time, in ms."""
-        self.tracker.begin_step(self.plan, number=number)
+    def step(self, *, waits: bool) -> float:
+        """One training step; returns the stage's compute time in it, in ms."""
+        self.tracker.begin_step(self.plan)  # numbered by the tracker: calibration steps count too
         outputs: dict[int, torch.Tensor] = {}
         marks: list[tuple[str, Any, Any]] = []
         for action in self.plan.actions:
@@ -187,7 +187,7 @@ class Stage:
             (self.forward_ns if kind == "F" else self.backward_ns).append(ns)
             self.tracker.record_compute("F" if kind == "F" else "B", ns)
         self.tracker.end_step()
-        return 0.0, compute / 1e6
+        return compute / 1e6
 
     def _wait(self, seconds: float) -> None:
         self.tracker.wait_started()
@@ -196,8 +196,8 @@ class Stage:
 
     def calibrate(self) -> None:
         """Run a step without waits; the neighbours' compute times are this stage's."""
-        self.step(-1, waits=False)
-        self.step(-1, waits=False)
+        self.step(waits=False)
+        self.step(waits=False)
         f = statistics.median(self.forward_ns) / 1e9
         b = statistics.median(self.backward_ns) / 1e9
         priors = schedule_priors(
@@ -220,8 +220,8 @@ class Stage:
         if self.timeline is not None:
             out["accuracy"] = self.timeline.accuracy.summary()
         else:
-            errors = [w.expected_ns - w.duration_ns for r in self.records for w in r.waits if w.expected_ns >= 0]
-            announced = [e for r in self.records for w in r.waits if w.expected_ns >= _MIN_BUBBLE_NS for e in [w]]
+            announced = [w for r in self.records for w in r.waits if w.expected_ns >= _MIN_BUBBLE_NS]
+            errors = [w.expected_ns - w.duration_ns for w in announced]
             out["accuracy"] = {
                 "announced": float(len(announced)),
                 "waits": float(sum(len(r.waits) for r in self.records)),
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         step_ns: list[int] = []
         last = time.perf_counter_ns()
         for i in range(args.steps):
-            _, compute_ms = stage.step(i, waits=True)
+            compute_ms = stage.step(waits=True)
             now = time.perf_counter_ns()
             step_ns.append(now - last)
             last = now
