@@ -11,15 +11,16 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, get_args
 
 import msgspec
 
+from freeride import auth
 from freeride import protocol as p
 from freeride.serve.config import ServeConfig
-from freeride.transport import ControlClient, Endpoints, ManagerUnreachable, default_runtime_dir
+from freeride.transport import ControlClient, Endpoints, ManagerUnreachable, curve_keypair, default_runtime_dir
 from freeride.units import format_ns, parse_bytes, parse_duration_ns
 
 if TYPE_CHECKING:
@@ -57,11 +58,44 @@ def _add_runtime(sub: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help=f"where the manager's sockets live (default {default_runtime_dir()}); must match `freeride serve`",
     )
-    sub.add_argument("--tcp", metavar="HOST:PORT", help="use tcp:// (events on PORT, control on PORT+1) instead of ipc")
+    sub.add_argument(
+        "--tcp",
+        metavar="HOST:PORT",
+        help="use tcp:// (events on PORT, control on PORT+1) instead of ipc; needs CURVE keys (`freeride keys`)",
+    )
+    sub.add_argument(
+        "--keys-dir",
+        metavar="DIR",
+        help=f"CURVE keys for --tcp (default ${auth.KEYS_ENV} or {auth.default_keys_dir()}); see `freeride keys`",
+    )
+
+
+def _keys_dir(args: argparse.Namespace) -> Path:
+    return Path(args.keys_dir) if getattr(args, "keys_dir", None) else auth.default_keys_dir()
+
+
+def _export_keys_dir(args: argparse.Namespace, env: MutableMapping[str, str]) -> None:
+    """Let child processes' event emitters find the keys of --keys-dir (they read the default place)."""
+    if getattr(args, "keys_dir", None):
+        env[auth.KEYS_ENV] = str(Path(args.keys_dir).resolve())
 
 
 def _control(args: argparse.Namespace) -> ControlClient:
-    return ControlClient(_endpoints(args).control, timeout_s=args.timeout)
+    endpoint = _endpoints(args).control
+    curve = auth.load_client_keys(_keys_dir(args)) if endpoint.startswith("tcp://") else None
+    return ControlClient(endpoint, timeout_s=args.timeout, curve=curve)
+
+
+# -- keys ------------------------------------------------------------------------
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    keys_dir = _keys_dir(args)
+    auth.create_keys(keys_dir, keypair=curve_keypair, force=args.force)
+    print(f"freeride: CURVE keys written to {keys_dir} (mode 0700)")
+    print("  serve --tcp and clients on this host use them; for another host copy the directory (keep it 0700)")
+    print(f"  more clients: put their public *.key files in {keys_dir / 'authorized'}")
+    return 0
 
 
 # -- serve ---------------------------------------------------------------------
@@ -84,6 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         trace=Path(args.trace) if args.trace else None,
         metrics_port=args.metrics_port,
         side_priority=args.side_priority,
+        keys_dir=_keys_dir(args) if getattr(args, "tcp", None) else None,
     )
 
     async def serve() -> None:
@@ -189,16 +224,16 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 2
 
 
-def _sm_shown(percent: int) -> str:
-    return f"{percent}%" if percent > 0 else "-"
-
-
 def _shown(text: str) -> str:
     """``text`` with control characters escaped: names and errors come from other processes,
     and an escape sequence printed raw would drive the reader's terminal."""
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def _sm_shown(percent: int) -> str:
+    return f"{percent}%" if percent > 0 else "-"
 
 
 def _liveness_shown(t: p.TaskStatus) -> str:
@@ -326,6 +361,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if not args.command:
         raise SystemExit("freeride: give the training command after --, e.g. freeride launch -- torchrun ...")
     env = launch_env(os.environ, events=_endpoints(args).events)
+    _export_keys_dir(args, env)
     path = _find_command(args.command, env)
     try:
         os.execve(path, list(args.command), env)
@@ -342,6 +378,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise SystemExit("freeride: give the training command after --")
     with tempfile.TemporaryDirectory(prefix="freeride-profile-") as tmp:
         env = launch_env(os.environ, events=_endpoints(args).events, mode="profile", profile_dir=Path(tmp))
+        _export_keys_dir(args, env)
         _find_command(args.command, env)
         code = subprocess.call(list(args.command), env=env)
         if code != 0:
@@ -373,6 +410,7 @@ def _sim_config(args: argparse.Namespace, endpoint: str) -> SimConfig:
 def cmd_sim(args: argparse.Namespace) -> int:
     from backends.sim import SimPipeline
 
+    _export_keys_dir(args, os.environ)  # the simulated ranks' emitters read it
     with SimPipeline(_sim_config(args, _endpoints(args).events)) as sim:
         results = sim.join()
     for r in results:
@@ -475,6 +513,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(fn=cmd_report)
 
+    s = subs.add_parser(
+        "keys",
+        help="make CURVE keys for --tcp (server, client, authorized clients)",
+        description="Write a server and a client CURVE key pair into a private keys directory (see docs/security.md).",
+    )
+    s.add_argument("--keys-dir", metavar="DIR", help=f"where (default ${auth.KEYS_ENV} or {auth.default_keys_dir()})")
+    s.add_argument("--force", action="store_true", help="replace existing keys (clients then need the new ones)")
+    s.set_defaults(fn=cmd_keys)
+
     s = subs.add_parser("cancel", help="cancel a side task (it checkpoints first)")
     _add_runtime(s)
     s.add_argument("task_id", type=int)
@@ -539,6 +586,9 @@ def _run(argv: Sequence[str] | None) -> int:
     except ManagerUnreachable as exc:
         print(f"freeride: {exc}", file=sys.stderr)
         return 3
+    except auth.Refused as exc:
+        print(f"freeride: {exc}", file=sys.stderr)
+        return 2
     except ValueError as exc:
         print(f"freeride: {exc}", file=sys.stderr)
         return 2

@@ -34,8 +34,10 @@ from typing import Generic, TypeVar
 import msgspec
 import zmq
 import zmq.asyncio
+import zmq.utils.z85
 
 from freeride import protocol as p
+from freeride.auth import CurveClientKeys, CurveServerKeys, KeysMissing, default_keys_dir, load_client_keys
 
 __all__ = [
     "MAX_IPC_PATH",
@@ -48,9 +50,12 @@ __all__ = [
     "ManagerUnreachable",
     "WorkerHub",
     "WorkerLink",
+    "ZapHandler",
+    "curve_keypair",
     "default_runtime_dir",
     "new_async_context",
     "worker_identity",
+    "zap_verdict",
 ]
 
 logger = logging.getLogger(__name__)
@@ -118,6 +123,18 @@ class Endpoints:
             workers=f"ipc://{runtime_dir}/workers",
         )
 
+    def tcp_endpoints(self) -> list[str]:
+        """The endpoints on tcp: these need CURVE keys."""
+        return [a for a in (self.events, self.control, self.workers) if a.startswith("tcp://")]
+
+    def socket_dirs(self) -> list[Path]:
+        """Directories of the ipc socket files (kept private); the workers' first, where the serve lock lives."""
+        dirs: list[Path] = []
+        for addr in (self.workers, self.events, self.control):
+            if addr.startswith("ipc://") and (d := Path(addr[6:]).parent) not in dirs:
+                dirs.append(d)
+        return dirs
+
 
 def default_runtime_dir() -> Path:
     """``$XDG_RUNTIME_DIR/freeride`` if that exists, else ``<tmp>/freeride-<uid>``."""
@@ -130,6 +147,104 @@ def default_runtime_dir() -> Path:
 def new_async_context() -> zmq.asyncio.Context:
     """A fresh context for one process's async sockets (never the global instance)."""
     return zmq.asyncio.Context()
+
+
+# --------------------------------------------------------------------------
+# who may connect (see docs/security.md)
+# --------------------------------------------------------------------------
+
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+_ZAP_DOMAIN = b"freeride"
+
+
+def curve_keypair() -> tuple[bytes, bytes]:
+    """A new CURVE key pair, ``(public, secret)`` as Z85 text (for :func:`freeride.auth.create_keys`)."""
+    if not zmq.has("curve"):
+        raise KeysMissing("this libzmq has no CURVE support; install pyzmq's wheel (built with libsodium)")
+    public, secret = zmq.curve_keypair()
+    return public, secret
+
+
+def _guard_server(sock: zmq.asyncio.Socket, endpoint: str, curve: CurveServerKeys | None) -> None:
+    # With a ZAP domain set, every connection, NULL (ipc) or CURVE (tcp), waits for the
+    # ZapHandler's verdict; the manager binds that handler before any of its sockets.
+    sock.setsockopt(zmq.ZAP_DOMAIN, _ZAP_DOMAIN)
+    if endpoint.startswith("tcp://"):
+        if curve is None:
+            raise KeysMissing(
+                f"{endpoint}: tcp endpoints need CURVE keys; run `freeride keys` and serve with --keys-dir"
+            )
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
+
+
+def _guard_client(sock: zmq.Socket[bytes], endpoint: str, curve: CurveClientKeys | None) -> None:
+    if endpoint.startswith("tcp://"):
+        keys = curve if curve is not None else load_client_keys(default_keys_dir())
+        sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+
+
+def zap_verdict(
+    mechanism: bytes, address: bytes, credentials: list[bytes], *, uid: int, curve_clients: frozenset[bytes]
+) -> str | None:
+    """Why a connection is refused, or ``None`` to let it in.
+
+    CURVE (tcp): the client's public key must be one of ``curve_clients``.
+    NULL (ipc): the peer's uid, which libzmq reads with ``SO_PEERCRED`` and
+    appends to the address as ``:uid:gid:pid``, must be ``uid``; no
+    credentials (another platform, or NULL over tcp) means no entry.
+    """
+    if mechanism == b"CURVE":
+        known = len(credentials) == 1 and len(credentials[0]) == 32
+        return None if known and zmq.utils.z85.encode(credentials[0]) in curve_clients else "unknown CURVE client key"
+    if mechanism == b"NULL":
+        parts = address.rsplit(b":", 3)
+        if len(parts) == 4 and parts[1].isdigit():
+            peer = int(parts[1])
+            return None if peer == uid else f"peer uid {peer} is not the manager's (uid {uid})"
+        return f"no peer credentials on {address!r}"
+    return f"mechanism {mechanism!r} not accepted"
+
+
+class ZapHandler:
+    """Answers libzmq's authentication requests (ZAP, RFC 27) for one context's sockets.
+
+    Must be bound before the sockets it guards: libzmq lets a connection in
+    unchecked when a socket has a ZAP domain but no handler is bound.
+    """
+
+    def __init__(self, ctx: zmq.asyncio.Context, *, curve_clients: frozenset[bytes] = frozenset()) -> None:
+        self._uid = os.getuid()
+        self._clients = curve_clients
+        self.refused = 0
+        """Connections refused so far."""
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(_ZAP_ENDPOINT)
+        self._sock: zmq.asyncio.Socket | None = sock
+
+    async def serve(self) -> None:
+        """Answer requests until cancelled."""
+        while self._sock is not None:
+            frames = await self._sock.recv_multipart()
+            # [peer, "", version, request id, domain, address, identity, mechanism, credentials...]
+            if len(frames) < 8 or frames[1] != b"" or frames[2] != b"1.0":
+                continue  # not from libzmq: nothing sensible to answer
+            ident, request_id, address, mechanism = frames[0], frames[3], frames[5], frames[7]
+            reason = zap_verdict(mechanism, address, frames[8:], uid=self._uid, curve_clients=self._clients)
+            if reason is not None:
+                self.refused += 1
+                if self.refused <= 10 or self.refused % 1000 == 0:
+                    logger.warning("[auth] refused a %s connection from %r: %s", mechanism.decode(), address, reason)
+            code, text = (b"200", b"OK") if reason is None else (b"400", reason.encode())
+            await self._sock.send_multipart([ident, b"", b"1.0", request_id, code, text, b"", b""])
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -156,7 +271,7 @@ class EventEmitter:
     child's copy goes silent instead of touching the parent's socket.
     """
 
-    def __init__(self, endpoint: str, *, sndhwm: int = 1024) -> None:
+    def __init__(self, endpoint: str, *, sndhwm: int = 1024, curve: CurveClientKeys | None = None) -> None:
         self.endpoint = endpoint
         self.sent = 0
         self.dropped = 0
@@ -169,8 +284,14 @@ class EventEmitter:
         sock.setsockopt(zmq.SNDHWM, sndhwm)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.connect(endpoint)
         self._sock: zmq.Socket[bytes] | None = sock
+        try:
+            _guard_client(sock, endpoint, curve)
+        except KeysMissing as exc:  # never raise into the training job: go silent, say why once
+            logger.error("[emit] cannot authenticate to %s, events are dropped: %s", endpoint, exc)
+            self.close()
+            return
+        sock.connect(endpoint)
 
     def emit(self, event: p.BackendEvent) -> bool:
         """Send ``event`` if the manager can take it now; count a drop otherwise."""
@@ -273,8 +394,11 @@ class _AsyncOwner(Generic[_M]):
 class EventReceiver(_AsyncOwner[p.BackendEvent]):
     """The manager's PULL socket for backend events."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, rcvhwm: int = 100_000) -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, endpoint: str, *, rcvhwm: int = 100_000, curve: CurveServerKeys | None = None
+    ) -> None:
         sock = ctx.socket(zmq.PULL)
+        _guard_server(sock, endpoint, curve)
         sock.setsockopt(zmq.RCVHWM, rcvhwm)
         sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_EVENT_FRAME)
         sock.bind(endpoint)
@@ -323,6 +447,7 @@ class WorkerHub(_RouterOwner[p.WorkerToManager]):
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
         sock = ctx.socket(zmq.ROUTER)
+        _guard_server(sock, endpoint, None)  # always ipc: the peer-uid check
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_WORKER_FRAME)
         sock.bind(endpoint)
@@ -335,8 +460,9 @@ class WorkerHub(_RouterOwner[p.WorkerToManager]):
 class ControlServer(_RouterOwner[p.ControlRequest]):
     """The manager's ROUTER for control clients."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, curve: CurveServerKeys | None = None) -> None:
         sock = ctx.socket(zmq.ROUTER)
+        _guard_server(sock, endpoint, curve)
         sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_CONTROL_FRAME)
         sock.bind(endpoint)
         super().__init__(sock, msgspec.msgpack.Decoder(p.ControlRequest))
@@ -402,12 +528,22 @@ class WorkerLink(_AsyncOwner[p.ManagerToWorker]):
 class ControlClient:
     """Request/reply to a manager's control endpoint, with a deadline per call."""
 
-    def __init__(self, endpoint: str, *, timeout_s: float = 5.0) -> None:
+    def __init__(self, endpoint: str, *, timeout_s: float = 5.0, curve: CurveClientKeys | None = None) -> None:
+        """Connect to ``endpoint``; a tcp one with ``curve``, or the keys in :func:`~freeride.auth.default_keys_dir`.
+
+        Raises:
+            KeysMissing: a tcp endpoint and no CURVE keys.
+        """
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = zmq.Context()
         self._sock: zmq.Socket[bytes] | None = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            _guard_client(self._sock, endpoint, curve)
+        except KeysMissing:
+            self.close()
+            raise
         self._sock.connect(endpoint)
         self._decoder: msgspec.msgpack.Decoder[p.ControlReply] = msgspec.msgpack.Decoder(p.ControlReply)
 

@@ -41,6 +41,8 @@ class ServeConfig:
     """Serve Prometheus metrics on this port (127.0.0.1); 0 picks a free one."""
     side_priority: p.SidePriority = "low"
     """CPU priority of side tasks: ``low`` (nice 19, the default) or ``same`` as the stage (GPU-faithful on CPU)."""
+    keys_dir: Path | None = None
+    """CURVE keys of ``freeride keys``; required when an endpoint is tcp (see docs/security.md)."""
     hang_after_s: float = 10.0
     """A grant not given back this long after its bubble's end (and ``hang_factor`` step estimates) is a hung step."""
     hang_factor: float = 10.0
@@ -72,6 +74,11 @@ class ServeConfig:
             raise ValueError(f"max_loss_s must be >= 0, got {self.max_loss_s}")
         if self.max_loss_steps < 0:
             raise ValueError(f"max_loss_steps must be >= 0, got {self.max_loss_steps}")
+        if self.keys_dir is None and self.endpoints.tcp_endpoints():
+            raise ValueError(
+                f"keys_dir: {', '.join(self.endpoints.tcp_endpoints())} need CURVE keys (any local user can reach a tcp"
+                " port); run `freeride keys` and pass its directory"
+            )
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         if self.side_priority not in get_args(p.SidePriority):

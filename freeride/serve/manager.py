@@ -26,6 +26,7 @@ from typing import assert_never
 import msgspec
 
 from freeride import protocol as p
+from freeride.auth import CurveServerKeys, ServeLock, ensure_private_dir, load_server_keys
 from freeride.gpu.mps import MpsDaemon
 from freeride.gpu.nvml import NvmlMonitor
 from freeride.observe.base import Observers
@@ -40,6 +41,7 @@ from freeride.transport import (
     ControlServer,
     EventReceiver,
     WorkerHub,
+    ZapHandler,
     new_async_context,
 )
 
@@ -78,6 +80,8 @@ class Manager:
         self._hub: WorkerHub | None = None
         self._control: ControlServer | None = None
         self._closed = False
+        self._lock: ServeLock | None = None
+        self._zap: ZapHandler | None = None
         self._nvml: NvmlMonitor | None = None
         self._mps: MpsDaemon | None = None
         self.observers = Observers()
@@ -97,23 +101,36 @@ class Manager:
 
     # -- lifetime -------------------------------------------------------------
 
-    async def __aenter__(self) -> Manager:
-        for d in (self.config.state_dir, self.config.log_dir, self.config.checkpoint_dir):
+    def _claim_dirs(self) -> CurveServerKeys | None:
+        """Private socket directories and the serve lock, before any socket file is touched.
+
+        See docs/security.md: a directory planted by another user is refused,
+        and so is a runtime directory another manager serves.
+        """
+        for i, d in enumerate(self.config.endpoints.socket_dirs()):
+            ensure_private_dir(d)
+            if i == 0:
+                self._lock = ServeLock(d)
+                self._lock.acquire()
+        ensure_private_dir(self.config.state_dir, what="state dir", strict=False)
+        for d in (self.config.log_dir, self.config.checkpoint_dir):
             d.mkdir(parents=True, exist_ok=True)
-        for addr in (
-            self.config.endpoints.events,
-            self.config.endpoints.control,
-            self.config.endpoints.workers,
-        ):
+        for addr in (self.config.endpoints.events, self.config.endpoints.control, self.config.endpoints.workers):
             if addr.startswith("ipc://"):
-                path = addr[6:]
-                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)  # stale socket file of a manager that died
+                    os.unlink(addr[6:])  # stale socket file of a manager that died (we hold the lock)
+        if self.config.endpoints.tcp_endpoints() and self.config.keys_dir is not None:
+            return load_server_keys(self.config.keys_dir)
+        return None
+
+    async def __aenter__(self) -> Manager:
         try:
-            self._receiver = EventReceiver(self._ctx, self.config.endpoints.events)
+            curve = self._claim_dirs()
+            # the handler first: libzmq lets connections in unchecked while none is bound
+            self._zap = ZapHandler(self._ctx, curve_clients=curve.clients if curve else frozenset())
+            self._receiver = EventReceiver(self._ctx, self.config.endpoints.events, curve=curve)
             self._hub = WorkerHub(self._ctx, self.config.endpoints.workers)
-            self._control = ControlServer(self._ctx, self.config.endpoints.control)
+            self._control = ControlServer(self._ctx, self.config.endpoints.control, curve=curve)
             if self.config.trace is not None:
                 from freeride.observe.trace import TraceWriter
 
@@ -162,10 +179,12 @@ class Manager:
             await self._mps.quit()
         if self._nvml is not None:
             self._nvml.close()
-        for owner in (self._receiver, self._hub, self._control):
+        for owner in (self._receiver, self._hub, self._control, self._zap):
             if owner is not None:
                 owner.close()
         self._ctx.term()
+        if self._lock is not None:
+            self._lock.release()
         logger.info("[shutdown] manager: closed")
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
@@ -174,6 +193,8 @@ class Manager:
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
+                if self._zap is not None:
+                    tg.create_task(self._zap.serve(), name="manager-zap")
                 tg.create_task(self._events_loop(), name="manager-events")
                 tg.create_task(self._workers_loop(), name="manager-workers")
                 tg.create_task(self._control_loop(), name="manager-control")

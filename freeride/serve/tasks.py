@@ -260,9 +260,19 @@ async def spawn_worker(
     log_dir: Path,
     cpu_affinity: list[int],
     extra_env: Mapping[str, str] | None = None,
+    workdir: Path | None = None,
 ) -> asyncio.subprocess.Process:
-    """Start the worker process of an iterative task, in its own session."""
+    """Start the worker process of an iterative task, in its own session.
+
+    The worker runs in ``workdir`` (default ``STATE_DIR/tasks/NAME``, beside
+    ``log_dir``) under ``python -P``: nothing is imported from the manager's
+    working directory or the worker's own, only from ``PYTHONPATH`` and the
+    installed packages (a ``uvloop.py`` planted where ``serve`` was started
+    never runs).
+    """
     log_dir.mkdir(parents=True, exist_ok=True)
+    cwd = workdir if workdir is not None else log_dir.parent / "tasks" / record.name
+    cwd.mkdir(parents=True, exist_ok=True)
     env = _worker_env(os.environ, record.device, cpu_affinity)
     if extra_env:
         env.update(extra_env)
@@ -270,6 +280,7 @@ async def spawn_worker(
     try:
         return await asyncio.create_subprocess_exec(
             python,
+            "-P",  # no working directory on sys.path (Python >= 3.11)
             "-m",
             "freeride.worker",
             "--endpoint",
@@ -281,6 +292,7 @@ async def spawn_worker(
             stdout=log,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
+            cwd=cwd,
         )
     finally:
         log.close()

@@ -24,6 +24,7 @@ from freeride._procutil import bind_to_parent
 from freeride.gpu.streams import step_end_sync, use_side_stream
 from freeride.sidetask import IterativeTask, TaskContext, TaskStopped
 from freeride.transport import WorkerLink, new_async_context
+from freeride.worker.checkpoint import load_checkpoint
 from freeride.worker.gate import GrantGate
 
 __all__ = ["load_target", "main"]
@@ -62,9 +63,7 @@ def _save_checkpoint(task: IterativeTask, path: Path, steps: int) -> bool:
 def _load_checkpoint(task: IterativeTask, path: Path) -> int:
     if not path.is_file():
         return 0
-    import torch
-
-    saved = torch.load(path, weights_only=False)
+    saved = load_checkpoint(path)  # weights only: a planted pickle must not run code here
     task.load_state_dict(saved["state"])
     return int(saved["steps"])
 

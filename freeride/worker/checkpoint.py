@@ -1,0 +1,62 @@
+"""Loading side-task checkpoints without running code from them.
+
+A checkpoint is a pickle; loaded with ``torch.load(weights_only=False)`` it
+could run anything its writer wanted, as the manager's user. Checkpoints are
+therefore loaded with ``weights_only=True``: torch rebuilds only tensors,
+containers and plain values, plus the types declared here (numpy arrays,
+dtypes and scalars, and with them numpy's RNG states). A file with any other
+type is refused with :class:`UnsafeCheckpoint`; the task fails alone.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+__all__ = ["UnsafeCheckpoint", "load_checkpoint", "safe_types"]
+
+
+class UnsafeCheckpoint(RuntimeError):
+    """A checkpoint holds types outside :func:`safe_types` (or is no torch checkpoint at all)."""
+
+
+def safe_types() -> list[Any]:
+    """What a task's state may hold beyond torch's own allowlist (tensors, RNG states, plain values).
+
+    numpy arrays and scalars pickle as ``_reconstruct``/``scalar`` calls with a
+    dtype; ``np.random.get_state()`` is a tuple around an array. Python's
+    ``random.getstate()`` and numpy ``Generator`` states are plain values and
+    need nothing.
+    """
+    import numpy as np
+    import numpy.dtypes
+
+    # the functions arrays and scalars pickle through, wherever this numpy keeps them (numpy 2 moved them)
+    reconstruct, scalar = np.zeros(1).__reduce__()[0], np.float64(0).__reduce__()[0]
+    dtype_classes = [getattr(numpy.dtypes, name) for name in numpy.dtypes.__all__]
+    return [reconstruct, scalar, np.ndarray, np.dtype, *dtype_classes]
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """The saved ``{"steps": int, "state": dict}`` in ``path``, rebuilt from safe types only.
+
+    Raises:
+        UnsafeCheckpoint: the file asks for another type (a planted or foreign
+            pickle) or is not a checkpoint of a worker.
+    """
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(safe_types()):
+            saved = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch's message is a page of advice; the first line of its cause names the type
+        detail = next((line.strip() for line in str(exc).splitlines() if "got <" in line or "GLOBAL" in line), "")
+        raise UnsafeCheckpoint(
+            f"checkpoint {path} holds types a checkpoint may not ({detail or 'see the log'}); it was not loaded: "
+            "remove it if FreeRide did not write it, or declare the type in freeride.worker.checkpoint.safe_types"
+        ) from None
+    if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict) and isinstance(saved.get("steps"), int)):
+        raise UnsafeCheckpoint(f"checkpoint {path} is not a FreeRide worker checkpoint; remove it")
+    return saved
