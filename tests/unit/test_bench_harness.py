@@ -252,6 +252,13 @@ def test_with_figures_are_deltas(harness: ModuleType, report: ModuleType) -> Non
     assert result.flags == []
 
 
+def test_side_task_steps_are_listed_by_device(report: ModuleType) -> None:
+    runs = _runs(report, 0.0)
+    runs[1].task_steps = {"b@cpu:1": 7, "a@cpu:0": 3}  # by name, cpu:1's task would come first
+    text = report.render(_section(report, runs))
+    assert "| 3, 7 | left out |" in text
+
+
 def test_finished_or_idle_side_tasks_flag_the_run(harness: ModuleType, report: ModuleType) -> None:
     before = _reply([], [_task(1, "cpu:0", 10), _task(2, "cpu:1", 10), _task(3, "cpu:1", 1)])
     after = _reply(

@@ -135,10 +135,16 @@ def _share(part: float, whole: float) -> str:
     return f"{part / whole:.2%}".replace("%", " %")
 
 
+def _by_device(item: tuple[str, int]) -> tuple[str, str]:
+    """Sort key of ``name@device`` entries: by device, then name (the runs table lists counts in that order)."""
+    name, _, device = item[0].rpartition("@")
+    return device, name
+
+
 def _run_rows(runs: Sequence[RunResult]) -> list[str]:
     rows = [
         "| run | pair | kind | median step (ms) | CPU/step (ms) | bubble use | overruns | interference | "
-        "side-task steps | note |",
+        "side-task steps (by device) | note |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for i, r in enumerate(runs):
@@ -152,7 +158,7 @@ def _run_rows(runs: Sequence[RunResult]) -> list[str]:
                 if r.trained_ns > 0
                 else f"{r.interference_ns / 1e9:.2f} s"
             )
-            steps = ", ".join(f"{n}" for _, n in sorted(r.task_steps.items()))
+            steps = ", ".join(f"{n}" for _, n in sorted(r.task_steps.items(), key=_by_device))
         else:
             use = over = inter = steps = "-"
         note = "; ".join(r.flags) if r.flags else ("left out" if r.role == "warmup" else "")
@@ -280,7 +286,7 @@ def render(section: Section) -> str:
         else "| bubble time used by side-task steps | no bubbles seen | >= 85 % |",
         f"| side-task steps past a bubble's end | {overrun / 1e9:.2f} s in all | |",
         f"| side-task throughput | {sum(steps_by_task.values()) / train_s:.1f} steps/s "
-        f"({', '.join(f'{d}: {n / train_s:.1f}' for d, n in sorted(steps_by_task.items()))}) | |"
+        f"({', '.join(f'{d}: {n / train_s:.1f}' for d, n in sorted(steps_by_task.items(), key=_by_device))}) | |"
         if train_s > 0
         else "| side-task throughput | no runs | |",
         f"| bubble start -> side-task step start | p50 {latency.p50_ns / 1e6:.2f} ms, "
