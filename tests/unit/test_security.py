@@ -109,9 +109,11 @@ def test_a_state_dir_may_be_readable_but_not_writable_by_others(tmp_path: Path) 
 
 
 def test_a_second_serve_lock_is_refused_naming_the_holder(tmp_path: Path) -> None:
-    with ServeLock(tmp_path):
-        with pytest.raises(ManagerRunning, match=rf"a manager \(pid {os.getpid()}\) already serves {tmp_path}"):
-            ServeLock(tmp_path).acquire()
+    held = ServeLock(tmp_path)
+    held.acquire()
+    with pytest.raises(ManagerRunning, match=rf"a manager \(pid {os.getpid()}\) already serves {tmp_path}"):
+        ServeLock(tmp_path).acquire()
+    held.release()
     with ServeLock(tmp_path):  # released: the next one may take it
         pass
 
@@ -154,7 +156,7 @@ def test_keys_in_a_dir_open_to_others_are_refused(tmp_path: Path) -> None:
 
 def test_tcp_endpoints_without_keys_are_refused_loopback_or_not(tmp_path: Path) -> None:
     for host in ("0.0.0.0", "127.0.0.1"):
-        with pytest.raises(ValueError, match="keys_dir: .* need CURVE keys"):
+        with pytest.raises(ValueError, match=r"keys_dir: .* need CURVE keys"):
             ServeConfig(endpoints=Endpoints.tcp(host, 5555, tmp_path), state_dir=tmp_path)
     ServeConfig(endpoints=Endpoints.tcp("0.0.0.0", 5555, tmp_path), state_dir=tmp_path, keys_dir=tmp_path)
 
