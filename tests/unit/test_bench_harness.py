@@ -391,8 +391,10 @@ def test_no_slowdown_when_the_side_tasks_never_ran(report: ModuleType) -> None:
 def test_few_pairs_are_not_judged_as_a_fact(report: ModuleType) -> None:
     runs = [r for r in _runs(report, 0.02) if r.pair < 2]
     text = report.render(_section(report, runs))
-    assert "| 2 | above (only 2 pairs: too few to judge by) |" in text
-    assert "Only 2 pairs: too few for the interval to be trusted." in text
+    assert "| 2 | not judged: only 2 pairs |" in text
+    assert "**No verdict: only 2 pairs counted, too few for an interval to judge by**" in text
+    assert "Verdict:" not in text
+    assert "By the training ranks' CPU time" not in text
     assert "No A/A pairs ran, so the noise floor is unknown." in text
 
 

@@ -120,8 +120,9 @@ def _estimate(pairs: list[tuple[float, float]]) -> Estimate | None:
 def _figure_row(name: str, est: Estimate | None, *, judged: bool, missing: str) -> str:
     if est is None:
         return f"| {name} | {missing} | | 0 | |"
-    few = f" (only {_pairs(est.n)}: too few to judge by)" if est.n < MIN_PAIRS else ""
-    judgement = f"{verdict(est)}{few}" if judged else ""
+    judgement = ""
+    if judged:
+        judgement = f"not judged: only {_pairs(est.n)}" if est.n < MIN_PAIRS else verdict(est)
     return f"| {name} | {_pct(est.median)} | {_pct(est.low)} .. {_pct(est.high)} | {est.n} | {judgement} |"
 
 
@@ -191,12 +192,16 @@ def _verdict_text(wall: Estimate | None, floor: Estimate | None, flagged: int, p
                 "during the run with them**, so the runs measured nothing of their cost."
             )
         return "**No slowdown figure** (no pairs ran)."
-    text = (
-        f"**Verdict: the wall-time slowdown is {_pct(wall.median)}, 95 % interval {_pct(wall.low)} .. "
-        f"{_pct(wall.high)} over {_pairs(wall.n)}: the interval {verdict_text(wall, GOAL)}.**"
-    )
     if wall.n < MIN_PAIRS:
-        text += f" Only {_pairs(wall.n)}: too few for the interval to be trusted."
+        text = (
+            f"**No verdict: only {_pairs(wall.n)} counted, too few for an interval to judge by** (at least "
+            f"{MIN_PAIRS}; their median slowdown, {_pct(wall.median)}, is not a measurement)."
+        )
+    else:
+        text = (
+            f"**Verdict: the wall-time slowdown is {_pct(wall.median)}, 95 % interval {_pct(wall.low)} .. "
+            f"{_pct(wall.high)} over {_pairs(wall.n)}: the interval {verdict_text(wall, GOAL)}.**"
+        )
     if flagged:
         text += f" {flagged} of {pairs} pairs were left out (see the notes: their side tasks did not run through)."
     if floor is not None:
@@ -294,7 +299,7 @@ def render(section: Section) -> str:
         "",
         _verdict_text(wall, floor, flagged, len(with_pairs)),
     ]
-    if cpu is not None:
+    if cpu is not None and cpu.n >= MIN_PAIRS:
         lines.append(
             f"By the training ranks' CPU time per step the slowdown is {_pct(cpu.median)} "
             f"({_pct(cpu.low)} .. {_pct(cpu.high)}): the interval {verdict_text(cpu, GOAL)}."
