@@ -215,8 +215,11 @@ class ZapHandler:
     unchecked when a socket has a ZAP domain but no handler is bound.
     """
 
-    def __init__(self, ctx: zmq.asyncio.Context, *, curve_clients: frozenset[bytes] = frozenset()) -> None:
-        self._uid = os.getuid()
+    def __init__(
+        self, ctx: zmq.asyncio.Context, *, curve_clients: frozenset[bytes] = frozenset(), uid: int | None = None
+    ) -> None:
+        """Bind the context's handler; ipc peers must have ``uid`` (default: ours)."""
+        self._uid = os.getuid() if uid is None else uid
         self._clients = curve_clients
         self.refused = 0
         """Connections refused so far."""
