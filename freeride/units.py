@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["format_bytes", "format_ns", "parse_bytes", "parse_duration_ns"]
+__all__ = ["format_bytes", "format_ns", "parse_bytes", "parse_duration_ns", "printable"]
 
 _SIZE = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _TIME = {"ns": 1, "us": 1_000, "µs": 1_000, "ms": 1_000_000, "s": 1_000_000_000}
@@ -51,3 +51,14 @@ def format_ns(ns: int) -> str:
     if ns < 10_000_000:
         return f"{ns / 1e6:.2f} ms"
     return f"{ns / 1e9:.2f} s"
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped.
+
+    Names, errors and metric keys come from other processes; an escape sequence
+    printed raw would drive the reader's terminal.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)

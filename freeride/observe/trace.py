@@ -51,6 +51,8 @@ SIDE_TASKS_PID = 2
 _HEAD = b'{"displayTimeUnit":"ms","otherData":{"generator":"freeride","clock":"CLOCK_MONOTONIC"},"traceEvents":[\n'
 _TAIL = b"\n]}\n"
 _MAX_PENDING_BUBBLES = 256
+_INTERFERENCE_TID = 1 << 24
+"""Track of a task's interference slices: this plus its task id (beside the task's own track)."""
 """Bubbles kept per device while waiting for the step that contains them."""
 
 _Args = dict[str, Any] | tuple[tuple[str, ...], tuple[Any, ...]] | None
@@ -132,6 +134,7 @@ class TraceWriter(Observer):
         self._rank_device: dict[int, str] = {}
         self._open: dict[int, p.BubbleStarted] = {}
         self._tasks: set[int] = set()
+        self._interference_end: dict[int, int] = {}
         self._closed = False
         self._kicked = False
         self._cv = threading.Condition()
@@ -211,8 +214,13 @@ class TraceWriter(Observer):
         # Drawn from the bubble's end, as a GPU would run it: the work a side task did
         # after its bubble ended, which on a GPU would have held back training.
         self._task_track(task_id, task_name, device)
-        args = {"device": device, "task_id": task_id, "interference_ns": dur_ns}
-        self._put(("X", f"{task_name} past bubble end", "interference", SIDE_TASKS_PID, task_id, t_ns, dur_ns, args))
+        tid = _INTERFERENCE_TID + task_id  # a track of its own: it overlaps the grant's work slice
+        # Slices on one track must not overlap: one that would (a step that ran on past the
+        # next bubble) is drawn after the previous one; its length, the figure, is kept.
+        start = max(t_ns, self._interference_end.get(task_id, 0))
+        self._interference_end[task_id] = start + dur_ns
+        args = {"device": device, "task_id": task_id, "interference_ns": dur_ns, "bubble_end_ns": t_ns}
+        self._put(("X", f"{task_name} past bubble end", "interference", SIDE_TASKS_PID, tid, start, dur_ns, args))
 
     def task_status(self, status: p.TaskStatus) -> None:
         self._task_track(status.task_id, status.name, status.device)
@@ -343,7 +351,10 @@ class TraceWriter(Observer):
         self._tasks.add(task_id)
         label = f"{name} (task {task_id})" + (f" on {device}" if device else "")
         self._meta(SIDE_TASKS_PID, task_id, "thread_name", {"name": label})
-        self._meta(SIDE_TASKS_PID, task_id, "thread_sort_index", {"sort_index": task_id})
+        self._meta(SIDE_TASKS_PID, task_id, "thread_sort_index", {"sort_index": 2 * task_id})
+        tid = _INTERFERENCE_TID + task_id
+        self._meta(SIDE_TASKS_PID, tid, "thread_name", {"name": f"{label}: compute past bubble ends"})
+        self._meta(SIDE_TASKS_PID, tid, "thread_sort_index", {"sort_index": 2 * task_id + 1})
 
     # -- buffering and writing ------------------------------------------------
 

@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from freeride import protocol as p
-from freeride.units import format_bytes, format_ns
+from freeride.units import format_bytes, format_ns, printable
 
 __all__ = ["render", "watch"]
 
@@ -56,7 +56,7 @@ def _devices(now: p.StatusReply, before: p.StatusReply | None, bar: int) -> Tabl
         bubble = d.bubble_ns - (prev.bubble_ns if prev else 0)
         used = d.used_ns - (prev.used_ns if prev else 0)
         table.add_row(
-            Text(d.device, style="bold" if d.alive else "dim"),
+            Text(printable(d.device), style="bold" if d.alive else "dim"),
             str(d.stage),
             str(d.rank),
             _bar(_share(bubble, dt), bar, style="yellow"),
@@ -87,16 +87,17 @@ def _tasks(now: p.StatusReply, before: p.StatusReply | None) -> Table:
         metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(t.metrics.items()))
         if t.error:
             metrics += f" error: {t.error}"
+        # Text(), not str: names come from other processes, and Rich reads markup in a plain string
         table.add_row(
             str(t.task_id),
-            t.name,
+            Text(printable(t.name)),
             t.kind,
             Text(t.state, style=styles.get(t.state, "")),
-            t.device or "-",
+            Text(printable(t.device or "-")),
             str(t.steps),
             f"{rate:.1f}",
             format_ns(t.busy_ns),
-            metrics,
+            Text(printable(metrics)),
         )
     return table
 

@@ -107,7 +107,10 @@ class DeviceScheduler:
         self._task_interference: dict[int, int] = {}
         self.first_seen_ns = clock.now_ns()
         self._first_event_ns = 0
+        """First bubble event of the rank training here now (0: none since the last one left)."""
         self._last_event_ns = 0
+        self._trained_before_ns = 0
+        """Training time of the ranks that trained here before (each from its first event to its last)."""
 
     # -- public views ---------------------------------------------------------
 
@@ -133,11 +136,14 @@ class DeviceScheduler:
         )
 
     def train_ns(self, *, alive: bool) -> int:
-        """Wall time the stage has trained: from its first bubble event to its last (to now while alive)."""
+        """Wall time ranks have trained here: each from its first bubble event to its last (to now while alive).
+
+        A job launched again on this device adds its own span, not the time in between.
+        """
         if not self._first_event_ns:
-            return 0
+            return self._trained_before_ns
         until = self._clock.now_ns() if alive else self._last_event_ns
-        return max(0, until - self._first_event_ns)
+        return self._trained_before_ns + max(0, until - self._first_event_ns)
 
     def task_interference_ns(self, task_id: int) -> int:
         return self._task_interference.get(task_id, 0)
@@ -158,6 +164,9 @@ class DeviceScheduler:
 
     def backend_lost(self) -> None:
         """The rank training here is gone: stop handing out its bubble."""
+        if self._first_event_ns:
+            self._trained_before_ns += max(0, self._last_event_ns - self._first_event_ns)
+            self._first_event_ns = 0
         if self._bubble is not None:
             self._revoke_current()
             self._bubble = None

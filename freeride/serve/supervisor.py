@@ -37,12 +37,14 @@ from freeride.serve.runners import ProgramRunner, SendFn, WorkerRunner
 from freeride.serve.scheduler import DeviceScheduler
 from freeride.serve.tasks import TaskRecord, restart_delay_s, spawn_worker, stop_process, task_name
 
-__all__ = ["KEEP_ENDED", "Supervisor"]
+__all__ = ["KEEP_ENDED", "MAX_LIVE_TASKS", "Supervisor"]
 
 logger = logging.getLogger(__name__)
 
 KEEP_ENDED = 1000
 """Tasks that have ended (finished, failed, cancelled) kept in the table for status; older ones are dropped."""
+MAX_LIVE_TASKS = 10_000
+"""Tasks that wait or run at once, at most: a control client cannot fill the manager's memory."""
 
 SpawnFn = Callable[[Coroutine[Any, Any, None], str], object]
 
@@ -186,6 +188,11 @@ class Supervisor:
 
     def submit(self, spec: p.TaskSpec) -> p.Submitted | p.Rejected:
         """Validate, record and place a side task."""
+        live = sum(not t.terminal for t in self.tasks.values())
+        if live >= MAX_LIVE_TASKS:
+            return p.Rejected(
+                reason=f"{live} tasks already wait or run here (at most {MAX_LIVE_TASKS}); cancel some first"
+            )
         problem = _check_spec(spec)
         if problem:
             return p.Rejected(reason=problem)

@@ -224,8 +224,10 @@ class TaskRecord:
         """What a grant's report says of the task: steps, busy time, the next step's estimate."""
         self.estimate_ns = done.step_estimate_ns
         # absolute when the worker counts (a Progress may have overtaken this report)
-        self.steps = max(self.steps, done.total_steps) if done.total_steps >= 0 else self.steps + done.steps
-        self.busy_ns += done.busy_ns
+        steps = max(self.steps, done.total_steps) if done.total_steps >= 0 else self.steps + done.steps
+        # sums of what workers report stop at the wire's bound (a hostile worker could overflow them)
+        self.steps = min(steps, p.I64_MAX)
+        self.busy_ns = min(self.busy_ns + done.busy_ns, p.I64_MAX)
 
 
 def restart_delay_s(restarts: int, *, base_s: float, max_s: float) -> float:

@@ -63,7 +63,8 @@ async def test_side_task_steps_fit_inside_bubbles(manager: Manager, tmp_path: Pa
     for result in stages:
         device = sim_config.device(result.stage)
         windows = [(start, start + expected) for _, _, start, expected, _ in result.announced]
-        intervals = json.loads(logs[device].read_text())["intervals"]
+        log = json.loads(logs[device].read_text())
+        intervals, cpu = log["intervals"], log["cpu"]
         assert len(intervals) > 20, f"{device}: side task barely ran ({len(intervals)} steps)"
         for s, _end in intervals:
             inside = [w for w in windows if w[0] <= s < w[1]]
@@ -78,12 +79,15 @@ async def test_side_task_steps_fit_inside_bubbles(manager: Manager, tmp_path: Pa
         device_status = next(d for d in manager.status().devices if d.device == device)
         # events sent before the rank's connection is up are dropped, and counted
         assert len(windows) - result.dropped <= device_status.bubbles <= len(windows)
-        # the manager's account of side-task time inside bubbles agrees with the task's own step
-        # log, each step clipped to the end of its bubble as the stage measured it (the rest: checkpoints)
+        # the manager's account of side-task compute inside bubbles agrees with the task's own step
+        # log: each step's CPU time, in the share of its wall interval before the end of its bubble as
+        # the stage measured it (CPU, not wall: a worker waiting for its core does no work; the rest of
+        # "used" is checkpoints and the worker's own overhead)
         measured = [(start, start + duration) for _, _, start, _, duration in result.announced]
         logged_ns = 0
-        for s, e in intervals:
+        for (s, e), step_cpu in zip(intervals, cpu, strict=True):
             own = [w for w in measured if w[0] <= s]
-            logged_ns += max(0, min(e, own[-1][1]) - s) if own else 0
+            if own and e > s:
+                logged_ns += round(step_cpu * max(0, min(e, own[-1][1]) - s) / (e - s))
         assert device_status.used_ns == pytest.approx(logged_ns, rel=0.15), (device_status.used_ns, logged_ns)
         assert device_status.used_ns <= device_status.bubble_ns

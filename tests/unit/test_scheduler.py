@@ -373,3 +373,17 @@ def test_train_time_runs_from_the_first_bubble_event_to_the_last() -> None:
     assert h.sched.train_ns(alive=False) == 50 * MS
     h.clock.advance(5 * MS)
     assert h.sched.train_ns(alive=True) == 55 * MS
+
+
+def test_train_time_adds_up_each_launch_not_the_time_between() -> None:
+    h = Harness()
+    b = h.started(10 * MS)
+    h.ended(b, 10 * MS)  # the first job: 10 ms
+    h.sched.backend_lost()
+    h.clock.advance(1000 * MS)  # nothing trains here for a second
+    b = h.started(10 * MS, index=1)
+    h.clock.advance(15 * MS)
+    h.ended(b, 10 * MS)
+    assert h.sched.train_ns(alive=False) == 20 * MS
+    h.clock.advance(5 * MS)
+    assert h.sched.train_ns(alive=True) == 30 * MS

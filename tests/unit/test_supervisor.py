@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
+
 from freeride import protocol as p
 from freeride.observe.base import Observers
 from freeride.serve.config import ServeConfig
@@ -26,3 +28,16 @@ def test_non_finite_metrics_are_dropped_so_status_stays_valid_json(tmp_path: Pat
 
     reply = msgspec.json.decode(msgspec.json.encode(task.status()), type=p.TaskStatus)
     assert reply.metrics == {"acc": 0.5}
+
+
+def test_submissions_beyond_the_live_task_cap_are_rejected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A control client cannot fill the manager's memory with tasks that never start."""
+    import freeride.serve.supervisor as sup_mod
+
+    monkeypatch.setattr(sup_mod, "MAX_LIVE_TASKS", 3)
+    config = ServeConfig(endpoints=Endpoints.ipc(tmp_path), state_dir=tmp_path / "s")
+    sup = Supervisor(config, devices={}, schedulers={}, send=lambda ident, msg: True, observers=Observers())
+    spec = p.TaskSpec(kind="imperative", argv=["true"])
+    replies = [sup.submit(spec) for _ in range(4)]
+    assert [type(r) for r in replies] == [p.Submitted] * 3 + [p.Rejected]
+    assert isinstance(replies[-1], p.Rejected) and "at most 3" in replies[-1].reason

@@ -60,3 +60,37 @@ def test_shares_and_rates_over_the_last_interval() -> None:
 def test_first_frame_shows_totals_since_start() -> None:
     text = draw(status(10 * S, 2 * S, 1 * S, 100), None)
     assert "20.0%" in text and "50.0%" in text and "10.0" in text
+
+
+def test_names_from_other_processes_cannot_drive_the_terminal() -> None:
+    """An escape sequence or Rich markup in a task's name is shown, not obeyed."""
+    import io
+
+    from rich.console import Console
+
+    from freeride import protocol as p
+    from freeride.observe.watch import render
+
+    status = p.StatusReply(
+        devices=[],
+        tasks=[
+            p.TaskStatus(
+                task_id=1,
+                name="evil\x1b[2J[bold red]x",
+                kind="iterative",
+                state="running",
+                device="cpu:0",
+                steps=1,
+                busy_ns=1,
+                metrics={"\x1b]0;title\x07": 1.0},
+            )
+        ],
+        latency=p.LatencySummary(count=0, p50_ns=0, p99_ns=0, max_ns=0),
+        events=0,
+        rejected_frames=0,
+        uptime_ns=1,
+    )
+    out = io.StringIO()
+    Console(file=out, width=200, force_terminal=False, color_system=None).print(render(status))
+    text = out.getvalue()
+    assert "\x1b" not in text and "\\x1b[2J" in text and "[bold red]x" in text
