@@ -60,7 +60,10 @@ class SimConfig:
     """One micro-batch forward on one stage (per chunk when interleaved)."""
     backward_s: float = 0.010
     steps: int = 20
-    compute: Literal["sleep", "spin"] = "sleep"
+    compute: Literal["sleep", "spin", "cpu"] = "sleep"
+    """``sleep``; ``spin``: burn the core until a wall-clock deadline; ``cpu``: burn it until the stage
+    has had the compute time (a GPU-faithful stand-in: a side task sharing the core at the stage's
+    priority delays it, as a side kernel holds up a GPU's training kernels)."""
     device_prefix: str = "cpu"
     """Devices are named ``<prefix>:<core>``."""
     pin: bool = True
@@ -78,8 +81,8 @@ class SimConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
-        if self.compute not in ("sleep", "spin"):
-            raise ValueError(f"compute must be 'sleep' or 'spin', got {self.compute!r}")
+        if self.compute not in ("sleep", "spin", "cpu"):
+            raise ValueError(f"compute must be 'sleep', 'spin' or 'cpu', got {self.compute!r}")
 
     def core(self, stage: int) -> int:
         return stage % (os.cpu_count() or 1)
@@ -94,6 +97,8 @@ class StageResult:
 
     stage: int
     step_ns: list[int] = field(default_factory=list)
+    cpu_ns: list[int] = field(default_factory=list)
+    """The stage process's CPU time per step."""
     bubble_ns: list[int] = field(default_factory=list)
     """Per step, the measured duration of the announced bubbles."""
     wait_ns: list[int] = field(default_factory=list)
@@ -107,6 +112,11 @@ class StageResult:
 def _compute(seconds: float, mode: str) -> None:
     if mode == "sleep":
         time.sleep(seconds)
+        return
+    if mode == "cpu":
+        until = time.thread_time() + seconds
+        while time.thread_time() < until:
+            pass
         return
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -180,6 +190,7 @@ def run_stage(
     try:
         for step in range(config.steps):
             t_step = time.monotonic_ns()
+            cpu_step = time.process_time_ns()
             announced = waits = 0
             for action in schedule.actions[stage]:
                 virtual = action.chunk * p + stage
@@ -205,6 +216,7 @@ def run_stage(
             duration = time.monotonic_ns() - t_step
             session.step_finished(step, duration)
             result.step_ns.append(duration)
+            result.cpu_ns.append(time.process_time_ns() - cpu_step)
             result.bubble_ns.append(announced)
             result.wait_ns.append(waits)
     except (EOFError, BrokenPipeError, OSError, threading.BrokenBarrierError) as exc:

@@ -21,7 +21,7 @@ from freeride import auth
 from freeride import protocol as p
 from freeride.serve.config import ServeConfig
 from freeride.transport import ControlClient, Endpoints, ManagerUnreachable, curve_keypair, default_runtime_dir
-from freeride.units import format_ns, parse_bytes, parse_duration_ns
+from freeride.units import format_ns, parse_bytes, parse_duration_ns, printable
 
 if TYPE_CHECKING:
     from backends.sim import SimConfig
@@ -224,14 +224,6 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 2
 
 
-def _shown(text: str) -> str:
-    """``text`` with control characters escaped: names and errors come from other processes,
-    and an escape sequence printed raw would drive the reader's terminal."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
-
-
 def _sm_shown(percent: int) -> str:
     return f"{percent}%" if percent > 0 else "-"
 
@@ -250,7 +242,7 @@ def _liveness_shown(t: p.TaskStatus) -> str:
         unsaved = max(0, t.steps - t.checkpointed_steps)
         parts.append(f"checkpoint at step {t.checkpointed_steps} ({unsaved} unsaved{bound})")
     if t.checkpoint_error:
-        parts.append(f"checkpoint failing, retried: {_shown(t.checkpoint_error)}")
+        parts.append(f"checkpoint failing, retried: {printable(t.checkpoint_error)}")
     if t.memory_cap > 0:
         parts.append(f"memory cap {t.memory_cap >> 20} MiB ({t.memory_cap_by})")
     return "; ".join(parts)
@@ -265,7 +257,7 @@ def format_status(status: p.StatusReply) -> str:
         share = d.used_ns / d.bubble_ns if d.bubble_ns else 0.0
         taken = f"{d.interference_ns / d.train_ns:.2%}" if d.train_ns else "-"
         lines.append(
-            f"{_shown(d.device):10} {d.stage:>5} {'yes' if d.alive else 'no':>5} {d.bubbles:>8} "
+            f"{printable(d.device):10} {d.stage:>5} {'yes' if d.alive else 'no':>5} {d.bubbles:>8} "
             f"{format_ns(d.bubble_ns):>12} {share:>6.1%} {d.overruns:>8} {format_ns(d.interference_ns):>13} {taken:>11}"
         )
     lines.append("")
@@ -274,11 +266,11 @@ def format_status(status: p.StatusReply) -> str:
         f" {'sm':>4}  metrics"
     )
     for t in status.tasks:
-        metrics = " ".join(f"{_shown(k)}={v:.4g}" for k, v in sorted(t.metrics.items()))
+        metrics = " ".join(f"{printable(k)}={v:.4g}" for k, v in sorted(t.metrics.items()))
         lines.append(
-            f"{t.task_id:>4} {_shown(t.name)[:28]:28} {t.state:10} {_shown(t.device) or '-':10} {t.steps:>8} "
+            f"{t.task_id:>4} {printable(t.name)[:28]:28} {t.state:10} {printable(t.device) or '-':10} {t.steps:>8} "
             f"{format_ns(t.busy_ns):>10} {format_ns(t.interference_ns):>13} {_sm_shown(t.sm_share):>4}  {metrics}"
-            f"{('  error: ' + _shown(t.error)) if t.error else ''}"
+            f"{('  error: ' + printable(t.error)) if t.error else ''}"
         )
         liveness = _liveness_shown(t)
         if liveness:
@@ -559,7 +551,12 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--steps", type=int, default=40 if name == "demo" else 100)
         s.add_argument("--forward", default="10ms", help="forward time per micro-batch and stage")
         s.add_argument("--backward", default="20ms", help="backward time per micro-batch and stage")
-        s.add_argument("--compute", default="sleep", choices=["sleep", "spin"], help="spin burns the stage's core")
+        s.add_argument(
+            "--compute",
+            default="sleep",
+            choices=["sleep", "spin", "cpu"],
+            help="spin burns the stage's core until a wall deadline; cpu until the stage had its compute time",
+        )
         if name == "demo":
             s.add_argument("--task", default="graph-sgd", help="sample side task per stage (see submit --list)")
             s.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="side-task option")

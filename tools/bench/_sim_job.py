@@ -7,13 +7,15 @@ the training scripts do. Under ``freeride launch`` the stages send their bubble
 events to the manager the launcher names; otherwise to an address nobody
 listens on (each event is dropped at once, ~1 µs)::
 
-    python tools/bench/_sim_job.py --spawn 2 --steps 60 --compute spin
+    python tools/bench/_sim_job.py --spawn 2 --steps 60 --compute cpu
     python tools/bench/_sim_job.py --spawn 2 --steps 8 --profile-out job.profile.json
 
 ``--profile-out`` writes a bubble profile (as ``freeride profile`` would for a
 framework job) from the simulated schedule and the measured step time, so that
-the manager knows the devices before the first run. The stages report no CPU
-time: their compute is timed by the wall clock.
+the manager knows the devices before the first run. Each line also carries the
+stage's CPU time in the step (``cpu_ms``). With ``--compute cpu`` (the
+default) a stage burns its core until it has had its compute time, so a side
+task sharing the core delays it as a side kernel would delay a GPU's training.
 """
 
 from __future__ import annotations
@@ -88,7 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved)")
     ap.add_argument("--forward", default="10ms", help="forward time per micro-batch and stage")
     ap.add_argument("--backward", default="20ms", help="backward time per micro-batch and stage")
-    ap.add_argument("--compute", default="spin", choices=["sleep", "spin"], help="spin burns the stage's core")
+    ap.add_argument(
+        "--compute",
+        default="cpu",
+        choices=["sleep", "spin", "cpu"],
+        help="cpu: burn the core until the stage had its compute time (default); spin: until a wall deadline",
+    )
     ap.add_argument("--profile-out", metavar="FILE", help="also write a bubble profile of the job")
     ns = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="frsim-") as nobody:
@@ -109,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sim: {len(results)} of {ns.spawn} stages finished their steps", file=sys.stderr)
         return 1
     for r in results:
-        for step, duration in enumerate(r.step_ns):
-            print(json.dumps({"rank": r.stage, "stage": r.stage, "step": step, "step_ms": round(duration / 1e6, 3)}))
+        for step, (duration, cpu) in enumerate(zip(r.step_ns, r.cpu_ns, strict=True)):
+            line = {"rank": r.stage, "stage": r.stage, "step": step, "step_ms": round(duration / 1e6, 3)}
+            print(json.dumps({**line, "cpu_ms": round(cpu / 1e6, 3)}))
     if ns.profile_out:
         write_profile(sim_profile(config, results), Path(ns.profile_out))
     return 0

@@ -2,7 +2,7 @@
 
 Runs the simulated 2-stage job of ``backends.sim`` (``tools/bench/_sim_job.py``:
 real processes blocked on each other over pipes, each pinned to its core,
-compute ``spin`` burning that core) for N steps, alone and under ``freeride
+compute ``cpu`` burning that core until the stage has had its compute time) for N steps, alone and under ``freeride
 launch`` with one iterative side task per stage pinned to the stage's core, on
 the same harness as the DeepSpeed and megatron benchmarks::
 
@@ -13,11 +13,12 @@ A warm-up run of each kind comes first and is left out; then ``--pairs`` pairs
 interleaved in time. Side tasks run at the stage's own priority (``--side-priority
 same``) unless ``--side-priority low`` is given.
 
-What it can and cannot show: the stages' compute is timed by the wall clock
-(a ``spin`` ends at its deadline however much of the core it got), so a side-task
-step running past a bubble's end delays a stage only through its wake-up at the
-bubble's end, not through the compute it shares the core with. The job reports
-no CPU time per step.
+What it shows: with ``--compute cpu`` (the default) a stage's compute lasts
+until it has had its CPU time, so a side-task step running past a bubble's end
+at the stage's priority delays the stage by the core time it takes, as a side
+kernel would hold up a GPU; ``--compute spin`` ends each compute at a wall-clock
+deadline however much of the core it got (an overrun then shows only through the
+stage's wake-up). The job reports the stages' CPU time per step.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from _pipeline_bench import (  # tools/bench is the script's directory
 __all__ = ["main", "sim_job_args"]
 
 SCRIPT = Path(__file__).resolve().parent / "_sim_job.py"
-CPU_NOTE = "none: the simulated stages' compute is timed by the wall clock"
 
 
 def sim_job_args(ns: argparse.Namespace) -> tuple[str, ...]:
@@ -67,7 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--forward", default="10ms", help="forward time per micro-batch and stage (default 10ms)")
     ap.add_argument("--backward", default="20ms", help="backward time per micro-batch and stage (default 20ms)")
-    ap.add_argument("--compute", default="spin", choices=["spin", "sleep"], help="spin burns the stage's core")
+    ap.add_argument(
+        "--compute",
+        default="cpu",
+        choices=["cpu", "spin", "sleep"],
+        help="cpu: a stage computes until it has had its CPU time (default, GPU-faithful); spin: until a wall deadline",
+    )
     ns = ap.parse_args(argv)
     command = shlex.join(["python", "tools/bench/sim_overhead.py", *argv])
     try:
@@ -83,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         args=sim_job_args(ns),
         profiles_itself=True,
     )
-    print(bench(job, task, options, command=command, cpu_note=CPU_NOTE))
+    print(bench(job, task, options, command=command))
     return 0
 
 
