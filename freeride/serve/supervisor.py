@@ -351,6 +351,9 @@ class Supervisor:
             else:
                 code = await self._run_worker(task)
             restart = task.exited(code)
+            scheduler = self.schedulers.get(task.device)
+            if scheduler is not None:  # grants its process never gave back: a restart starts clean
+                scheduler.forget(task)
             if task.state == "finished":
                 logger.info("[tasks] task %d (%s) finished", task.task_id, task.name)
             elif task.state == "failed":
@@ -383,6 +386,7 @@ class Supervisor:
         env = dict(cap.env)
         if group is not None and group.memory_by:
             env["FREERIDE_MEMORY_CAP_BY"] = task.memory_cap_by = group.memory_by
+        process: asyncio.subprocess.Process | None = None
         try:
             process = await spawn_worker(
                 task,
@@ -406,8 +410,10 @@ class Supervisor:
                 task.error = f"worker killed: over its memory cap of {task.memory_cap >> 20} MiB"
             return code
         finally:
-            task.cgroup = None
-            if group is not None:
+            # A worker still running (the manager is shutting down) is asked to checkpoint
+            # and stop first: its cgroup goes when it has (see _stop_task).
+            if group is not None and (process is None or process.returncode is not None):
+                task.cgroup = None
                 group.remove()  # and whatever the worker left running
 
     async def _run_program(self, task: TaskRecord) -> int:
@@ -510,6 +516,9 @@ class Supervisor:
                 await program.terminate(timeout_s=self.config.stop_timeout_s)
             case WorkerRunner(process=process):
                 await stop_process(process, timeout_s=self.config.stop_timeout_s)
+                if task.cgroup is not None:
+                    task.cgroup.remove()  # what the worker left running
+                    task.cgroup = None
 
     # -- liveness -------------------------------------------------------------------
 
