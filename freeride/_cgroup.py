@@ -27,6 +27,7 @@ import functools
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -269,6 +270,11 @@ class TaskCgroup:
         """Kill what is left in the group and remove it (idempotent; best effort)."""
         if self.pids():
             self.kill()
+            # a killed process leaves its cgroup only once it has exited: rmdir fails (EBUSY)
+            # until then, and a directory left behind would never be removed
+            deadline = time.monotonic() + 1.0
+            while self.pids() and time.monotonic() < deadline:
+                time.sleep(0.002)
         for path in self._dirs():
             with contextlib.suppress(OSError):  # EBUSY while a killed process is still exiting
                 path.rmdir()
