@@ -101,13 +101,9 @@ def cmd_keys(args: argparse.Namespace) -> int:
 # -- serve ---------------------------------------------------------------------
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import uvloop
-
-    from freeride.serve.manager import Manager
-
+def _serve_config(args: argparse.Namespace) -> ServeConfig:
     runtime_dir = _runtime_dir(args)
-    config = ServeConfig(
+    return ServeConfig(
         endpoints=_endpoints(args),
         state_dir=Path(args.state_dir) if args.state_dir else runtime_dir / "state",
         margin_ns=parse_duration_ns(args.margin),
@@ -119,7 +115,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         side_priority=args.side_priority,
         keys_dir=_keys_dir(args) if getattr(args, "tcp", None) else None,
+        hang_after_s=parse_duration_ns(args.hang_after) / 1e9,
+        hang_factor=args.hang_factor,
+        restart_backoff_s=parse_duration_ns(args.restart_backoff) / 1e9,
+        restart_backoff_max_s=parse_duration_ns(args.restart_backoff_max) / 1e9,
+        max_loss_s=parse_duration_ns(args.max_loss) / 1e9,
+        max_loss_steps=args.max_loss_steps,
     )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from freeride.serve.manager import Manager
+
+    config = _serve_config(args)
 
     async def serve() -> None:
         stop = asyncio.Event()
@@ -450,6 +460,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU priority of side tasks: low (nice 19, default) or the stage's own; 'same' makes a side step"
         " that runs past a bubble's end delay the stage on CPU as it would on a GPU (benchmarks use it)",
     )
+    s.add_argument(
+        "--hang-after",
+        default="10s",
+        metavar="DURATION",
+        help="a step still running this long after its bubble ended (and --hang-factor estimates) is hung:"
+        " its worker is killed and the task restarts from its checkpoint (default 10s)",
+    )
+    s.add_argument("--hang-factor", type=float, default=10.0, help="... and this many step estimates (default 10)")
+    s.add_argument("--restart-backoff", default="1s", metavar="DURATION", help="delay before the first restart")
+    s.add_argument("--restart-backoff-max", default="60s", metavar="DURATION", help="longest delay between restarts")
+    s.add_argument(
+        "--max-loss",
+        default="120s",
+        metavar="DURATION",
+        help="step time a crash may lose: past it a checkpoint is forced even if none fits a bubble (0: no bound)",
+    )
+    s.add_argument("--max-loss-steps", type=int, default=0, help="steps a crash may lose, likewise (0: no bound)")
     s.set_defaults(fn=cmd_serve)
 
     s = subs.add_parser("submit", help="submit a side task", description="Submit a side task to a running manager.")

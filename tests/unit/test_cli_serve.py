@@ -1,0 +1,55 @@
+"""`freeride serve`'s flags reach the manager's configuration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from freeride.cli import _serve_config, build_parser
+
+
+def test_every_serve_flag_reaches_the_config(tmp_path: Path) -> None:
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--runtime-dir",
+            str(tmp_path),
+            "--margin",
+            "0.5ms",
+            "--checkpoint-every",
+            "5s",
+            "--backend-timeout",
+            "7s",
+            "--side-priority",
+            "same",
+            "--hang-after",
+            "3s",
+            "--hang-factor",
+            "4",
+            "--restart-backoff",
+            "200ms",
+            "--restart-backoff-max",
+            "9s",
+            "--max-loss",
+            "30s",
+            "--max-loss-steps",
+            "500",
+        ]
+    )
+    config = _serve_config(args)
+    assert (config.margin_ns, config.checkpoint_every_s, config.backend_timeout_s) == (500_000, 5.0, 7.0)
+    assert config.side_priority == "same"
+    assert (config.hang_after_s, config.hang_factor) == (3.0, 4.0)
+    assert (config.restart_backoff_s, config.restart_backoff_max_s) == (0.2, 9.0)
+    assert (config.max_loss_s, config.max_loss_steps) == (30.0, 500)
+
+
+def test_serve_defaults(tmp_path: Path) -> None:
+    config = _serve_config(build_parser().parse_args(["serve", "--runtime-dir", str(tmp_path)]))
+    assert config.side_priority == "low" and config.hang_after_s == 10.0 and config.max_loss_s == 120.0
+
+
+def test_a_bad_side_priority_is_refused_by_the_parser(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--runtime-dir", str(tmp_path), "--side-priority", "high"])
