@@ -165,10 +165,15 @@ class Supervisor:
             if task.pid and task.pid in used_by_pid:
                 task.device_memory = used_by_pid[task.pid]
 
-    def _assignment(self, task: TaskRecord) -> p.Assign:
-        device = self.devices[task.device]
+    def _workdir(self, task: TaskRecord) -> Path:
+        """Where the task's worker runs and keeps its own outputs."""
         workdir = self.config.state_dir / "tasks" / task.name
         workdir.mkdir(parents=True, exist_ok=True)
+        return workdir
+
+    def _assignment(self, task: TaskRecord) -> p.Assign:
+        device = self.devices[task.device]
+        workdir = self._workdir(task)
         return p.Assign(
             task_id=task.task_id,
             spec=task.spec,
@@ -395,6 +400,7 @@ class Supervisor:
                 log_dir=self.config.log_dir,
                 cpu_affinity=self.devices[task.device].cpu_affinity,
                 extra_env=env,
+                workdir=self._workdir(task),
             )
             if group is not None:
                 try:
