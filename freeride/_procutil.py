@@ -20,7 +20,6 @@ __all__ = [
     "SHELL",
     "DeadlineTimer",
     "bind_to_parent",
-    "group_cpu_ns",
     "group_members",
     "process_cpu_ns",
     "read_state",
@@ -225,13 +224,3 @@ def process_cpu_ns(pid: int) -> int:
         return time.clock_gettime_ns((~pid << 3) | _CPUCLOCK_SCHED)
     except OSError:  # gone, or another user's
         return -1
-
-
-def group_cpu_ns(pgid: int) -> int:
-    """CPU time of every live process in process group ``pgid``, in ns; -1 if none can be read."""
-    total, seen = 0, False
-    for pid in group_members(pgid):
-        cpu = process_cpu_ns(pid)
-        if cpu >= 0:
-            total, seen = total + cpu, True
-    return total if seen else -1

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from freeride import protocol as p
-from freeride._procutil import group_cpu_ns, process_cpu_ns
+from freeride._procutil import group_members, process_cpu_ns
 from freeride.clock import MONOTONIC, Clock
 from freeride.serve.imperative import ImperativeProcess
 
@@ -63,6 +63,10 @@ class Runner(Protocol):
         """CPU time the task's processes have run so far (all threads), in ns; -1 if unreadable."""
         ...
 
+    def cpu_at_grant(self) -> int:
+        """The task's CPU clock as it was when the last grant was handed over (-1 unknown)."""
+        ...
+
 
 class WorkerRunner:
     """An iterative task's worker process, reached through the manager's worker socket."""
@@ -71,6 +75,7 @@ class WorkerRunner:
         self._ident = ident
         self.process = process
         self._send = send
+        self._cpu_at_grant = -1
 
     @property
     def pid(self) -> int:
@@ -81,7 +86,11 @@ class WorkerRunner:
         return self.process.returncode is None
 
     def grant(self, grant: p.Grant) -> bool:
-        return self._send(self._ident, grant)
+        sent = self._send(self._ident, grant)
+        # read after the grant is on its way: this is on the bubble-start -> step path (a
+        # clock read is ~1 us; the worker wakes on its own core)
+        self._cpu_at_grant = self.cpu_ns() if sent else -1
+        return sent
 
     def revoke(self, grant_id: int) -> None:
         self._send(self._ident, p.Revoke(grant_id=grant_id))
@@ -91,6 +100,9 @@ class WorkerRunner:
 
     def cpu_ns(self) -> int:
         return process_cpu_ns(self.process.pid)
+
+    def cpu_at_grant(self) -> int:
+        return self._cpu_at_grant
 
 
 class ProgramRunner:
@@ -104,6 +116,13 @@ class ProgramRunner:
         self._grant: p.Grant | None = None
         self._resumed_ns = 0
         self._busy_before_ns = 0
+        self._cpu_at_grant = -1
+        self._members: list[int] = [program.pid] if program.pid > 0 else []
+        """The program's process group as last listed while it was frozen.
+
+        Listing a group scans /proc (about a millisecond here): too slow for a bubble's start
+        or end, where the program runs on meanwhile. A child started since is missed until
+        the next freeze."""
 
     @property
     def pid(self) -> int:
@@ -118,6 +137,7 @@ class ProgramRunner:
             self.revoke(self._grant.grant_id)
         self._grant = grant
         self._busy_before_ns = self.program.busy_ns
+        self._cpu_at_grant = self.cpu_ns()  # exact: the program is frozen until the resume below
         self._resumed_ns = self._clock.now_ns()
         self.program.resume(grant.deadline_ns)  # SIGCONT now, SIGSTOP at the deadline minus the margin
         return True
@@ -130,6 +150,8 @@ class ProgramRunner:
         # Its deadline timer may have stopped it already; stopping again is a no-op.
         self.program.suspend()
         cpu = self.cpu_ns()
+        if self.program.pid > 0:  # frozen now: list the group again, off the bubble's start
+            self._members = group_members(self.program.pid) or [self.program.pid]
         busy = self.program.busy_ns - self._busy_before_ns
         ran = busy > 0
         self._report(
@@ -153,4 +175,12 @@ class ProgramRunner:
         logger.debug("[tasks] task %d: program stop requested (%s)", self._task_id, reason)
 
     def cpu_ns(self) -> int:
-        return group_cpu_ns(self.program.pid) if self.program.pid > 0 else -1
+        total, seen = 0, False
+        for pid in self._members:
+            cpu = process_cpu_ns(pid)
+            if cpu >= 0:
+                total, seen = total + cpu, True
+        return total if seen else -1
+
+    def cpu_at_grant(self) -> int:
+        return self._cpu_at_grant

@@ -369,12 +369,11 @@ class DeviceScheduler:
             )
             if task.runner is None or not task.runner.grant(grant):
                 continue
-            # read after the grant is on its way: this is on the bubble-start -> step path
             state = _GrantState(
                 task=task,
                 bubble_t_ns=self._bubble.t_ns,
                 deadline_ns=self._deadline_ns,
-                cpu_at_grant=task.runner.cpu_ns(),
+                cpu_at_grant=task.runner.cpu_at_grant(),
             )
             self._holder = grant_id
             self._grants[grant_id] = state

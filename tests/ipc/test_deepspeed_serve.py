@@ -117,7 +117,8 @@ def test_side_tasks_run_in_the_bubbles_of_a_deepspeed_job(
         # loose on a shared CI machine (bubbles here are 10-30 ms, grant latency is ms under load);
         # side tasks that ignored the bubbles would overrun about as much as they run
         assert d.used_ns > 0.3 * d.bubble_ns, (device, d.used_ns, d.bubble_ns)
-        assert d.overrun_ns <= 0.25 * d.used_ns, (device, d.overrun_ns, d.used_ns)
+        # compute after bubble ends (what a GPU would lose) stays small beside the compute inside them
+        assert d.interference_ns <= 0.25 * d.used_ns, (device, d.interference_ns, d.used_ns)
     tasks = {t.device: t for t in reply.tasks}
     assert all(tasks[device].steps > 0 and tasks[device].state == "running" for device in devices)
     assert isinstance(reply.latency, p.LatencySummary) and reply.latency.count > 0

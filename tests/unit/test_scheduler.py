@@ -32,6 +32,9 @@ class RecordingRunner:
     def cpu_ns(self) -> int:
         return self.cpu
 
+    def cpu_at_grant(self) -> int:
+        return self.cpu
+
     def grant(self, grant: p.Grant) -> bool:
         self.sent.append((self.task_id, grant))
         return True
