@@ -29,7 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 import zmq
@@ -253,6 +253,17 @@ class ZapHandler:
 _encoder = msgspec.msgpack.Encoder()
 
 
+def _nowait_result(fut: Any) -> Any:
+    """The result of a pyzmq NOBLOCK receive (answered at once), or None if nothing was queued."""
+    assert isinstance(fut, asyncio.Future) and fut.done()  # pyzmq answers NOBLOCK at once
+    exc = fut.exception()
+    if isinstance(exc, zmq.Again):
+        return None
+    if exc is not None:
+        raise exc
+    return fut.result()
+
+
 def _decode(decoder: msgspec.msgpack.Decoder[_M], frame: bytes) -> _M | BadFrame:
     try:
         return decoder.decode(frame)
@@ -371,14 +382,7 @@ class _AsyncOwner(Generic[_M]):
 
         Goes through pyzmq's own non-blocking path (see :meth:`WorkerLink.recv_nowait`).
         """
-        fut = self._live().recv_multipart(zmq.NOBLOCK)
-        assert isinstance(fut, asyncio.Future) and fut.done()  # pyzmq answers NOBLOCK at once
-        exc = fut.exception()
-        if isinstance(exc, zmq.Again):
-            return None
-        if exc is not None:
-            raise exc
-        frames: list[bytes] = fut.result()
+        frames: list[bytes] | None = _nowait_result(self._live().recv_multipart(zmq.NOBLOCK))
         return frames
 
     async def _recv_frames_batch(self, limit: int) -> list[list[bytes]]:
@@ -504,14 +508,9 @@ class WorkerLink(_AsyncOwner[p.ManagerToWorker]):
         behind the asyncio poller's back would swallow the edge-triggered
         wake-up of a later ``await recv()``.
         """
-        fut = self._live().recv(zmq.NOBLOCK)
-        assert isinstance(fut, asyncio.Future) and fut.done()  # pyzmq answers NOBLOCK at once
-        exc = fut.exception()
-        if isinstance(exc, zmq.Again):
+        frame: bytes | None = _nowait_result(self._live().recv(zmq.NOBLOCK))
+        if frame is None:
             return None
-        if exc is not None:
-            raise exc
-        frame: bytes = fut.result()
         msg: p.ManagerToWorker | BadFrame = _decode(self._decoder, frame)
         return msg
 

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-from conftest import wait_until
+from conftest import running_manager, wait_until
 
 from backends.sim import SimConfig, SimPipeline
 from freeride import protocol as p
@@ -37,15 +37,8 @@ FAST: dict[str, Any] = {
 @contextlib.asynccontextmanager
 async def serving(runtime_dir: Path, **overrides: Any) -> AsyncIterator[Manager]:
     config = ServeConfig(endpoints=Endpoints.ipc(runtime_dir), state_dir=runtime_dir / "state", **{**FAST, **overrides})
-    stop = asyncio.Event()
-    async with Manager(config) as mgr:
-        runner = asyncio.create_task(mgr.run(stop), name="test-manager")
-        await asyncio.sleep(0)
-        try:
-            yield mgr
-        finally:
-            stop.set()
-            await runner
+    async with running_manager(config) as mgr:
+        yield mgr
 
 
 @contextlib.contextmanager
