@@ -149,6 +149,9 @@ class _Runner:
     def cpu_ns(self) -> int:
         return -1
 
+    def cpu_at_grant(self) -> int:
+        return -1
+
     def grant(self, grant: p.Grant) -> bool:
         self.grants.append(grant)
         return True
