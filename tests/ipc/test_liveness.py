@@ -104,18 +104,18 @@ async def test_cancelling_a_hung_task_answers_at_once(runtime_dir: Path, tmp_pat
             await wait_until(marker.exists, 60, "the step that hangs")
         endpoint = manager.config.endpoints.control
 
-        def cancel_then_status() -> tuple[p.ControlReply, p.ControlReply, float]:
+        def cancel_then_status() -> tuple[p.ControlReply, p.ControlReply]:
             with ControlClient(endpoint, timeout_s=5.0) as client:
-                t0 = time.monotonic()
                 cancelled = client.request(p.Cancel(task_id=reply.task_id))
-                answered = client.request(p.StatusRequest())
-                return cancelled, answered, time.monotonic() - t0
+                return cancelled, client.request(p.StatusRequest())
 
-        cancelled, answered, took = await asyncio.to_thread(cancel_then_status)
+        cancelled, answered = await asyncio.to_thread(cancel_then_status)
         assert cancelled == p.Cancelled(task_id=reply.task_id)
         assert isinstance(answered, p.StatusReply)
-        # the worker will not checkpoint: its stop takes stop_timeout_s and more, the answers did not
-        assert took < 0.5, took
+        # the worker will not checkpoint: its stop takes stop_timeout_s and more; both answers came
+        # while it was still under way (a cancel that waited for the stop would answer afterwards)
+        [seen] = [t for t in answered.tasks if t.task_id == reply.task_id]
+        assert seen.state != "cancelled", seen
         await wait_until(lambda: task.state == "cancelled", 20, "the stop, in the background")
 
 
