@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from freeride._cgroup import TaskCgroup
     from freeride.serve.runners import Runner
 
-__all__ = ["TERMINAL", "BadTransition", "TaskRecord", "restart_delay_s", "spawn_worker", "stop_process", "task_name"]
+__all__ = ["BadTransition", "TaskRecord", "restart_delay_s", "spawn_worker", "stop_process", "task_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +41,6 @@ def task_name(spec: p.TaskSpec) -> str:
         base = f"{head}-{digest[:8]}"
     return re.sub(r"[^A-Za-z0-9_.-]", "_", base)[:80]
 
-
-TERMINAL = p.TERMINAL_STATES
 
 _TRANSITIONS: dict[p.TaskState, frozenset[p.TaskState]] = {
     "pending": frozenset({"starting", "failed", "cancelled"}),
@@ -122,7 +120,7 @@ class TaskRecord:
 
     @property
     def terminal(self) -> bool:
-        return self.state in TERMINAL
+        return self.state in p.TERMINAL_STATES
 
     @property
     def active(self) -> bool:
@@ -162,7 +160,7 @@ class TaskRecord:
         self.state = state
         if state != "running":
             self.runnable = False
-        if state in TERMINAL:
+        if state in p.TERMINAL_STATES:
             self.done.set()
 
     def place(self, device: str) -> None:
@@ -204,7 +202,7 @@ class TaskRecord:
         """
         self.runner = None
         self.runnable = False
-        if self.state in TERMINAL:
+        if self.state in p.TERMINAL_STATES:
             return False
         if code == 0 and self.spec.kind == "imperative" and not self.stopping:
             self.finish()

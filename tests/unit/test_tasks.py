@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from freeride import protocol as p
-from freeride.serve.tasks import TERMINAL, BadTransition, TaskRecord
+from freeride.serve.tasks import BadTransition, TaskRecord
 
 
 def record(kind: p.TaskKind = "iterative", max_restarts: int = 2) -> TaskRecord:
@@ -60,7 +60,7 @@ def test_a_pending_task_can_be_cancelled_but_not_made_ready() -> None:
     assert t.state == "cancelled"
 
 
-@pytest.mark.parametrize("end", sorted(TERMINAL))
+@pytest.mark.parametrize("end", sorted(p.TERMINAL_STATES))
 def test_no_state_is_left_once_terminal(end: p.TaskState) -> None:
     t = record()
     t.place("cpu:0")
