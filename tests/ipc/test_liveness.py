@@ -166,7 +166,9 @@ async def test_restarts_back_off_exponentially_up_to_the_bound(runtime_dir: Path
 
 
 async def test_a_task_without_a_declared_peak_is_still_capped_and_fails_alone(runtime_dir: Path) -> None:
-    async with serving(runtime_dir) as manager:
+    # the hog's one big allocation can take longer than FAST's 0.5 s hang threshold on a busy machine:
+    # the hang detector must not kill it before the memory cap does (that is the other test's subject)
+    async with serving(runtime_dir, hang_after_s=60.0) as manager:
         declare(manager, spare=256 << 20)  # what the device can spare: the cap of a task that declares none
         hog = submit(manager, "_tasks:Hog", options={"mb": 800}, max_restarts=0)
         good = submit(manager, "_tasks:SpinSteps", options={"step_ms": 1.0})
