@@ -149,6 +149,8 @@ class GrantGate:
         self._run_delay: RunDelay = _RunDelay() if run_delay is None else run_delay
         self._kind = task.step_kind()
         """The kind of the step waiting to start (or of the next one)."""
+        self._packs = type(task).fit_piece is not IterativeTask.fit_piece
+        """The task chooses its pieces by the room left (packing)."""
         self._grant: p.Grant | None = None
         self._revoked = False
         self._stop: str | None = None
@@ -306,12 +308,29 @@ class GrantGate:
                 logger.info("[worker] checkpoint forced at step %d (loss bound reached)", self._steps)
                 self._g_busy += self._timed(self.checkpoint)
                 continue
-            if not bound and self._fits(now, self.estimate_ns):
-                return
+            if not bound:
+                self._pack(now)
+                if self._fits(now, self.estimate_ns):
+                    return
             if self._grant is not None:
                 self._give_back("revoked" if self._revoked else "no_fit")
             self._progress(now)
             self._handle(await self._link.recv())
+
+    def _pack(self, now: int) -> None:
+        """Let a packing task choose its next piece for the room left (see ``IterativeTask.fit_piece``).
+
+        It only changes which kind is pending; whether that fits is then
+        checked as for any step.
+        """
+        grant = self._grant
+        if not self._packs or grant is None or self._revoked or grant.probe:
+            return
+        room = room_ns(now, grant.deadline_ns, self._assign.margin_ns)
+        if room > 0:
+            kind = self._task.fit_piece(room, self.estimates.estimate_ns)
+            if kind is not None:
+                self._kind = kind
 
     def _timed(self, fn: Callable[[], object]) -> int:
         t0 = self._clock.now_ns()
@@ -354,7 +373,8 @@ class GrantGate:
         if self._device_sync is not None:
             self._device_sync()  # the step's kernels, not just their launches
         t1 = self._clock.now_ns()
-        self.estimates.observe(kind, max(1, t1 - t0 - (self._run_delay.ns() - delay0)))
+        # the kind that ran: a packing task may have chosen another piece than the one asked for
+        self.estimates.observe(self._kind, max(1, t1 - t0 - (self._run_delay.ns() - delay0)))
         self._kind = self._task.step_kind()
         self._steps += 1
         self._g_steps += 1
