@@ -26,6 +26,7 @@ from freeride.admission import fits, room_ns
 from freeride.clock import MONOTONIC, Clock
 from freeride.sidetask import IterativeTask, StepEstimates, TaskStopped
 from freeride.transport import BadFrame
+from freeride.worker.checkpoint import state_bytes as state_bytes_of
 
 __all__ = ["GateLink", "GrantGate", "RunDelay", "SaveCheckpoint"]
 
@@ -132,6 +133,7 @@ class GrantGate:
         cpu_clock: Callable[[], int] = _process_cpu_ns,
         run_delay: RunDelay | None = None,
         device_sync: Callable[[], None] | None = None,
+        state_bytes: Callable[[IterativeTask], int] = lambda task: state_bytes_of(task.state_dict()),
     ) -> None:
         self._link = link
         self._device_sync = device_sync
@@ -163,6 +165,11 @@ class GrantGate:
         self._last_progress = 0
         self._last_checkpoint = clock.now_ns()
         self._checkpoint_ns = -1
+        self._state_bytes = state_bytes
+        self._checkpoint_bytes = 0
+        """Size of the state the last checkpoint saved (0: unknown)."""
+        self._sized = (-1, 0)
+        """(steps, bytes): the state's size when last read, at that step count."""
         self._saved_steps = steps
         self._unsaved_ns = 0
         """Step time since the last checkpoint: what a crash now would lose."""
@@ -250,6 +257,7 @@ class GrantGate:
         ``RuntimeError: basic_ios::clear``) must not end the task: it keeps its
         previous checkpoint and tries again.
         """
+        size = self._size_now()
         t0 = self._clock.now_ns()
         path = Path(self._assign.checkpoint_path)
         try:
@@ -266,8 +274,33 @@ class GrantGate:
             self._link.send_nowait(p.Checkpointed(task_id=self._assign.task_id, steps=self._steps, path=str(path)))
         self._last_checkpoint = self._clock.now_ns()
         self._checkpoint_ns = self._last_checkpoint - t0
+        self._checkpoint_bytes = size
         self._saved_steps, self._unsaved_ns, self._failed_ns = self._steps, 0, -1
         return True
+
+    def _size_now(self) -> int:
+        """The task's state size now (read at most once per step; 0 if it cannot be read)."""
+        if self._sized[0] != self._steps:
+            try:
+                size = self._state_bytes(self._task)
+            except Exception as exc:  # a task's state_dict failing here shows up at the save itself
+                logger.debug("[worker] state size unreadable: %s", exc)
+                size = 0
+            self._sized = (self._steps, size)
+        return self._sized[1]
+
+    def checkpoint_estimate_ns(self) -> int:
+        """What the next checkpoint is expected to take: the last one's time, scaled by how the state grew.
+
+        -1 before the first checkpoint. A state that grew since (say from a
+        model alone to a model with its optimizer's buffers) would otherwise be
+        fitted into a bubble on the smaller state's time and overrun its end.
+        """
+        if self._checkpoint_ns < 0:
+            return -1
+        if self._checkpoint_bytes <= 0:
+            return self._checkpoint_ns
+        return max(self._checkpoint_ns, self._checkpoint_ns * self._size_now() // self._checkpoint_bytes)
 
     def _retry_allowed(self, now: int) -> bool:
         if self._failed_ns < 0:
@@ -299,7 +332,8 @@ class GrantGate:
             retry = self._retry_allowed(now)
             due = retry and now - self._last_checkpoint >= self._assign.checkpoint_every_ns
             bound = retry and self._loss_bound_reached()
-            if (due or bound) and self._checkpoint_ns >= 0 and self._fits(now, self._checkpoint_ns):
+            need = self.checkpoint_estimate_ns() if due or bound else -1
+            if need >= 0 and self._fits(now, need):
                 self._g_busy += self._timed(self.checkpoint)
                 continue
             if bound and self._at_grant_start(now):

@@ -342,6 +342,46 @@ async def test_a_periodic_checkpoint_runs_only_when_its_last_duration_fits(tmp_p
     assert [m.steps for m in rig.link.sent if isinstance(m, p.Checkpointed)] == [0, 1]
 
 
+class Growing(IterativeTask):
+    """A task whose state grows tenfold at its first step, as an optimizer's buffers appear at its first update."""
+
+    def __init__(self) -> None:
+        self.state = {"weights": bytearray(1000)}
+
+    def step(self) -> None:
+        self.state["momentum"] = bytearray(9000)
+
+    def state_dict(self) -> dict[str, object]:
+        return dict(self.state)
+
+
+async def test_a_checkpoint_is_fitted_on_its_last_time_scaled_by_how_the_state_grew(tmp_path: Path) -> None:
+    task = Growing()
+    rig = make_rig(tmp_path, checkpoint_every_ns=100 * MS, save_ns=2 * MS, task=task)
+    # the default reads tensors' nbytes; bytearrays stand in for tensors here
+    rig.gate._state_bytes = lambda t: sum(len(v) for v in t.state_dict().values())
+    rig.gate.checkpoint()  # before any bubble: 2 ms for 1000 bytes
+    rig.link.push(rig.grant(1, STEP + MARGIN))
+    await run_task_step(rig, task, STEP)  # the state is ten times larger now: a save takes ~20 ms
+    rig.clock.advance(200 * MS)  # a checkpoint is due
+    assert rig.gate.checkpoint_estimate_ns() == 20 * MS
+    rig.link.push(rig.grant(2, 2 * MS + STEP + MARGIN))  # room for the old 2 ms save and a step, not a 20 ms save
+    await run_task_step(rig, task, STEP)
+    assert rig.saver.saved_at_steps == [0]  # no save squeezed in on the stale time
+    assert rig.link.done_brief() == [(1, "expired", 1)]
+
+
+def test_state_bytes_counts_tensor_data_in_nested_state() -> None:
+    import numpy as np
+    import torch
+
+    from freeride.worker.checkpoint import state_bytes
+
+    state = {"model": {"w": torch.zeros(10, 10)}, "opt": [torch.zeros(5, dtype=torch.float64)], "step": 3}
+    assert state_bytes(state) == 400 + 40
+    assert state_bytes((np.zeros(4, dtype=np.int16), "text", None)) == 8
+
+
 # Race: the worker runs at the lowest CPU priority, so it can be preempted between
 # deciding that a step fits and starting it. A step that would start after its
 # latest start time must wait for the next grant rather than start late.
