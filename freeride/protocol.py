@@ -278,6 +278,8 @@ class Assign(_Msg, frozen=True, tag="assign"):
     """Step time the task may lose to a crash: a checkpoint is forced before more is unsaved (0: no bound)."""
     max_loss_steps: Count = 0
     """Steps the task may lose to a crash, likewise (0: no bound)."""
+    warm_up: bool = False
+    """No training runs on the device yet: rehearse each step kind before the first bubble, then undo it."""
 
 
 class Grant(_Msg, frozen=True, tag="grant"):

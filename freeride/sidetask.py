@@ -113,6 +113,10 @@ class IterativeTask(abc.ABC):
     """Declared peak device memory in bytes; -1 means measure it."""
     step_time: ClassVar[float] = -1.0
     """Expected step time in seconds, used until steps have been measured."""
+    warm_up: ClassVar[bool] = True
+    """Whether the runtime may rehearse the first steps of each kind before training starts and then undo
+    them by restoring :meth:`state_dict` (see :mod:`freeride.worker.warmup`). Set it to False when a step
+    changes anything the state does not hold (files written, a result sent elsewhere)."""
 
     async def setup(self, ctx: TaskContext) -> None:  # noqa: B027 - optional hook
         """Allocate models and data on ``ctx.torch_device``."""

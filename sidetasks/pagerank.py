@@ -95,6 +95,9 @@ class PageRank(DeviceTask):
     ``nodes``, ``edges``.
     """
 
+    warm_up = False
+    """Its result is written when it converges, which no restored state would undo."""
+
     def __init__(
         self,
         *,

@@ -187,6 +187,8 @@ class Supervisor:
             side_priority=self.config.side_priority,
             max_loss_ns=task.max_loss_ns,
             max_loss_steps=task.max_loss_steps,
+            # rehearsing steps outside bubbles is free only while no rank trains on the device
+            warm_up=not device.alive,
         )
 
     # -- submit and place ---------------------------------------------------------------

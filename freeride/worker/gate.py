@@ -28,7 +28,7 @@ from freeride.sidetask import IterativeTask, StepEstimates, TaskStopped
 from freeride.transport import BadFrame
 from freeride.worker.checkpoint import state_bytes as state_bytes_of
 
-__all__ = ["GateLink", "GrantGate", "RunDelay", "SaveCheckpoint"]
+__all__ = ["GateLink", "GrantGate", "RunDelay", "SaveCheckpoint", "ThreadRunDelay"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +36,9 @@ _PROGRESS_EVERY_NS = 250_000_000
 _RETRY_MAX_NS = 5_000_000_000
 """A failed checkpoint is tried again after the checkpoint period, or this, whichever is shorter."""
 
-SaveCheckpoint = Callable[[IterativeTask, Path, int], bool]
-"""Saves a task's state with its step count to a path; False if the task has no state."""
+SaveCheckpoint = Callable[[IterativeTask, Path, int], int]
+"""Saves a task's state with its step count to a path; returns the bytes of tensor data it held
+(:func:`~freeride.worker.checkpoint.state_bytes`), or -1 if the task has no state (nothing saved)."""
 
 
 class GateLink(Protocol):
@@ -68,7 +69,7 @@ class RunDelay(Protocol):
         ...
 
 
-class _RunDelay:
+class ThreadRunDelay:
     """How long this thread has waited for a CPU while runnable (Linux schedstat), in ns.
 
     A side task runs at the lowest priority on its stage's core: when the
@@ -148,7 +149,7 @@ class GrantGate:
         if hint < 0 and task.step_time > 0:
             hint = int(task.step_time * 1e9)
         self.estimates = StepEstimates(hint)
-        self._run_delay: RunDelay = _RunDelay() if run_delay is None else run_delay
+        self._run_delay: RunDelay = ThreadRunDelay() if run_delay is None else run_delay
         self._kind = task.step_kind()
         """The kind of the step waiting to start (or of the next one)."""
         self._packs = type(task).fit_piece is not IterativeTask.fit_piece
@@ -168,8 +169,8 @@ class GrantGate:
         self._state_bytes = state_bytes
         self._checkpoint_bytes = 0
         """Size of the state the last checkpoint saved (0: unknown)."""
-        self._sized = (-1, 0)
-        """(steps, bytes): the state's size when last read, at that step count."""
+        self._sized = -1
+        """The state's size, read once after the last checkpoint when the next one is due (-1: not yet)."""
         self._saved_steps = steps
         self._unsaved_ns = 0
         """Step time since the last checkpoint: what a crash now would lose."""
@@ -257,7 +258,6 @@ class GrantGate:
         ``RuntimeError: basic_ios::clear``) must not end the task: it keeps its
         previous checkpoint and tries again.
         """
-        size = self._size_now()
         t0 = self._clock.now_ns()
         path = Path(self._assign.checkpoint_path)
         try:
@@ -270,24 +270,27 @@ class GrantGate:
             logger.warning("[worker] checkpoint at step %d to %s failed: %s", self._steps, path, error)
             self._link.send_nowait(p.CheckpointFailed(task_id=self._assign.task_id, steps=self._steps, error=error))
             return False
-        if saved:
+        if saved >= 0:
             self._link.send_nowait(p.Checkpointed(task_id=self._assign.task_id, steps=self._steps, path=str(path)))
         self._last_checkpoint = self._clock.now_ns()
         self._checkpoint_ns = self._last_checkpoint - t0
-        self._checkpoint_bytes = size
+        self._checkpoint_bytes, self._sized = max(0, saved), -1
         self._saved_steps, self._unsaved_ns, self._failed_ns = self._steps, 0, -1
         return True
 
     def _size_now(self) -> int:
-        """The task's state size now (read at most once per step; 0 if it cannot be read)."""
-        if self._sized[0] != self._steps:
+        """The task's state size, read once between two checkpoints (0 if it cannot be read).
+
+        Once: ``state_dict()`` may cost (a copy to the host), and a state grows
+        at a task's first steps (an optimizer's buffers), not step by step.
+        """
+        if self._sized < 0:
             try:
-                size = self._state_bytes(self._task)
+                self._sized = self._state_bytes(self._task)
             except Exception as exc:  # a task's state_dict failing here shows up at the save itself
                 logger.debug("[worker] state size unreadable: %s", exc)
-                size = 0
-            self._sized = (self._steps, size)
-        return self._sized[1]
+                self._sized = 0
+        return self._sized
 
     def checkpoint_estimate_ns(self) -> int:
         """What the next checkpoint is expected to take: the last one's time, scaled by how the state grew.

@@ -24,8 +24,9 @@ from freeride._procutil import bind_to_parent
 from freeride.gpu.streams import step_end_sync, use_side_stream
 from freeride.sidetask import IterativeTask, TaskContext, TaskStopped
 from freeride.transport import WorkerLink, new_async_context
-from freeride.worker.checkpoint import load_checkpoint
+from freeride.worker.checkpoint import load_checkpoint, state_bytes
 from freeride.worker.gate import GrantGate
+from freeride.worker.warmup import warm_up
 
 __all__ = ["load_target", "main"]
 
@@ -43,10 +44,10 @@ def load_target(target: str) -> type[IterativeTask]:
     return obj
 
 
-def _save_checkpoint(task: IterativeTask, path: Path, steps: int) -> bool:
+def _save_checkpoint(task: IterativeTask, path: Path, steps: int) -> int:
     state = task.state_dict()
     if not state:
-        return False
+        return -1
     import torch  # only tasks with state pay for the import
 
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -57,7 +58,7 @@ def _save_checkpoint(task: IterativeTask, path: Path, steps: int) -> bool:
         with contextlib.suppress(OSError):  # a partial file would only fill the disk further
             tmp.unlink()
         raise
-    return True
+    return state_bytes(state)
 
 
 def _load_checkpoint(task: IterativeTask, path: Path) -> int:
@@ -169,6 +170,10 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
         if assign.memory_limit > 0 and assign.device.startswith("cpu"):
             _cap_address_space(assign.memory_limit)
         gate = GrantGate(link, assign, task, steps, save=_save_checkpoint, device_sync=step_end_sync(stream))
+        if assign.warm_up:
+            rehearsal = await warm_up(task)
+            for kind, took_ns in rehearsal.slowest().items() if rehearsal is not None else ():
+                gate.estimates.observe(kind, took_ns)  # one sample each: the first bubble steps soon displace it
         if task.state_dict():
             import torch  # noqa: F401 - load the serializer before timing a checkpoint
         gate.checkpoint()  # before any bubble: measures what a checkpoint costs

@@ -105,13 +105,15 @@ class Saver:
     clock: ManualClock
     took_ns: int = 0
     saved_at_steps: list[int] | None = None
+    size: Callable[[IterativeTask], int] = lambda task: 0
+    """The bytes of tensor data a save reports having written."""
 
-    def __call__(self, task: IterativeTask, path: Path, steps: int) -> bool:
+    def __call__(self, task: IterativeTask, path: Path, steps: int) -> int:
         self.clock.advance(self.took_ns)
         if self.saved_at_steps is None:
             self.saved_at_steps = []
         self.saved_at_steps.append(steps)
-        return True
+        return self.size(task)
 
 
 @dataclass
@@ -359,7 +361,7 @@ async def test_a_checkpoint_is_fitted_on_its_last_time_scaled_by_how_the_state_g
     task = Growing()
     rig = make_rig(tmp_path, checkpoint_every_ns=100 * MS, save_ns=2 * MS, task=task)
     # the default reads tensors' nbytes; bytearrays stand in for tensors here
-    rig.gate._state_bytes = lambda t: sum(len(v) for v in t.state_dict().values())
+    rig.gate._state_bytes = rig.saver.size = lambda t: sum(len(v) for v in t.state_dict().values())
     rig.gate.checkpoint()  # before any bubble: 2 ms for 1000 bytes
     rig.link.push(rig.grant(1, STEP + MARGIN))
     await run_task_step(rig, task, STEP)  # the state is ten times larger now: a save takes ~20 ms

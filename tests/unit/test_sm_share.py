@@ -179,7 +179,7 @@ async def test_step_time_is_the_devices_when_the_gate_syncs_on_an_event(tmp_path
         assign,
         _Task(),
         0,
-        save=lambda task, path, steps: True,
+        save=lambda task, path, steps: 0,
         clock=clock,
         cpu_clock=clock.now_ns,
         run_delay=_NoDelay(),

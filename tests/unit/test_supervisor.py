@@ -41,3 +41,25 @@ def test_submissions_beyond_the_live_task_cap_are_rejected(tmp_path: Path, monke
     replies = [sup.submit(spec) for _ in range(4)]
     assert [type(r) for r in replies] == [p.Submitted] * 3 + [p.Rejected]
     assert isinstance(replies[-1], p.Rejected) and "at most 3" in replies[-1].reason
+
+
+def test_a_task_is_warmed_up_only_while_no_rank_trains_on_its_device(tmp_path: Path) -> None:
+    """Rehearsing steps outside bubbles takes nothing from training only before it starts."""
+    from freeride.serve.ranks import DeviceInfo, _Rank
+
+    config = ServeConfig(endpoints=Endpoints.ipc(tmp_path), state_dir=tmp_path / "s")
+    idle, busy = DeviceInfo(name="cpu:0", first_seen_ns=0), DeviceInfo(name="cpu:1", first_seen_ns=0)
+    busy.trainer = _Rank(rank=1, device="cpu:1", pid=4242, last_seen_ns=0)
+    devices = {"cpu:0": idle, "cpu:1": busy}
+    sup = Supervisor(config, devices=devices, schedulers={}, send=lambda ident, msg: True, observers=Observers())
+    assigned = {}
+    for task_id, device in ((1, "cpu:0"), (2, "cpu:1")):
+        task = TaskRecord(
+            task_id=task_id,
+            spec=p.TaskSpec(kind="iterative", target="m:C"),
+            name=f"t{task_id}",
+            checkpoint_path=tmp_path,
+        )
+        task.place(device)
+        assigned[device] = sup._assignment(task).warm_up
+    assert assigned == {"cpu:0": True, "cpu:1": False}

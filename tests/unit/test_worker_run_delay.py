@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from freeride.worker.gate import _RunDelay
+from freeride.worker.gate import ThreadRunDelay
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="needs Linux schedstat")
@@ -22,7 +22,7 @@ def test_run_delay_grows_while_another_process_holds_the_core() -> None:
     try:
         os.sched_setaffinity(0, {core})
         time.sleep(0.2)  # the hog is running on the core
-        delay = _RunDelay()
+        delay = ThreadRunDelay()
         d0, t0 = delay.ns(), time.monotonic_ns()
         while time.monotonic_ns() - t0 < 200_000_000:  # 200 ms of wall time, shared with the hog
             pass

@@ -1,0 +1,82 @@
+"""The worker's warm-up: each step kind rehearsed before training starts, then undone by a restore."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from _sidetaskfix import cpu_context, deterministic_one_thread  # noqa: F401 - autouse fixture
+
+from freeride.sidetask import IterativeTask, run_alone
+from freeride.worker.warmup import RUNS_PER_KIND, warm_up
+from sidetasks.vision import ResNet18Training
+
+
+class Phases(IterativeTask):
+    """Three kinds in turn; its state is its position and a running sum."""
+
+    def __init__(self) -> None:
+        self.position = 0
+        self.total = torch.zeros(3)
+
+    def step_kind(self) -> str:
+        return ("a", "b", "c")[self.position % 3]
+
+    def step(self) -> None:
+        self.total[self.position % 3] += 1  # in place: a restore must undo it from a copy
+        self.position += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "total": self.total}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position, self.total = int(state["position"]), state["total"]
+
+
+async def test_every_kind_is_rehearsed_measured_and_undone() -> None:
+    task = Phases()
+    task.position = 4
+    record = await warm_up(task)
+    assert record is not None
+    assert record.seen == {"a": RUNS_PER_KIND, "b": RUNS_PER_KIND, "c": RUNS_PER_KIND}
+    # each kind's first run pays its one-time costs and is not measured
+    assert sorted(kind for kind, _ in record.measured) == sorted(["a", "b", "c"] * (RUNS_PER_KIND - 1))
+    assert all(took > 0 for _, took in record.measured)
+    assert record.slowest() == {k: max(t for kk, t in record.measured if kk == k) for k in "abc"}
+    assert task.position == 4 and torch.equal(task.total, torch.zeros(3))
+
+
+async def test_the_step_limit_bounds_a_warm_up() -> None:
+    task = Phases()
+    record = await warm_up(task, max_steps=2)
+    assert record is not None and record.steps == 2 and task.position == 0
+
+
+async def test_a_task_without_state_or_that_opts_out_is_not_warmed_up() -> None:
+    class Stateless(IterativeTask):
+        def step(self) -> None:
+            raise AssertionError("a step that could not be undone ran")
+
+    class OptsOut(Phases):
+        warm_up = False
+
+        def step(self) -> None:
+            raise AssertionError("a task that opted out ran a step")
+
+    assert await warm_up(Stateless()) is None
+    assert await warm_up(OptsOut()) is None
+
+
+async def test_a_warmed_up_resnet_trains_exactly_as_one_that_was_not(tmp_path: Path) -> None:
+    opts: dict[str, Any] = {"batch_size": 4, "micro_batch_size": 2, "layer_steps": True, "train_size": 64, "seed": 3}
+    plain = ResNet18Training(**opts)
+    await run_alone(plain, steps=40, ctx=cpu_context(tmp_path))
+    warmed = ResNet18Training(**opts)
+    await warmed.setup(cpu_context(tmp_path))
+    record = await warm_up(warmed)
+    assert record is not None and len(record.seen) > 10  # forward and backward per block, update chunks
+    await run_alone(warmed, steps=40, ctx=cpu_context(tmp_path))
+    assert warmed.done_steps == plain.done_steps and warmed.cursor.position == plain.cursor.position
+    for (name, a), b in zip(plain.model.state_dict().items(), warmed.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
