@@ -493,6 +493,10 @@ class TaskStatus(_Msg, frozen=True, tag="task_status"):
     """What enforces ``memory_cap``: cgroup2, cgroup1, rlimit_as, mps, torch_fraction."""
     sm_share: int = -1
     """Percent of the GPU's SMs the task's process may occupy under MPS (-1: not capped)."""
+    waiting: str = ""
+    """Why a pending task is not placed yet ("" when it is)."""
+    moves: int = 0
+    """Times the task moved (checkpoint, then resume) to a device with more bubble time."""
 
 
 class LatencySummary(_Msg, frozen=True, tag="latency"):
