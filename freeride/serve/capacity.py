@@ -1,13 +1,13 @@
 """How much bubble time each device offers, when tasks may be placed, and which should move.
 
-A task placed on the first stage that reports stays there, and that stage
-may be the one whose bubbles are a sliver of its step. So an unpinned task
-waits, for a short settle time at most, until every stage of the job has
-reported and each one's bubble time is known: from the profile, or learned
-from its first training steps. Devices a profile or a launcher declared are
-known from the start. A task placed before the shares were known (or whose
-stage lost its rank) moves later to a device where it gets clearly more
-bubble time (:func:`plan_moves`).
+Placed on the first stage that reports, a task may land where the bubbles are
+a sliver of the step while another stage idles most of it. So an unpinned
+task waits, for a short settle time at most, until every stage of the job
+has reported and each one's bubble time is known: from the profile, or
+learned from its first training steps. Devices a profile or a launcher
+declared are known from the start. A task placed before the shares were
+known moves later to a device where it gets clearly more bubble time
+(:func:`plan_moves`).
 """
 
 from __future__ import annotations

@@ -123,9 +123,11 @@ def better_device(
         ``(device, share here, share there)``, or None to stay.
     """
     here = next((d for d in devices if d.device == current), None)
-    if here is None or (here.alive and here.bubble_share < 0):
-        return None  # nothing to compare with yet (a device whose rank left has nothing to give)
-    now = spare_share(here, joining=False) if here.alive else 0.0
+    if here is None or not here.alive or here.bubble_share < 0:
+        # nothing to compare with yet; a device without its rank may be about to
+        # train (a profiled one before the job starts, a rank restarting)
+        return None
+    now = spare_share(here, joining=False)
     best: tuple[str, float, float] | None = None
     for view in devices:
         if view.device == current or not view.alive or _tier(view) != 0 or not _fits(peak_memory, view):

@@ -282,7 +282,9 @@ class Supervisor:
         return views
 
     def _placement(self, task: TaskRecord) -> str | NoFit | None:
-        if not task.spec.device:
+        if task.spec.device:
+            task.waiting = "" if task.spec.device in self.devices else f"waiting for {task.spec.device} to report"
+        else:
             task.waiting = self._settling.waiting(self.devices, self._share)
             if task.waiting:
                 return None
