@@ -281,20 +281,22 @@ class Supervisor:
             )
         return views
 
-    def _placement(self, task: TaskRecord) -> str | NoFit | None:
+    def _placement(self, task: TaskRecord, waiting: str | None = None) -> str | NoFit | None:
+        """Where ``task`` goes now; ``waiting``: why unpinned tasks must wait, if already asked."""
         if task.spec.device:
             task.waiting = "" if task.spec.device in self.devices else f"waiting for {task.spec.device} to report"
         else:
-            task.waiting = self._settling.waiting(self.devices, self._share)
+            task.waiting = self._settling.waiting(self.devices, self._share) if waiting is None else waiting
             if task.waiting:
                 return None
         return place(task.spec.peak_memory, self._views(), pinned=task.spec.device)
 
     def place_pending(self) -> None:
         """Place tasks that waited for a device, now that one may fit; move those that gain by it."""
+        waiting = self._settling.waiting(self.devices, self._share)  # asked even with none pending: the clock starts
         for task in self.tasks.values():
             if task.state == "pending" and not task.device:
-                where = self._placement(task)
+                where = self._placement(task, waiting)
                 if isinstance(where, str):
                     self._start(task, where)
         self._rebalance()
