@@ -23,9 +23,9 @@ __all__ = ["side_task_cores", "stage_position", "thread_env"]
 
 
 def stage_position(info: DeviceInfo, devices: Iterable[DeviceInfo]) -> int:
-    """``info``'s place among the stages known on this node, ordered by stage then rank (0-based)."""
+    """``info``'s place among this node's stages (training, or named by a profile), by stage then rank (0-based)."""
     peers = sorted(
-        (d for d in devices if d.stage >= 0 or d is info),
+        (d for d in devices if d is info or (d.stage >= 0 and (d.alive or d.declared))),
         key=lambda d: (d.stage, d.rank, d.name),
     )
     return next((i for i, d in enumerate(peers) if d is info), 0)

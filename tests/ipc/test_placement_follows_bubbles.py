@@ -129,14 +129,15 @@ async def test_a_task_moves_to_a_stage_with_more_bubbles_from_its_checkpoint(
         record = manager.tasks[reply.task_id]
         await wait_until(lambda: record.state == "running", 60, "the task set up on cpu:0")
 
-        # a bubble on stage 0 gives it some steps to carry over
+        # a bubble on stage 0 gives it some steps to carry over (reported when its grant ends, at the deadline)
         t0 = time.monotonic_ns()
-        emitter.emit(p.BubbleStarted(rank=0, stage=0, device="cpu:0", step=0, index=0, t_ns=t0, expected_ns=S))
-        await wait_until(lambda: record.steps >= 20, 30, "steps in the bubble")
+        emitter.emit(p.BubbleStarted(rank=0, stage=0, device="cpu:0", step=0, index=0, t_ns=t0, expected_ns=S // 2))
+        await wait_until(lambda: record.steps >= 1, 30, "steps in the bubble")
         t1 = time.monotonic_ns()
         emitter.emit(p.BubbleEnded(rank=0, stage=0, device="cpu:0", step=0, index=0, t_ns=t1, duration_ns=t1 - t0))
         _steps(emitter, 0)
         await wait_until(lambda: manager.schedulers["cpu:0"].bubble_ns > 0, 10, "the bubble's end")
+        done_on_cpu0 = record.steps
 
         # the other stage reports, and shows bubbles: the task moves there
         await _hello(manager, emitter, 1)
@@ -146,7 +147,7 @@ async def test_a_task_moves_to_a_stage_with_more_bubbles_from_its_checkpoint(
         first, second = _setups(where)
         assert first["device"] == "cpu:0" and first["restored"] == 0
         assert second["device"] == "cpu:1" and second["pid"] != first["pid"]
-        assert isinstance(second["restored"], int) and second["restored"] >= 20  # its checkpoint came along
+        assert isinstance(second["restored"], int) and second["restored"] >= max(1, done_on_cpu0)  # it came along
         assert second["restored"] == record.checkpointed_steps
         status = manager.status().tasks[0]
         assert status.moves == 1 and status.device == "cpu:1"
@@ -155,8 +156,8 @@ async def test_a_task_moves_to_a_stage_with_more_bubbles_from_its_checkpoint(
         # and it runs on from there
         before = record.steps
         t0 = time.monotonic_ns()
-        emitter.emit(p.BubbleStarted(rank=1, stage=1, device="cpu:1", step=0, index=0, t_ns=t0, expected_ns=S))
-        await wait_until(lambda: record.steps >= before + 10, 30, "steps on cpu:1")
+        emitter.emit(p.BubbleStarted(rank=1, stage=1, device="cpu:1", step=0, index=0, t_ns=t0, expected_ns=S // 2))
+        await wait_until(lambda: record.steps > before, 30, "steps on cpu:1")
         t1 = time.monotonic_ns()
         emitter.emit(p.BubbleEnded(rank=1, stage=1, device="cpu:1", step=0, index=0, t_ns=t1, duration_ns=t1 - t0))
 

@@ -36,14 +36,19 @@ def test_one_thread_per_core() -> None:
 
 
 def test_stage_position_orders_this_nodes_stages() -> None:
-    devices = [DeviceInfo(name=f"cpu:{n}", first_seen_ns=0, stage=s, rank=s) for n, s in ((7, 2), (5, 0), (6, 1))]
+    devices = [
+        DeviceInfo(name=f"cpu:{n}", first_seen_ns=0, stage=s, rank=s, declared=True)
+        for n, s in ((7, 2), (5, 0), (6, 1))
+    ]
     assert [stage_position(d, devices) for d in devices] == [2, 0, 1]
+    gone = DeviceInfo(name="cpu:4", first_seen_ns=0, stage=0, rank=9)  # an earlier job's: no rank, not declared
+    assert [stage_position(d, [gone, *devices]) for d in devices] == [2, 0, 1]
 
 
 def test_the_worker_is_assigned_its_stages_core_and_one_thread(tmp_path: Path) -> None:
     """An unmodified training script reports all cores as its own: its side task must not take them all."""
     devices = {
-        name: DeviceInfo(name=name, first_seen_ns=0, stage=stage, rank=stage, cpu_affinity=ALL)
+        name: DeviceInfo(name=name, first_seen_ns=0, stage=stage, rank=stage, cpu_affinity=ALL, declared=True)
         for name, stage in (("cpu:0", 0), ("cpu:1", 1))
     }
     config = ServeConfig(endpoints=Endpoints.ipc(tmp_path), state_dir=tmp_path / "s")
