@@ -121,6 +121,8 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
         restart_backoff_max_s=parse_duration_ns(args.restart_backoff_max) / 1e9,
         max_loss_s=parse_duration_ns(args.max_loss) / 1e9,
         max_loss_steps=args.max_loss_steps,
+        settle_s=parse_duration_ns(args.settle) / 1e9,
+        move_every_s=parse_duration_ns(args.move_every) / 1e9,
     )
 
 
@@ -256,6 +258,10 @@ def _liveness_shown(t: p.TaskStatus) -> str:
         parts.append(f"checkpoint failing, retried: {printable(t.checkpoint_error)}")
     if t.memory_cap > 0:
         parts.append(f"memory cap {t.memory_cap >> 20} MiB ({t.memory_cap_by})")
+    if t.waiting:
+        parts.append(printable(t.waiting))
+    if t.moves:
+        parts.append(f"moved {t.moves}x to more bubble time")
     return "; ".join(parts)
 
 
@@ -479,6 +485,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="step time a crash may lose: past it a checkpoint is forced even if none fits a bubble (0: no bound)",
     )
     s.add_argument("--max-loss-steps", type=int, default=0, help="steps a crash may lose, likewise (0: no bound)")
+    s.add_argument(
+        "--settle",
+        default="10s",
+        metavar="DURATION",
+        help="an unpinned task submitted before every stage reported and showed its bubbles waits this long at most,"
+        " then goes where the bubbles are known to be (default 10s; not needed with --profile)",
+    )
+    s.add_argument(
+        "--move-every",
+        default="60s",
+        metavar="DURATION",
+        help="a task moves (checkpoint, resume) to a device giving it 1.5x its bubble time at most this often",
+    )
     s.set_defaults(fn=cmd_serve)
 
     s = subs.add_parser("submit", help="submit a side task", description="Submit a side task to a running manager.")

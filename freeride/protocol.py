@@ -500,6 +500,10 @@ class TaskStatus(_Msg, frozen=True, tag="task_status"):
     """Percent of the GPU's SMs the task's process may occupy under MPS (-1: not capped)."""
     fill: bool = False
     """The task fills the ends of bubbles its device's other tasks give back (``TaskSpec.fill``)."""
+    waiting: str = ""
+    """Why a pending task is not placed yet ("" when it is)."""
+    moves: int = 0
+    """Times the task moved (checkpoint, then resume) to a device with more bubble time."""
 
 
 class LatencySummary(_Msg, frozen=True, tag="latency"):

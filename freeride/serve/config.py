@@ -55,6 +55,12 @@ class ServeConfig:
     """Step time a crash may lose: past it a checkpoint is forced even when none fits a bubble (0: no bound)."""
     max_loss_steps: int = 0
     """Steps a crash may lose, likewise (0: no bound)."""
+    settle_s: float = 10.0
+    """An unpinned task submitted before every stage reported and showed its bubbles waits this long at most."""
+    move_gain: float = 1.5
+    """A task moves to another device only if it gets this many times its bubble time there."""
+    move_every_s: float = 60.0
+    """A task moves at most once in this many seconds (its first move may come as soon as it is set up)."""
 
     def __post_init__(self) -> None:
         if self.margin_ns < 0:
@@ -72,6 +78,12 @@ class ServeConfig:
             raise ValueError(f"restart_backoff_max_s must be >= restart_backoff_s, got {self.restart_backoff_max_s}")
         if self.max_loss_s < 0:
             raise ValueError(f"max_loss_s must be >= 0, got {self.max_loss_s}")
+        if self.settle_s < 0:
+            raise ValueError(f"settle_s must be >= 0, got {self.settle_s}")
+        if self.move_gain < 1:
+            raise ValueError(f"move_gain must be >= 1 (a move must pay for its restart), got {self.move_gain}")
+        if self.move_every_s < 0:
+            raise ValueError(f"move_every_s must be >= 0, got {self.move_every_s}")
         if self.max_loss_steps < 0:
             raise ValueError(f"max_loss_steps must be >= 0, got {self.max_loss_steps}")
         if self.keys_dir is None and self.endpoints.tcp_endpoints():

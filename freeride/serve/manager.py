@@ -248,8 +248,8 @@ class Manager:
                 info = self.ranks.bubble(event)
                 if info is not None:
                     self.schedulers[info.name].on_bubble_ended(event)
-            case p.StepFinished(rank=rank):
-                self.ranks.step_finished(rank)
+            case p.StepFinished(rank=rank, duration_ns=duration, bubble_ns=bubble):
+                self.ranks.step_finished(rank, duration_ns=duration, bubble_ns=bubble)
             case p.Heartbeat(rank=rank):
                 self.ranks.heartbeat(rank)
             case p.Goodbye(rank=rank, dropped=dropped):

@@ -55,6 +55,8 @@ class _Rank:
     last_seen_ns: int
     pidfd: int = -1
     alive: bool = True
+    steps: int = 0
+    """Training steps this rank finished."""
 
 
 @dataclass(slots=True, eq=False)
@@ -78,6 +80,16 @@ class DeviceInfo:
     train_steps: int = 0
     trainer: _Rank | None = None
     """The rank training here now."""
+    num_stages: int = 0
+    """Pipeline stages of the job training here (from its Hello or the profile; 0 unknown)."""
+    profiled_share: float = -1.0
+    """Bubble time per second of training, from the profile (-1: not profiled)."""
+    step_ns: int = 0
+    """Training time of the steps finished here, the first (warm-up) step of each rank left out."""
+    step_bubble_ns: int = 0
+    """Bubble time of those same steps."""
+    declared: bool = False
+    """Named before its rank reported (by a profile or a launcher)."""
 
     @property
     def alive(self) -> bool:
@@ -169,6 +181,7 @@ class Ranks:
         if known is not None:
             self._forget(known)  # the rank restarted: a new process under the same number
         info.stage, info.rank, info.framework = hello.stage, hello.rank, hello.framework
+        info.num_stages = hello.num_stages
         info.cpu_affinity = list(hello.cpu_affinity)
         info.device_memory = hello.device_memory
         trainer = _Rank(rank=hello.rank, device=hello.device, pid=hello.pid, last_seen_ns=now)
@@ -209,10 +222,16 @@ class Ranks:
             info.spare_memory = ev.spare_memory
         return info
 
-    def step_finished(self, rank: int) -> None:
+    def step_finished(self, rank: int, *, duration_ns: int = 0, bubble_ns: int = 0) -> None:
+        """A training step ended: what it lasted and how much of it was bubbles teach placement."""
         trainer = self._seen(rank)
         if trainer is not None and trainer.device in self.devices:
-            self.devices[trainer.device].train_steps += 1
+            info = self.devices[trainer.device]
+            info.train_steps += 1
+            trainer.steps += 1
+            if trainer.steps > 1 and duration_ns > 0:  # the first step warms up: its bubbles mislead
+                info.step_ns = min(p.I64_MAX, info.step_ns + duration_ns)
+                info.step_bubble_ns = min(p.I64_MAX, info.step_bubble_ns + min(max(0, bubble_ns), duration_ns))
 
     def heartbeat(self, rank: int) -> None:
         self._seen(rank)
@@ -237,6 +256,7 @@ class Ranks:
         info = self._device(name, force=True)
         assert info is not None  # forced
         info.stage, info.spare_memory, info.cpu_affinity = stage, spare_memory, list(cpu_affinity)
+        info.declared = True
         return info
 
     def load_profile(self, path: Path) -> None:
@@ -247,7 +267,8 @@ class Ranks:
         for stage in profile.stages:
             kind, _, index = stage.device.partition(":")
             cores = [int(index)] if kind == "cpu" and index.isdigit() else []
-            self.declare(stage.device, stage=stage.stage, spare_memory=stage.spare_memory, cpu_affinity=cores)
+            info = self.declare(stage.device, stage=stage.stage, spare_memory=stage.spare_memory, cpu_affinity=cores)
+            info.num_stages, info.profiled_share = stage.num_stages, stage.bubble_fraction
         logger.info("[startup] profile %s: %d stage(s) on %s", path, len(profile.stages), ", ".join(profile.devices))
 
     def note_free_memory(self, free_by_index: dict[int, int]) -> None:

@@ -29,7 +29,9 @@ from freeride.clock import MONOTONIC, Clock
 from freeride.gpu.memcap import MemoryCap, plan_memory_cap
 from freeride.gpu.smshare import plan_sm_share
 from freeride.observe.base import Observers
+from freeride.serve.capacity import Settling, bubble_share, plan_moves
 from freeride.serve.config import ServeConfig
+from freeride.serve.cores import side_task_cores, stage_position, thread_env
 from freeride.serve.imperative import ImperativeProcess
 from freeride.serve.placement import DeviceView, NoFit, place
 from freeride.serve.ranks import DeviceInfo
@@ -81,11 +83,13 @@ class Supervisor:
         self._spawn: SpawnFn | None = None
         self.mps_pipe_dir: Path | None = None
         """Pipe directory of the MPS daemon side tasks join (None without MPS)."""
+        self._settling = Settling(config.settle_s, clock=clock)
 
     def start(self, spawn: SpawnFn) -> None:
         """Begin supervising, with ``spawn`` putting coroutines in the manager's TaskGroup."""
         self._spawn = spawn
         spawn(self._liveness(), "supervisor-liveness")
+        spawn(self._placing(), "supervisor-placing")
         for task in self.tasks.values():
             if task.state == "starting" and task.runner is None:
                 spawn(self._supervise(task), f"task-{task.task_id}")
@@ -171,8 +175,12 @@ class Supervisor:
         workdir.mkdir(parents=True, exist_ok=True)
         return workdir
 
+    def _cores(self, task: TaskRecord) -> list[int]:
+        """The cores the task's process runs on (see :mod:`freeride.serve.cores`)."""
+        info = self.devices[task.device]
+        return side_task_cores(info.name, info.cpu_affinity, position=stage_position(info, self.devices.values()))
+
     def _assignment(self, task: TaskRecord) -> p.Assign:
-        device = self.devices[task.device]
         workdir = self._workdir(task)
         return p.Assign(
             task_id=task.task_id,
@@ -181,14 +189,14 @@ class Supervisor:
             checkpoint_path=str(task.checkpoint_path),
             margin_ns=self.config.margin_ns,
             checkpoint_every_ns=int(self.config.checkpoint_every_s * 1e9),
-            cpu_affinity=device.cpu_affinity,
+            cpu_affinity=self._cores(task),
             workdir=str(workdir),
             memory_limit=self._peak(task),
             side_priority=self.config.side_priority,
             max_loss_ns=task.max_loss_ns,
             max_loss_steps=task.max_loss_steps,
             # rehearsing steps outside bubbles is free only while no rank trains on the device
-            warm_up=not device.alive,
+            warm_up=not self.devices[task.device].alive,
         )
 
     # -- submit and place ---------------------------------------------------------------
@@ -245,36 +253,75 @@ class Supervisor:
             candidate = f"{name}-{n}"
         return candidate
 
-    def _view(self, info: DeviceInfo) -> DeviceView:
-        mine = [t for t in self.tasks.values() if t.device == info.name and t.active]
-        committed = sum(max(0, t.spec.peak_memory) for t in mine)
-        # NVML's free memory already excludes the side tasks running here, which
-        # placement subtracts again, so they are added back.
-        spare = info.spare_memory
-        if info.free_memory >= 0:
-            live = info.free_memory + committed
-            spare = live if spare < 0 else min(spare, live)
-        scheduler = self.schedulers.get(info.name)
-        return DeviceView(
-            device=info.name,
-            spare_memory=spare,
-            committed_memory=committed,
-            tasks=len(mine),
-            bubble_share=scheduler.bubble_share() if scheduler is not None else 0.0,
-            alive=info.alive,
-        )
+    def _share(self, info: DeviceInfo) -> float:
+        return bubble_share(info, self.schedulers.get(info.name))
 
-    def _placement(self, task: TaskRecord) -> str | NoFit | None:
-        views = [self._view(info) for info in self.devices.values()]
-        return place(task.spec.peak_memory, views, pinned=task.spec.device)
+    def _views(self) -> list[DeviceView]:
+        placed: dict[str, list[TaskRecord]] = {}
+        for t in self.tasks.values():
+            if t.active:
+                placed.setdefault(t.device, []).append(t)
+        views = []
+        for info in self.devices.values():
+            mine = placed.get(info.name, [])
+            committed = sum(max(0, t.spec.peak_memory) for t in mine)
+            # NVML's free memory already excludes the side tasks running here, which
+            # placement subtracts again, so they are added back.
+            spare = info.spare_memory
+            if info.free_memory >= 0:
+                live = info.free_memory + committed
+                spare = live if spare < 0 else min(spare, live)
+            views.append(
+                DeviceView(
+                    device=info.name,
+                    spare_memory=spare,
+                    committed_memory=committed,
+                    tasks=len(mine),
+                    bubble_share=self._share(info),
+                    alive=info.alive,
+                )
+            )
+        return views
+
+    def _placement(self, task: TaskRecord, waiting: str | None = None) -> str | NoFit | None:
+        """Where ``task`` goes now; ``waiting``: why unpinned tasks must wait, if already asked."""
+        if task.spec.device:
+            task.waiting = "" if task.spec.device in self.devices else f"waiting for {task.spec.device} to report"
+        else:
+            task.waiting = self._settling.waiting(self.devices, self._share) if waiting is None else waiting
+            if task.waiting:
+                return None
+        return place(task.spec.peak_memory, self._views(), pinned=task.spec.device)
 
     def place_pending(self) -> None:
-        """Place tasks that waited for a device, now that one may fit."""
+        """Place tasks that waited for a device, now that one may fit; move those that gain by it."""
+        waiting = self._settling.waiting(self.devices, self._share)  # asked even with none pending: the clock starts
         for task in self.tasks.values():
             if task.state == "pending" and not task.device:
-                where = self._placement(task)
+                where = self._placement(task, waiting)
                 if isinstance(where, str):
                     self._start(task, where)
+        self._rebalance()
+
+    async def _placing(self) -> None:
+        """Place waiting tasks once the settle time is over, and move tasks as the bubbles are learned."""
+        while True:
+            await asyncio.sleep(0.5)
+            self.place_pending()
+
+    def _rebalance(self) -> None:
+        now = self._clock.now_ns()
+        planned = plan_moves(
+            self.tasks.values(), self._views(), now_ns=now, gain=self.config.move_gain, every_s=self.config.move_every_s
+        )
+        for task, device, why in planned:
+            logger.info(
+                "[tasks] task %d (%s) moves from %s to %s: %s", task.task_id, task.name, task.device, device, why
+            )
+            task.move(device, now)
+            self._notify(task)
+            if task.runner is not None:
+                task.runner.stop(f"moving to {device}")  # it checkpoints, exits, and resumes there
 
     def _start(self, task: TaskRecord, device: str) -> None:
         task.place(device)
@@ -357,10 +404,17 @@ class Supervisor:
                 code = await self._run_program(task)
             else:
                 code = await self._run_worker(task)
+            left = task.device
             restart = task.exited(code)
-            scheduler = self.schedulers.get(task.device)
+            scheduler = self.schedulers.get(left)
             if scheduler is not None:  # grants its process never gave back: a restart starts clean
                 scheduler.forget(task)
+            if task.device != left:  # a move: at once, from the checkpoint it just wrote
+                if scheduler is not None:
+                    scheduler.on_task_changed(task)  # it leaves that device
+                logger.info("[tasks] task %d (%s) resumes on %s", task.task_id, task.name, task.device)
+                self._notify(task)
+                continue
             if task.state == "finished":
                 logger.info("[tasks] task %d (%s) finished", task.task_id, task.name)
             elif task.state == "failed":
@@ -400,7 +454,7 @@ class Supervisor:
                 python=self.config.python,
                 endpoint=self.config.endpoints.workers,
                 log_dir=self.config.log_dir,
-                cpu_affinity=self.devices[task.device].cpu_affinity,
+                cpu_affinity=self._cores(task),
                 extra_env=env,
                 workdir=self._workdir(task),
             )
@@ -426,7 +480,7 @@ class Supervisor:
 
     async def _run_program(self, task: TaskRecord) -> int:
         """Start an imperative task's program stopped, let bubbles run it, and wait for its exit."""
-        device = self.devices[task.device]
+        cores = self._cores(task)
         cap = self._memory_cap(task)
         host = task.memory_cap if cap.mechanism == "rlimit_as" else -1
         # tight: the program's own declared peak, with a little slack for the allocator
@@ -435,10 +489,10 @@ class Supervisor:
             task.memory_cap_by = group.memory_by
         program = ImperativeProcess(
             task.spec.argv,
-            env={**os.environ, **cap.env},
+            env={**os.environ, **thread_env(cores), **cap.env},
             log_dir=self.config.log_dir,
             name=f"task-{task.task_id}-{task.name}",
-            cpu_affinity=device.cpu_affinity,
+            cpu_affinity=cores,
             # kept under a cgroup too: a huge allocation then fails cleanly (MemoryError) instead of an OOM kill
             memory_limit=cap.rlimit_as if cap.mechanism == "rlimit_as" else -1,
             margin_ns=self.config.margin_ns,

@@ -102,6 +102,13 @@ class TaskRecord:
     """The cgroup of the task's worker, while it runs (None where cgroups are not to be had)."""
     sm_share: int = -1
     """Percent of the GPU's SMs the task's process may occupy under MPS (-1: not capped)."""
+    waiting: str = ""
+    """Why the task is not placed yet ("" once it is)."""
+    moving_to: str = ""
+    """The device the task is moving to: its worker was asked to checkpoint and stop ("" otherwise)."""
+    moves: int = 0
+    moved_ns: int = 0
+    """When the task last began a move (monotonic ns; 0 never)."""
 
     # -- views ------------------------------------------------------------------
 
@@ -151,6 +158,8 @@ class TaskRecord:
             memory_cap_by=self.memory_cap_by,
             sm_share=self.sm_share,
             fill=self.spec.fill,
+            waiting=self.waiting,
+            moves=self.moves,
         )
 
     # -- transitions (the supervisor's) -------------------------------------------
@@ -166,8 +175,13 @@ class TaskRecord:
 
     def place(self, device: str) -> None:
         """Placed on ``device``; its worker or program is about to start."""
-        self.device = device
+        self.device, self.waiting = device, ""
         self._go("starting")
+
+    def move(self, device: str, now_ns: int) -> None:
+        """To move to ``device``: its worker checkpoints and stops, then resumes there (see :meth:`exited`)."""
+        self.moving_to, self.moved_ns = device, now_ns
+        self.runnable = False
 
     def ready(self, *, estimate_ns: int = -1, steps: int = 0) -> None:
         """Set up and parked: grants may come."""
@@ -211,6 +225,11 @@ class TaskRecord:
         if self.stopping:
             self.cancel()
             return False
+        if self.moving_to:  # resumes from its checkpoint on the new device: not a crash
+            self.device, self.moving_to = self.moving_to, ""
+            self.moves += 1
+            self._go("starting")
+            return True
         self.error = self.error or f"worker exited with code {code}"
         if self.restarts >= self.spec.max_restarts:
             self.fail(self.error)

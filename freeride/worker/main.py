@@ -82,6 +82,20 @@ def _lower_cpu_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, 0, 19)
 
 
+def _set_threads(n: int) -> None:
+    """One compute thread per core the worker is pinned to, before the task builds anything.
+
+    The manager sets ``OMP_NUM_THREADS`` too; this also holds where the task's
+    environment or an earlier import fixed torch's thread pool otherwise.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        torch.set_num_threads(n)
+
+
 def _cap_torch_cuda_memory() -> None:
     """Keep PyTorch's caching allocator just under the MPS cap (set by the manager)."""
     fraction = os.environ.get("FREERIDE_TORCH_MEMORY_FRACTION")
@@ -148,6 +162,7 @@ async def _run(endpoint: str, task_id: int) -> int:
 async def _serve(link: WorkerLink, assign: p.Assign) -> int:
     if assign.cpu_affinity:
         os.sched_setaffinity(0, assign.cpu_affinity)
+        _set_threads(len(assign.cpu_affinity))
     if assign.side_priority == "low":  # "same": the stage's own, so an overrun delays it as on a GPU
         _lower_cpu_priority()
     _cap_torch_cuda_memory()

@@ -37,8 +37,8 @@ def runtime_dir() -> Iterator[Path]:
 
 @pytest.fixture(autouse=True)
 def _tasks_importable(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Worker processes import the test tasks in _tasks.py."""
-    monkeypatch.setenv("PYTHONPATH", str(HERE))
+    """Worker processes import the test tasks in _tasks.py (and FreeRide from where this run imports it)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (str(HERE), os.environ.get("PYTHONPATH")))))
     monkeypatch.syspath_prepend(str(HERE))
 
 
