@@ -30,6 +30,7 @@ from freeride.gpu.memcap import MemoryCap, plan_memory_cap
 from freeride.gpu.smshare import plan_sm_share
 from freeride.observe.base import Observers
 from freeride.serve.config import ServeConfig
+from freeride.serve.declarations import gpu_views, last_lines, with_declarations
 from freeride.serve.imperative import ImperativeProcess
 from freeride.serve.placement import DeviceView, NoFit, place
 from freeride.serve.ranks import DeviceInfo
@@ -124,9 +125,12 @@ class Supervisor:
                 self._notify(task)
             case p.GrantDone():
                 self.report(task, msg)
-            case p.Progress(steps=steps, metrics=metrics):
+            case p.Progress(steps=steps, metrics=metrics, estimates=estimates, waiting=waiting):
                 task.metrics.update(_finite(metrics))
                 task.steps = max(task.steps, steps)
+                task.waiting = waiting
+                if estimates:
+                    task.estimates = dict(estimates)
             case p.Checkpointed(steps=steps, path=path):
                 task.checkpointed_steps, task.checkpoint_error = steps, ""
                 logger.debug("[workers] task %d checkpointed at step %d to %s", task.task_id, steps, path)
@@ -144,9 +148,11 @@ class Supervisor:
                 task.finish()
                 logger.info("[workers] task %d (%s) finished after %d steps", task.task_id, task.name, task.steps)
                 self._notify(task)
-            case p.TaskFailed(error=error, traceback=tb):
-                task.error = error
+            case p.TaskFailed(error=error, traceback=tb, final=final):
+                task.error, task.traceback = error, last_lines(tb)
                 task.park()
+                if final:  # it cannot start at all: a restart would fail the same way
+                    task.no_restart()
                 logger.error("[workers] task %d (%s) failed: %s\n%s", task.task_id, task.name, error, tb)
                 self._notify(task)
             case _:
@@ -205,6 +211,10 @@ class Supervisor:
             from sidetasks import resolve
 
             spec = msgspec.structs.replace(spec, target=resolve(spec.target))
+            checked = with_declarations(spec)
+            if isinstance(checked, str):
+                return p.Rejected(reason=checked)
+            spec = checked
         name = self._free_name(task_name(spec))
         task = TaskRecord(
             task_id=self._next_task,
@@ -264,7 +274,18 @@ class Supervisor:
 
     def _placement(self, task: TaskRecord) -> str | NoFit | None:
         views = [self._view(info) for info in self.devices.values()]
-        return place(task.spec.peak_memory, views, pinned=task.spec.device)
+        if task.spec.device_kind == "gpu":
+            views, task.pending_reason = gpu_views(views, pinned=task.spec.device)
+            if task.pending_reason.startswith("rejected: "):
+                return NoFit(task.pending_reason.removeprefix("rejected: "))
+            if not views:
+                return None
+        elif not views:
+            task.pending_reason = "no training rank has announced a device yet"
+        where = place(task.spec.peak_memory, views, pinned=task.spec.device)
+        if isinstance(where, str):
+            task.pending_reason = ""
+        return where
 
     def place_pending(self) -> None:
         """Place tasks that waited for a device, now that one may fit."""
@@ -595,9 +616,11 @@ def _check_spec(spec: p.TaskSpec) -> str:
         from sidetasks import resolve
 
         try:
-            module = resolve(spec.target).partition(":")[0]
+            module = resolve(spec.target).rpartition(":")[0]
         except ValueError as exc:
             return str(exc)
+        if module.endswith(".py"):
+            return "" if os.path.isfile(module) else f"no such file {module!r} (give a path the manager can read)"
         try:
             # the top-level package only: finding a submodule imports its parents
             # (torch for torch.nn), which would stall the manager's loop

@@ -102,6 +102,16 @@ class TaskRecord:
     """The cgroup of the task's worker, while it runs (None where cgroups are not to be had)."""
     sm_share: int = -1
     """Percent of the GPU's SMs the task's process may occupy under MPS (-1: not capped)."""
+    traceback: str = ""
+    """The last lines of the traceback behind ``error``."""
+    final: bool = False
+    """The task failed where a restart cannot help (its ``__init__`` or ``setup`` raised)."""
+    waiting: bool = False
+    """The worker awaits the task's own input (it gives bubbles back meanwhile)."""
+    estimates: dict[str, int] = field(default_factory=dict)
+    """The worker's step-time estimate per step kind, as last reported."""
+    pending_reason: str = ""
+    """Why a pending task has no device yet."""
 
     # -- views ------------------------------------------------------------------
 
@@ -150,6 +160,10 @@ class TaskRecord:
             memory_cap=self.memory_cap,
             memory_cap_by=self.memory_cap_by,
             sm_share=self.sm_share,
+            traceback=self.traceback,
+            estimates=dict(self.estimates),
+            pending_reason=self.pending_reason if self.state == "pending" else "",
+            waiting=self.waiting and self.state == "running",
         )
 
     # -- transitions (the supervisor's) -------------------------------------------
@@ -177,6 +191,10 @@ class TaskRecord:
     def park(self) -> None:
         """No more grants for now (the process is gone or going)."""
         self.runnable = False
+
+    def no_restart(self) -> None:
+        """The task failed where a restart cannot help: its exit fails it for good."""
+        self.final = True
 
     def request_stop(self) -> None:
         """A stop was asked for: the coming exit is not a crash."""
@@ -211,7 +229,7 @@ class TaskRecord:
             self.cancel()
             return False
         self.error = self.error or f"worker exited with code {code}"
-        if self.restarts >= self.spec.max_restarts:
+        if self.final or self.restarts >= self.spec.max_restarts:
             self.fail(self.error)
             return False
         self.restarts += 1
