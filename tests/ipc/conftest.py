@@ -37,8 +37,8 @@ def runtime_dir() -> Iterator[Path]:
 
 @pytest.fixture(autouse=True)
 def _tasks_importable(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Worker processes import the test tasks in _tasks.py."""
-    monkeypatch.setenv("PYTHONPATH", str(HERE))
+    """Worker processes import the test tasks in _tasks.py (and the code under test from PYTHONPATH, if set)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]))
     monkeypatch.syspath_prepend(str(HERE))
 
 

@@ -154,3 +154,44 @@ def test_a_grant_given_back_idle_passes_the_bubble_on() -> None:
     assert first == 1
     h.report(waiter, done(waiter, grant, reason="idle"))
     assert [t for t, _ in h.grants()] == [1, 2] and other.task_id == 2
+
+
+def test_status_explains_estimates_bubbles_not_fitted_waits_and_failures() -> None:
+    from freeride.cli import format_status
+
+    base = {"kind": "iterative", "device": "cpu:0", "steps": 3, "busy_ns": 0}
+    tasks = [
+        p.TaskStatus(
+            task_id=1,
+            name="a",
+            state="running",
+            estimates={"": 2 * MS, "update": 30 * MS},
+            no_fit=12,
+            no_fit_reason="its step estimate 30 ms > the 20 ms left in the bubble",
+            waiting=True,
+            **base,  # type: ignore[arg-type]
+        ),
+        p.TaskStatus(task_id=2, name="b", state="pending", pending_reason="needs a GPU", **base),  # type: ignore[arg-type]
+        p.TaskStatus(
+            task_id=3,
+            name="c",
+            state="failed",
+            error="RuntimeError: x",
+            traceback='  File "t.py", line 3, in setup\nRuntimeError: x',
+            **base,  # type: ignore[arg-type]
+        ),
+    ]
+    reply = p.StatusReply(
+        devices=[],
+        tasks=tasks,
+        latency=p.LatencySummary(count=0, p50_ns=0, p99_ns=0, max_ns=0),
+        events=0,
+        rejected_frames=0,
+        uptime_ns=0,
+    )
+    text = format_status(reply)
+    assert "step estimates: step 2.00 ms, update 0.03 s" in text
+    assert "kept out of 12 bubbles: its step estimate 30 ms > the 20 ms left in the bubble" in text
+    assert "waiting for its own input" in text
+    assert "pending: needs a GPU" in text
+    assert 'File "t.py", line 3, in setup' in text
