@@ -174,6 +174,8 @@ class GrantGate:
         self._reported: dict[str, float] = {}
         """Metrics the task published with :meth:`report`, sent with every progress report."""
         self._waiting = False
+        self._said_waiting = False
+        """The last progress report said the task waits for input."""
 
     @property
     def steps(self) -> int:
@@ -246,6 +248,7 @@ class GrantGate:
     def _progress(self, now: int, *, force: bool = False) -> None:
         if force or now - self._last_progress >= _PROGRESS_EVERY_NS:
             self._last_progress = now
+            self._said_waiting = self._waiting
             self._link.send_nowait(self.progress())
 
     def progress(self) -> p.Progress:
@@ -288,7 +291,9 @@ class GrantGate:
             self._idle_message(msg)
         self._give_back("idle")
         self._waiting = True
-        self._progress(self._clock.now_ns(), force=True)
+        # the start of a wait is news once per report period at most: a task that waits
+        # for every item must not send a report per item
+        self._progress(self._clock.now_ns(), force=not self._said_waiting)
         try:
             return await race_link(
                 awaitable,

@@ -240,3 +240,13 @@ async def test_the_unbounded_gate_waits_directly_and_keeps_reported_metrics() ->
     assert await gate.wait_for(asyncio.sleep(0, result=5)) == 5
     gate.report(loss=1.5)
     assert gate.reported == {"loss": 1.5}
+
+
+async def test_a_task_that_waits_for_every_item_does_not_send_a_report_per_item(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    inbox: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(50):
+        inbox.put_nowait(i)
+    for _ in range(50):  # virtual time stands still: all inside one report period
+        await rig.gate.wait_for(inbox.get())
+    assert len(rig.progress()) == 1 and rig.progress()[0].waiting
