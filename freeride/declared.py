@@ -82,7 +82,7 @@ def _type_name(annotation: object) -> str:
 
 def declared(cls: type) -> Declared:
     """What the imported task class ``cls`` declares."""
-    init = cls.__init__  # type: ignore[misc]  # mypy: accessing __init__ on an instance type
+    init = next((vars(k)["__init__"] for k in cls.__mro__ if "__init__" in vars(k)), object.__init__)
     try:
         hints = typing.get_type_hints(init)
     except Exception:  # names only the task's own module resolves: fall back to the raw annotations
@@ -90,7 +90,7 @@ def declared(cls: type) -> Declared:
     options: list[OptionInfo] = []
     is_open = False
     if init is not object.__init__:
-        for param in list(inspect.signature(init).parameters.values())[1:]:
+        for param in inspect.signature(cls).parameters.values():
             if param.kind is param.VAR_KEYWORD:
                 is_open = True
             elif param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD):
