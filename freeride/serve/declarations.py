@@ -8,15 +8,15 @@ a class's ``peak_memory`` and ``device_kind`` count when the submitter gave none
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import msgspec
 
 from freeride import protocol as p
 from freeride.declared import OptionError, declared_in_source, validate_options
-from freeride.serve.placement import DeviceView
+from freeride.serve.placement import DeviceView, NoFit
 
-__all__ = ["TRACEBACK_LINES", "gpu_views", "last_lines", "with_declarations"]
+__all__ = ["TRACEBACK_LINES", "gpu_views", "last_lines", "pending_reason", "with_declarations"]
 
 TRACEBACK_LINES = 20
 """Lines of a failed task's traceback kept for ``freeride status`` (the whole one is in the manager's log)."""
@@ -45,20 +45,20 @@ def with_declarations(spec: p.TaskSpec) -> p.TaskSpec | str:
     )
 
 
-def gpu_views(views: Sequence[DeviceView], *, pinned: str = "") -> tuple[list[DeviceView], str]:
-    """The devices a task that needs a GPU may go to, and why it waits if there are none.
-
-    Returns:
-        The CUDA devices among ``views``, and "" or the task's pending reason;
-        a reason that starts with ``rejected:`` means it can never run as asked.
-    """
+def gpu_views(views: Sequence[DeviceView], *, pinned: str = "") -> list[DeviceView] | NoFit:
+    """The devices a task that needs a GPU may go to (none yet: it waits), or why it can never run as asked."""
     if pinned and not pinned.startswith("cuda"):
-        return [], f"rejected: the task needs a GPU (device_kind = 'gpu') but is pinned to {pinned}"
-    gpus = [v for v in views if v.device.startswith("cuda")]
-    if gpus:
-        return gpus, ""
-    others = ", ".join(v.device for v in views) or "none yet"
-    return [], f"needs a GPU (device_kind = 'gpu'); no CUDA device here (devices: {others}): waits for one"
+        return NoFit(f"the task needs a GPU (device_kind = 'gpu') but is pinned to {pinned}")
+    return [v for v in views if v.device.startswith("cuda")]
+
+
+def pending_reason(spec: p.TaskSpec, views: Sequence[DeviceView], known: Collection[str]) -> str:
+    """Why a task that placement left without a device waits (``views``: the devices it may go to)."""
+    if spec.device_kind == "gpu" and not views:
+        return f"needs a GPU (device_kind = 'gpu'); no CUDA device here (devices: {', '.join(known) or 'none yet'})"
+    if spec.device:
+        return f"pinned to {spec.device}, which no training rank has announced yet"
+    return "no training rank has announced a device yet"
 
 
 def last_lines(traceback: str, n: int = TRACEBACK_LINES) -> str:

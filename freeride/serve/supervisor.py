@@ -30,7 +30,7 @@ from freeride.gpu.memcap import MemoryCap, plan_memory_cap
 from freeride.gpu.smshare import plan_sm_share
 from freeride.observe.base import Observers
 from freeride.serve.config import ServeConfig
-from freeride.serve.declarations import gpu_views, last_lines, with_declarations
+from freeride.serve.declarations import gpu_views, last_lines, pending_reason, with_declarations
 from freeride.serve.imperative import ImperativeProcess
 from freeride.serve.placement import DeviceView, NoFit, place
 from freeride.serve.ranks import DeviceInfo
@@ -275,16 +275,12 @@ class Supervisor:
     def _placement(self, task: TaskRecord) -> str | NoFit | None:
         views = [self._view(info) for info in self.devices.values()]
         if task.spec.device_kind == "gpu":
-            views, task.pending_reason = gpu_views(views, pinned=task.spec.device)
-            if task.pending_reason.startswith("rejected: "):
-                return NoFit(task.pending_reason.removeprefix("rejected: "))
-            if not views:
-                return None
-        elif not views:
-            task.pending_reason = "no training rank has announced a device yet"
+            gpus = gpu_views(views, pinned=task.spec.device)
+            if isinstance(gpus, NoFit):
+                return gpus
+            views = gpus
         where = place(task.spec.peak_memory, views, pinned=task.spec.device)
-        if isinstance(where, str):
-            task.pending_reason = ""
+        task.pending_reason = pending_reason(task.spec, views, self.devices) if where is None else ""
         return where
 
     def place_pending(self) -> None:
