@@ -20,6 +20,7 @@ import msgspec
 from freeride import auth
 from freeride import protocol as p
 from freeride.serve.config import ServeConfig
+from freeride.submission import await_start, check_submission, report_start, task_details
 from freeride.transport import ControlClient, Endpoints, ManagerUnreachable, curve_keypair, default_runtime_dir
 from freeride.units import format_ns, parse_bytes, parse_duration_ns, printable
 
@@ -205,9 +206,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
             options=_parse_opts(args.opt),
             step_time_ns=parse_duration_ns(args.step_time) if args.step_time else -1,
         )
+        spec = check_submission(spec)
     spec = msgspec.structs.replace(
         spec,
-        peak_memory=parse_bytes(args.peak_memory) if args.peak_memory else -1,
+        peak_memory=parse_bytes(args.peak_memory) if args.peak_memory else spec.peak_memory,
         device=args.device or "",
         max_restarts=args.max_restarts,
         sm_share=_sm_share(args.sm_share),
@@ -215,10 +217,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     )
     with _control(args) as client:
         reply = client.request(p.Submit(spec=spec))
+        started = await_start(client, reply.task_id, args.wait) if isinstance(reply, p.Submitted) else None
     match reply:
         case p.Submitted(task_id=tid, device=device):
             print(f"task {tid} submitted; " + (f"placed on {device}" if device else "waiting for a device"))
-            return 0
+            return report_start(started)
         case p.Rejected(reason=reason):
             print(f"freeride: rejected: {reason}", file=sys.stderr)
             return 2
@@ -258,8 +261,6 @@ def _liveness_shown(t: p.TaskStatus) -> str:
         parts.append(f"checkpoint failing, retried: {printable(t.checkpoint_error)}")
     if t.memory_cap > 0:
         parts.append(f"memory cap {t.memory_cap >> 20} MiB ({t.memory_cap_by})")
-    if t.waiting:
-        parts.append(printable(t.waiting))
     if t.moves:
         parts.append(f"moved {t.moves}x to more bubble time")
     return "; ".join(parts)
@@ -293,6 +294,7 @@ def format_status(status: p.StatusReply) -> str:
         liveness = _liveness_shown(t)
         if liveness:
             lines.append(f"{'':>4} {liveness}")
+        lines += [f"{'':>4} {line}" for line in task_details(t)]
     lines.append("")
     lines.append(
         "used: side-task compute inside bubbles, as a share of bubble time; interference: side-task compute after"
@@ -525,6 +527,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(e.g. PageRank beside ResNet-50 training)",
     )
     s.add_argument("--imperative", action="store_true", help="run an unmodified program (give it after --)")
+    s.add_argument(
+        "--wait",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="wait this long for the task to start, so that a failing setup shows here (0: do not wait)",
+    )
     s.add_argument("--timeout", type=float, default=5.0, help=argparse.SUPPRESS)
     s.set_defaults(fn=cmd_submit)
 

@@ -25,6 +25,7 @@ import msgspec
 __all__ = [
     "I64_MAX",
     "MAX_CONTROL_FRAME",
+    "MAX_ESTIMATE_KINDS",
     "MAX_EVENT_FRAME",
     "MAX_WORKER_FRAME",
     "PROTOCOL_VERSION",
@@ -38,6 +39,7 @@ __all__ = [
     "Checkpointed",
     "ControlReply",
     "ControlRequest",
+    "DeviceKind",
     "DeviceStatus",
     "Goodbye",
     "Grant",
@@ -49,6 +51,7 @@ __all__ = [
     "ManagerToWorker",
     "Metrics",
     "Options",
+    "StepEstimatesSummary",
     "Progress",
     "Rejected",
     "Revoke",
@@ -117,6 +120,14 @@ Metrics = Annotated[dict[Name, float], msgspec.Meta(max_length=1024)]
 
 Options = Annotated[dict[Name, Text | int | float | bool], msgspec.Meta(max_length=1024)]
 """Constructor arguments of a side task: plain scalars only."""
+
+MAX_ESTIMATE_KINDS = 32
+"""Step kinds a worker reports estimates of, at most (the status of a task stays small)."""
+StepEstimatesSummary = Annotated[dict[Name, NanosOrUnknown], msgspec.Meta(max_length=MAX_ESTIMATE_KINDS)]
+"""A task's running step-time estimate per step kind, in ns (-1: not measured yet)."""
+
+DeviceKind = Literal["any", "gpu"]
+"""What device a task needs: ``gpu`` is never placed on a CPU device."""
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True):
@@ -249,6 +260,8 @@ class TaskSpec(_Msg, frozen=True, tag="task_spec"):
     fill: bool = False
     """A filler: it takes a bubble only once the device's other tasks have given it back, so that a task
     of short steps fills the ends of bubbles that a task of long steps leaves (a mix per device)."""
+    device_kind: DeviceKind = "any"
+    """The device the task needs (its class's ``device_kind``): a ``gpu`` task waits for a CUDA device."""
 
 
 # --------------------------------------------------------------------------
@@ -326,7 +339,7 @@ class WorkerReady(_Msg, frozen=True, tag="worker_ready"):
     """Steps already done (restored from a checkpoint)."""
 
 
-GrantDoneReason = Literal["no_fit", "revoked", "expired", "finished", "stopping"]
+GrantDoneReason = Literal["no_fit", "revoked", "expired", "finished", "stopping", "idle"]
 """Why a worker gives a grant back."""
 
 
@@ -365,6 +378,10 @@ class Progress(_Msg, frozen=True, tag="progress"):
     task_id: Count
     steps: Count
     metrics: Metrics = {}
+    estimates: StepEstimatesSummary = {}
+    """The running estimate per step kind (the most recently used kinds when there are many)."""
+    waiting: bool = False
+    """The task is awaiting its own input between steps (it holds no bubble meanwhile)."""
 
 
 class Checkpointed(_Msg, frozen=True, tag="checkpointed"):
@@ -398,6 +415,8 @@ class TaskFailed(_Msg, frozen=True, tag="task_failed"):
     task_id: Count
     error: Text
     traceback: LongText = ""
+    final: bool = False
+    """The task cannot run at all (its ``__init__`` or ``setup`` raised): no restart would help."""
 
 
 WorkerToManager = WorkerReady | GrantDone | Progress | Checkpointed | TaskFinished | TaskFailed | CheckpointFailed
@@ -500,10 +519,20 @@ class TaskStatus(_Msg, frozen=True, tag="task_status"):
     """Percent of the GPU's SMs the task's process may occupy under MPS (-1: not capped)."""
     fill: bool = False
     """The task fills the ends of bubbles its device's other tasks give back (``TaskSpec.fill``)."""
-    waiting: str = ""
-    """Why a pending task is not placed yet ("" when it is)."""
     moves: int = 0
     """Times the task moved (checkpoint, then resume) to a device with more bubble time."""
+    traceback: str = ""
+    """The last lines of the traceback behind ``error`` (a failed task's)."""
+    estimates: dict[str, int] = {}
+    """The task's step-time estimate per step kind, in ns (-1: not measured yet)."""
+    no_fit: int = 0
+    """Bubbles the task was kept out of because its estimated step did not fit what was left."""
+    no_fit_reason: str = ""
+    """Why, the last time it was kept out."""
+    pending_reason: str = ""
+    """Why a pending task waits for a device."""
+    waiting: bool = False
+    """The task awaits its own input between steps and gives its bubbles back meanwhile."""
 
 
 class LatencySummary(_Msg, frozen=True, tag="latency"):

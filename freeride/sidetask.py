@@ -36,6 +36,32 @@ State returned by :meth:`IterativeTask.state_dict` is checkpointed (with
 ``torch.save``) between steps and when the task is stopped, and handed to
 :meth:`IterativeTask.load_state_dict` when a cancelled, crashed or preempted
 task starts again.
+
+The lifecycle, in the order the runtime calls a task (one worker process)::
+
+    __init__(**options)            options checked against its signature at submit
+    setup(ctx)                     build models and data on ctx.torch_device
+    load_state_dict(state)         only when a checkpoint exists: after setup, so
+                                   the state has something to load into
+    ( on_resume()                  a grant starts: the device is the task's
+      steps ...                    each one inside the grant, if it fits
+      on_pause() )*                the grant ends (the bubble is over)
+    state_dict()                   at periodic checkpoints and at stop, whenever
+                                   can_checkpoint() says the state is consistent
+    teardown()                     once, however the task ends
+
+An exception in ``__init__`` or ``setup`` fails the task for good (a restart
+would raise it again); one in a step fails it and restarts it from its last
+checkpoint. At a stop, a task whose :meth:`IterativeTask.can_checkpoint` says no
+runs on (inside bubbles) to its next consistent point while the stop timeout
+allows; past that, the last checkpoint is kept and the status says so.
+
+A task that waits for its own input (a spool directory, a queue, a socket)
+waits through the gate, ``item = await gate.wait_for(queue.get())`` or
+``async for item in gate.idle_until(source):``: meanwhile it gives every
+bubble back, still answers a stop (it is checkpointed, not killed) and keeps
+its status fresh. ``gate.remaining()`` says how much of the current grant is
+left, and ``gate.report(loss=...)`` publishes metrics between checkpoints.
 """
 
 from __future__ import annotations
@@ -45,11 +71,11 @@ import inspect
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 
 __all__ = [
     "IterativeTask",
@@ -61,6 +87,9 @@ __all__ = [
     "UnboundedGate",
     "run_alone",
 ]
+
+
+_T = TypeVar("_T")
 
 
 class TaskStopped(BaseException):
@@ -100,6 +129,26 @@ class StepGate(Protocol):
         """Steps completed so far (including those restored from a checkpoint)."""
         ...
 
+    def remaining(self) -> float | None:
+        """Seconds left in the current grant minus the safety margin; ``None`` outside a grant (or unbounded)."""
+        ...
+
+    def report(self, **metrics: float) -> None:
+        """Publish metrics now (they show in ``freeride status``), between checkpoints."""
+        ...
+
+    async def wait_for(self, awaitable: Awaitable[_T]) -> _T:
+        """Await the task's own I/O between steps, holding no bubble meanwhile.
+
+        Raises:
+            TaskStopped: The runtime stopped the task while it waited.
+        """
+        ...
+
+    def idle_until(self, source: AsyncIterable[_T]) -> AsyncIterator[_T]:
+        """Iterate ``source``, each wait for its next item as in :meth:`wait_for`."""
+        ...
+
 
 class IterativeTask(abc.ABC):
     """Base class of iterative side tasks.
@@ -117,6 +166,8 @@ class IterativeTask(abc.ABC):
     """Whether the runtime may rehearse the first steps of each kind before training starts and then undo
     them by restoring :meth:`state_dict` (see :mod:`freeride.worker.warmup`). Set it to False when a step
     changes anything the state does not hold (files written, a result sent elsewhere)."""
+    device_kind: ClassVar[Literal["any", "gpu"]] = "any"
+    """The device the task needs: a ``"gpu"`` task is never placed on a CPU device."""
 
     async def setup(self, ctx: TaskContext) -> None:  # noqa: B027 - optional hook
         """Allocate models and data on ``ctx.torch_device``."""
@@ -167,7 +218,22 @@ class IterativeTask(abc.ABC):
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - optional hook
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned; called after :meth:`setup`."""
+
+    def can_checkpoint(self) -> bool:
+        """Whether :meth:`state_dict` now describes a consistent point (default: always).
+
+        Consulted before every checkpoint. A task in the middle of a unit it
+        cannot save (half an epoch of a stream it cannot replay, a batch taken
+        but not yet committed) says no, and the checkpoint waits.
+        """
+        return True
+
+    def on_resume(self) -> None:  # noqa: B027 - optional hook
+        """A grant has started and a step is about to run in it. Keep it cheap: it is bubble time."""
+
+    def on_pause(self) -> None:  # noqa: B027 - optional hook
+        """The grant has ended (its bubble is over or nothing more fits): training has the device again."""
 
     async def teardown(self) -> None:  # noqa: B027 - optional hook
         """Release resources; called once when the task stops for any reason."""
@@ -246,9 +312,25 @@ class UnboundedGate:
         self.kinds: list[str] = []
         """The kind of each measured step, in order."""
 
+        self.reported: dict[str, float] = {}
+        """The metrics last published with :meth:`report`."""
+
     @property
     def steps(self) -> int:
         return len(self.durations_ns)
+
+    def remaining(self) -> float | None:
+        return None  # no grant: nothing bounds a step
+
+    def report(self, **metrics: float) -> None:
+        self.reported.update(metrics)
+
+    async def wait_for(self, awaitable: Awaitable[_T]) -> _T:
+        return await awaitable
+
+    async def idle_until(self, source: AsyncIterable[_T]) -> AsyncIterator[_T]:
+        async for item in source:
+            yield item
 
     @asynccontextmanager
     async def step(self, kind: str = "") -> AsyncIterator[None]:

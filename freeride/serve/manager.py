@@ -374,7 +374,13 @@ class Manager:
         scheduler = self.schedulers.get(task.device)
         if scheduler is None:
             return task.status()
-        return msgspec.structs.replace(task.status(), interference_ns=scheduler.task_interference_ns(task.task_id))
+        no_fit, why = scheduler.no_fit(task.task_id)
+        return msgspec.structs.replace(
+            task.status(),
+            interference_ns=scheduler.task_interference_ns(task.task_id),
+            no_fit=no_fit,
+            no_fit_reason=why,
+        )
 
     def status(self) -> p.StatusReply:
         p50, p99, worst = self.latency.summary()

@@ -95,6 +95,10 @@ class DeviceScheduler:
         self._tried: set[int] = set()
         self._starved: dict[int, int] = {}
         """Consecutive bubbles a task's estimate kept it out of."""
+        self._no_fit: dict[int, tuple[int, str]] = {}
+        """Bubbles a task's estimate kept it out of in all, and why the last time (for status)."""
+        self._kept_out: set[int] = set()
+        """Tasks kept out of the current bubble (each counted once per bubble)."""
         self._holder: int | None = None
         self._grants: dict[int, _GrantState] = {}
         self._next_grant = 1
@@ -160,6 +164,7 @@ class DeviceScheduler:
         """Drop what is kept about a task that left the manager's table."""
         self._task_interference.pop(task_id, None)
         self._starved.pop(task_id, None)
+        self._no_fit.pop(task_id, None)
 
     def bubble_share(self) -> float:
         elapsed = self._clock.now_ns() - self.first_seen_ns
@@ -188,6 +193,7 @@ class DeviceScheduler:
         self._bubble = ev
         self._deadline_ns = min(p.I64_MAX, ev.t_ns + ev.expected_ns)
         self._tried.clear()
+        self._kept_out.clear()
         self.bubbles += 1
         self._grant_next(fresh=True)
 
@@ -252,7 +258,7 @@ class DeviceScheduler:
                 self._grants.pop(done.grant_id)
         if self._holder == done.grant_id:
             self._holder = None
-            if done.reason in ("no_fit", "finished") and self._bubble is not None:
+            if done.reason in ("no_fit", "finished", "idle") and self._bubble is not None:
                 self._grant_next(fresh=False)
 
     # -- liveness (the supervisor's hang detector calls these) ----------------
@@ -331,6 +337,18 @@ class DeviceScheduler:
         if state is not None and state.task.runner is not None:
             state.task.runner.revoke(grant_id)  # its report comes back through on_grant_done
 
+    def no_fit(self, task_id: int) -> tuple[int, str]:
+        """Bubbles ``task_id``'s estimated step did not fit, and why the last time."""
+        return self._no_fit.get(task_id, (0, ""))
+
+    def _count_no_fit(self, task_id: int, estimate_ns: int, room: int) -> None:
+        if task_id in self._kept_out:
+            return
+        self._kept_out.add(task_id)
+        count = self._no_fit.get(task_id, (0, ""))[0] + 1
+        why = f"its step estimate {estimate_ns / 1e6:.3g} ms > the {room / 1e6:.3g} ms left in the bubble"
+        self._no_fit[task_id] = (count, why)
+
     def _grant_next(self, *, fresh: bool) -> None:
         if self._bubble is None or self._holder is not None or not self.tasks:
             return
@@ -359,6 +377,7 @@ class DeviceScheduler:
                 # bubble after bubble gets one step at the start of a bubble now and then.
                 starved = self._starved.get(task.task_id, 0) + (1 if fresh else 0)
                 self._starved[task.task_id] = starved
+                self._count_no_fit(task.task_id, estimate, remaining)
                 if not (fresh and starved >= PROBE_AFTER_BUBBLES):
                     continue
                 probe = True

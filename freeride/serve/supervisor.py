@@ -32,6 +32,7 @@ from freeride.observe.base import Observers
 from freeride.serve.capacity import Settling, bubble_share, plan_moves
 from freeride.serve.config import ServeConfig
 from freeride.serve.cores import side_task_cores, stage_position, thread_env
+from freeride.serve.declarations import gpu_views, last_lines, pending_reason, with_declarations
 from freeride.serve.imperative import ImperativeProcess
 from freeride.serve.placement import DeviceView, NoFit, place
 from freeride.serve.ranks import DeviceInfo
@@ -128,9 +129,12 @@ class Supervisor:
                 self._notify(task)
             case p.GrantDone():
                 self.report(task, msg)
-            case p.Progress(steps=steps, metrics=metrics):
+            case p.Progress(steps=steps, metrics=metrics, estimates=estimates, waiting=waiting):
                 task.metrics.update(_finite(metrics))
                 task.steps = max(task.steps, steps)
+                task.waiting = waiting
+                if estimates:
+                    task.estimates = dict(estimates)
             case p.Checkpointed(steps=steps, path=path):
                 task.checkpointed_steps, task.checkpoint_error = steps, ""
                 logger.debug("[workers] task %d checkpointed at step %d to %s", task.task_id, steps, path)
@@ -148,9 +152,11 @@ class Supervisor:
                 task.finish()
                 logger.info("[workers] task %d (%s) finished after %d steps", task.task_id, task.name, task.steps)
                 self._notify(task)
-            case p.TaskFailed(error=error, traceback=tb):
-                task.error = error
+            case p.TaskFailed(error=error, traceback=tb, final=final):
+                task.error, task.traceback = error, last_lines(tb)
                 task.park()
+                if final:  # it cannot start at all: a restart would fail the same way
+                    task.no_restart()
                 logger.error("[workers] task %d (%s) failed: %s\n%s", task.task_id, task.name, error, tb)
                 self._notify(task)
             case _:
@@ -215,6 +221,10 @@ class Supervisor:
             from sidetasks import resolve
 
             spec = msgspec.structs.replace(spec, target=resolve(spec.target))
+            checked = with_declarations(spec)
+            if isinstance(checked, str):
+                return p.Rejected(reason=checked)
+            spec = checked
         name = self._free_name(task_name(spec))
         task = TaskRecord(
             task_id=self._next_task,
@@ -284,14 +294,23 @@ class Supervisor:
         return views
 
     def _placement(self, task: TaskRecord, waiting: str | None = None) -> str | NoFit | None:
-        """Where ``task`` goes now; ``waiting``: why unpinned tasks must wait, if already asked."""
-        if task.spec.device:
-            task.waiting = "" if task.spec.device in self.devices else f"waiting for {task.spec.device} to report"
-        else:
-            task.waiting = self._settling.waiting(self.devices, self._share) if waiting is None else waiting
-            if task.waiting:
+        """Where ``task`` goes now; ``waiting``: why unpinned tasks must wait, if already asked.
+
+        A task left without a device says why in ``pending_reason``.
+        """
+        if not task.spec.device:
+            task.pending_reason = self._settling.waiting(self.devices, self._share) if waiting is None else waiting
+            if task.pending_reason:
                 return None
-        return place(task.spec.peak_memory, self._views(), pinned=task.spec.device)
+        views = self._views()
+        if task.spec.device_kind == "gpu":
+            gpus = gpu_views(views, pinned=task.spec.device)
+            if isinstance(gpus, NoFit):
+                return gpus
+            views = gpus
+        where = place(task.spec.peak_memory, views, pinned=task.spec.device)
+        task.pending_reason = pending_reason(task.spec, views, self.devices) if where is None else ""
+        return where
 
     def place_pending(self) -> None:
         """Place tasks that waited for a device, now that one may fit; move those that gain by it."""
@@ -651,9 +670,11 @@ def _check_spec(spec: p.TaskSpec) -> str:
         from sidetasks import resolve
 
         try:
-            module = resolve(spec.target).partition(":")[0]
+            module = resolve(spec.target).rpartition(":")[0]
         except ValueError as exc:
             return str(exc)
+        if module.endswith(".py"):
+            return "" if os.path.isfile(module) else f"no such file {module!r} (give a path the manager can read)"
         try:
             # the top-level package only: finding a submodule imports its parents
             # (torch for torch.nn), which would stall the manager's loop

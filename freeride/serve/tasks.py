@@ -102,13 +102,21 @@ class TaskRecord:
     """The cgroup of the task's worker, while it runs (None where cgroups are not to be had)."""
     sm_share: int = -1
     """Percent of the GPU's SMs the task's process may occupy under MPS (-1: not capped)."""
-    waiting: str = ""
-    """Why the task is not placed yet ("" once it is)."""
     moving_to: str = ""
     """The device the task is moving to: its worker was asked to checkpoint and stop ("" otherwise)."""
     moves: int = 0
     moved_ns: int = 0
     """When the task last began a move (monotonic ns; 0 never)."""
+    traceback: str = ""
+    """The last lines of the traceback behind ``error``."""
+    final: bool = False
+    """The task failed where a restart cannot help (its ``__init__`` or ``setup`` raised)."""
+    waiting: bool = False
+    """The worker awaits the task's own input (it gives bubbles back meanwhile)."""
+    estimates: dict[str, int] = field(default_factory=dict)
+    """The worker's step-time estimate per step kind, as last reported."""
+    pending_reason: str = ""
+    """Why a pending task has no device yet."""
 
     # -- views ------------------------------------------------------------------
 
@@ -158,8 +166,11 @@ class TaskRecord:
             memory_cap_by=self.memory_cap_by,
             sm_share=self.sm_share,
             fill=self.spec.fill,
-            waiting=self.waiting,
             moves=self.moves,
+            traceback=self.traceback,
+            estimates=dict(self.estimates),
+            pending_reason=self.pending_reason if self.state == "pending" else "",
+            waiting=self.waiting and self.state == "running",
         )
 
     # -- transitions (the supervisor's) -------------------------------------------
@@ -175,7 +186,7 @@ class TaskRecord:
 
     def place(self, device: str) -> None:
         """Placed on ``device``; its worker or program is about to start."""
-        self.device, self.waiting = device, ""
+        self.device, self.pending_reason = device, ""
         self._go("starting")
 
     def move(self, device: str, now_ns: int) -> None:
@@ -192,6 +203,10 @@ class TaskRecord:
     def park(self) -> None:
         """No more grants for now (the process is gone or going)."""
         self.runnable = False
+
+    def no_restart(self) -> None:
+        """The task failed where a restart cannot help: its exit fails it for good."""
+        self.final = True
 
     def request_stop(self) -> None:
         """A stop was asked for: the coming exit is not a crash."""
@@ -231,7 +246,7 @@ class TaskRecord:
             self._go("starting")
             return True
         self.error = self.error or f"worker exited with code {code}"
-        if self.restarts >= self.spec.max_restarts:
+        if self.final or self.restarts >= self.spec.max_restarts:
             self.fail(self.error)
             return False
         self.restarts += 1

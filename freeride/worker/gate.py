@@ -16,10 +16,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Protocol, assert_never
+from typing import Protocol, TypeVar, assert_never
 
 from freeride import protocol as p
 from freeride.admission import fits, room_ns
@@ -27,6 +27,7 @@ from freeride.clock import MONOTONIC, Clock
 from freeride.sidetask import IterativeTask, StepEstimates, TaskStopped
 from freeride.transport import BadFrame
 from freeride.worker.checkpoint import state_bytes as state_bytes_of
+from freeride.worker.waiting import race_link
 
 __all__ = ["GateLink", "GrantGate", "RunDelay", "SaveCheckpoint", "ThreadRunDelay"]
 
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 _PROGRESS_EVERY_NS = 250_000_000
 _RETRY_MAX_NS = 5_000_000_000
 """A failed checkpoint is tried again after the checkpoint period, or this, whichever is shorter."""
+
+_T = TypeVar("_T")
 
 SaveCheckpoint = Callable[[IterativeTask, Path, int], int]
 """Saves a task's state with its step count to a path; returns the bytes of tensor data it held
@@ -176,6 +179,13 @@ class GrantGate:
         """Step time since the last checkpoint: what a crash now would lose."""
         self._failed_ns = -1
         """When the last checkpoint failed (-1: it did not)."""
+        self._resumed = False
+        """``on_resume`` ran for the grant held: ``on_pause`` is owed when it goes."""
+        self._reported: dict[str, float] = {}
+        """Metrics the task published with :meth:`report`, sent with every progress report."""
+        self._waiting = False
+        self._said_waiting = False
+        """The last progress report said the task waits for input."""
 
     @property
     def steps(self) -> int:
@@ -203,6 +213,9 @@ class GrantGate:
         grant = self._grant
         if grant is None:
             return
+        if self._resumed:
+            self._resumed = False
+            self._task.on_pause()
         self._link.send_nowait(
             p.GrantDone(
                 task_id=self._assign.task_id,
@@ -242,12 +255,75 @@ class GrantGate:
             and room_ns(now, grant.deadline_ns, self._assign.margin_ns) > 0
         )
 
-    def _progress(self, now: int) -> None:
-        if now - self._last_progress >= _PROGRESS_EVERY_NS:
+    def _progress(self, now: int, *, force: bool = False) -> None:
+        if force or now - self._last_progress >= _PROGRESS_EVERY_NS:
             self._last_progress = now
-            self._link.send_nowait(
-                p.Progress(task_id=self._assign.task_id, steps=self._steps, metrics=self._task.metrics())
+            self._said_waiting = self._waiting
+            self._link.send_nowait(self.progress())
+
+    def progress(self) -> p.Progress:
+        """What the task has done so far: steps, metrics and the estimate of each step kind."""
+        kinds = self.estimates.kinds()[-p.MAX_ESTIMATE_KINDS :]  # the newest kinds, when there are many
+        return p.Progress(
+            task_id=self._assign.task_id,
+            steps=self._steps,
+            metrics={**self._task.metrics(), **self._reported},
+            estimates={kind: self.estimates.estimate_ns(kind) for kind in kinds},
+            waiting=self._waiting,
+        )
+
+    def remaining(self) -> float | None:
+        """Seconds left in the current grant minus the margin; ``None`` outside a grant."""
+        grant = self._grant
+        if grant is None or self._revoked:
+            return None
+        return max(0, room_ns(self._clock.now_ns(), grant.deadline_ns, self._assign.margin_ns)) / 1e9
+
+    def report(self, **metrics: float) -> None:
+        """Publish ``metrics`` (sent at once, or with the next progress report if one went out lately)."""
+        self._reported.update(metrics)
+        self._progress(self._clock.now_ns())
+
+    def _idle_message(self, msg: p.ManagerToWorker | BadFrame) -> None:
+        self._handle(msg)
+        if self._grant is not None:  # nothing to run: the scheduler passes the bubble on
+            self._give_back("idle")
+        if self._stop is not None:
+            raise TaskStopped(self._stop)
+
+    async def wait_for(self, awaitable: Awaitable[_T]) -> _T:
+        """Await the task's own I/O between steps, giving every grant back meanwhile.
+
+        Raises:
+            TaskStopped: The manager asked the task to stop while it waited.
+        """
+        while (msg := self._link.recv_nowait()) is not None:
+            self._idle_message(msg)
+        self._give_back("idle")
+        self._waiting = True
+        # the start of a wait is news once per report period at most: a task that waits
+        # for every item must not send a report per item
+        self._progress(self._clock.now_ns(), force=not self._said_waiting)
+        try:
+            return await race_link(
+                awaitable,
+                self._link.recv,
+                self._idle_message,
+                tick=lambda: self._progress(self._clock.now_ns()),
+                period_s=_PROGRESS_EVERY_NS / 1e9,
             )
+        finally:
+            self._waiting = False
+
+    async def idle_until(self, source: AsyncIterable[_T]) -> AsyncIterator[_T]:
+        """Iterate ``source``, waiting for each item as :meth:`wait_for` does."""
+        items = aiter(source)
+        while True:
+            try:
+                item = await self.wait_for(anext(items))
+            except StopAsyncIteration:
+                return
+            yield item
 
     def checkpoint(self) -> bool:
         """Save the task's state now; False if the write failed (reported, and retried later).
@@ -328,11 +404,15 @@ class GrantGate:
         while True:
             while (msg := self._link.recv_nowait()) is not None:
                 self._handle(msg)
-            if self._stop is not None:
-                self._give_back("stopping")
-                raise TaskStopped(self._stop)
             now = self._clock.now_ns()
-            retry = self._retry_allowed(now)
+            if self._stop is not None:
+                # a task between consistent points runs on to the next one, but only in the grant it holds
+                if self._task.can_checkpoint() or not self._fits(now, self.estimate_ns):
+                    self._give_back("stopping")
+                    raise TaskStopped(self._stop)
+                return
+            consistent = self._task.can_checkpoint()
+            retry = consistent and self._retry_allowed(now)
             due = retry and now - self._last_checkpoint >= self._assign.checkpoint_every_ns
             bound = retry and self._loss_bound_reached()
             need = self.checkpoint_estimate_ns() if due or bound else -1
@@ -406,6 +486,9 @@ class GrantGate:
                 break
         if self._g_steps == 0 and self._grant is not None:
             self._g_first = t0 - self._grant.bubble_t_ns
+        if not self._resumed:
+            self._resumed = True
+            self._task.on_resume()
         yield
         if self._device_sync is not None:
             self._device_sync()  # the step's kernels, not just their launches
@@ -418,6 +501,18 @@ class GrantGate:
         self._g_busy += t1 - t0
         self._unsaved_ns += t1 - t0
         self._note_end(t1)
+
+    def checkpoint_at_stop(self) -> bool:
+        """The checkpoint of a stopped task, if its state is consistent; else the last one is kept, and said so."""
+        if self._task.can_checkpoint():
+            return self.checkpoint()
+        note = (
+            f"stopped between consistent points (can_checkpoint() is False): kept the checkpoint of step "
+            f"{self._saved_steps}; {self.unsaved_steps} later steps will run again"
+        )
+        logger.warning("[worker] %s", note)
+        self._link.send_nowait(p.CheckpointFailed(task_id=self._assign.task_id, steps=self._steps, error=note))
+        return False
 
     def finish(self, reason: p.GrantDoneReason) -> None:
         """Give back the grant held (if any) for ``reason`` and release the CPU wait counter."""

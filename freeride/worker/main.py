@@ -1,10 +1,11 @@
 """The process that runs one iterative side task: ``python -m freeride.worker``.
 
 The worker connects to the manager, receives its :class:`~freeride.protocol.Assign`,
-pins itself to the cores of its device, builds the task, restores its
-checkpoint and then runs the task's coroutine through a
+pins itself to the cores of its device, builds the task, sets it up, restores
+its checkpoint into it and then runs the task's coroutine through a
 :class:`~freeride.worker.gate.GrantGate`, which decides when each step may
-start.
+start. A failure before the first step (``__init__``, ``setup``, the
+checkpoint's load) is reported as final: a restart would only repeat it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import logging
 import os
 import sys
@@ -21,6 +21,7 @@ from pathlib import Path
 
 from freeride import protocol as p
 from freeride._procutil import bind_to_parent
+from freeride.declared import declared, validate_options
 from freeride.gpu.streams import step_end_sync, use_side_stream
 from freeride.sidetask import IterativeTask, TaskContext, TaskStopped
 from freeride.transport import WorkerLink, new_async_context
@@ -34,14 +35,10 @@ logger = logging.getLogger(__name__)
 
 
 def load_target(target: str) -> type[IterativeTask]:
-    """Import ``module:Class`` (or a catalog name) and check it is an :class:`IterativeTask`."""
-    from sidetasks import resolve
+    """Import a task named as :func:`sidetasks.resolve` accepts and check it is an :class:`IterativeTask`."""
+    from sidetasks import load
 
-    module_name, _, cls_name = resolve(target).partition(":")
-    obj = getattr(importlib.import_module(module_name), cls_name)
-    if not (isinstance(obj, type) and issubclass(obj, IterativeTask)):
-        raise TypeError(f"{target} is not a subclass of freeride.IterativeTask")
-    return obj
+    return load(target)
 
 
 def _save_checkpoint(task: IterativeTask, path: Path, steps: int) -> int:
@@ -169,10 +166,10 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
     # before the task builds anything: its kernels go to a lowest-priority stream
     stream = use_side_stream(_torch_device(assign.device))
     task: IterativeTask | None = None
+    set_up = False
     try:
         cls = load_target(assign.spec.target)
-        task = cls(**assign.spec.options)
-        steps = _load_checkpoint(task, Path(assign.checkpoint_path))
+        task = cls(**validate_options(declared(cls), assign.spec.options))
         workdir = Path(assign.workdir or ".")
         tctx = TaskContext(
             task_id=assign.task_id,
@@ -180,7 +177,9 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
             torch_device=_torch_device(assign.device),
             workdir=workdir,
         )
-        await task.setup(tctx)
+        await task.setup(tctx)  # first: the state a checkpoint restores needs the model it belongs to
+        steps = _load_checkpoint(task, Path(assign.checkpoint_path))
+        set_up = True
         # also under the manager's cgroup cap (tighter): a huge allocation fails here as a MemoryError
         if assign.memory_limit > 0 and assign.device.startswith("cpu"):
             _cap_address_space(assign.memory_limit)
@@ -205,8 +204,8 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
         try:
             await task.run(gate)
         except TaskStopped as stop:
-            gate.checkpoint()
-            link.send_nowait(p.Progress(task_id=assign.task_id, steps=gate.steps, metrics=task.metrics()))
+            gate.checkpoint_at_stop()
+            link.send_nowait(gate.progress())
             logger.info("[worker] task %d stopped (%s) at step %d", assign.task_id, stop, gate.steps)
             return 0
         gate.finish("finished")
@@ -215,7 +214,12 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
         return 0
     except Exception as exc:
         link.send_nowait(
-            p.TaskFailed(task_id=assign.task_id, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+            p.TaskFailed(
+                task_id=assign.task_id,
+                error=f"{type(exc).__name__}: {exc}",
+                traceback=traceback.format_exc(),
+                final=not set_up,
+            )
         )
         return 1
     finally:

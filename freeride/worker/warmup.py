@@ -19,15 +19,19 @@ e.g. one whose steps write outputs elsewhere).
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
-from freeride.sidetask import IterativeTask, TaskStopped
+from freeride.sidetask import IterativeTask, TaskStopped, UnboundedGate
 from freeride.worker.gate import RunDelay, ThreadRunDelay
 
 __all__ = ["RUNS_PER_KIND", "WarmUp", "warm_up"]
+
+_T = TypeVar("_T")
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +39,11 @@ RUNS_PER_KIND = 3
 """Runs of each kind: the first pays the one-time costs; the rest are measured."""
 
 
-class WarmUp:
-    """A :class:`~freeride.sidetask.StepGate` that runs steps back to back until every kind is known.
+class WarmUp(UnboundedGate):
+    """A gate that runs steps back to back until every kind seen has run :data:`RUNS_PER_KIND` times.
+
+    A rehearsal ends where the task would wait for its own input: nothing is
+    waited for before training starts.
 
     Args:
         max_steps: Steps at most.
@@ -46,18 +53,20 @@ class WarmUp:
     """
 
     def __init__(self, *, max_steps: int, max_ns: int, run_delay: RunDelay | None = None) -> None:
-        self.max_steps = max_steps
+        super().__init__(max_steps=max_steps)
         self.max_ns = max_ns
         self._run_delay: RunDelay = ThreadRunDelay() if run_delay is None else run_delay
         self.seen: dict[str, int] = {}
         self.measured: list[tuple[str, int]] = []
         """(kind, duration) of each step after its kind's first."""
-        self._steps = 0
         self._t0 = time.monotonic_ns()
 
-    @property
-    def steps(self) -> int:
-        return self._steps
+    def _enough(self) -> bool:
+        if (self.max_steps is not None and self.steps >= self.max_steps) or (
+            time.monotonic_ns() - self._t0 >= self.max_ns
+        ):
+            return True
+        return bool(self.seen) and all(n >= RUNS_PER_KIND for n in self.seen.values())
 
     def slowest(self) -> dict[str, int]:
         """The slowest measured run of each kind: what the gate starts from (it errs long, not short)."""
@@ -70,20 +79,25 @@ class WarmUp:
         """Release the CPU wait counter."""
         self._run_delay.close()
 
-    def _enough(self) -> bool:
-        if self._steps >= self.max_steps or time.monotonic_ns() - self._t0 >= self.max_ns:
-            return True
-        return bool(self.seen) and all(n >= RUNS_PER_KIND for n in self.seen.values())
+    async def wait_for(self, awaitable: Awaitable[_T]) -> _T:
+        if inspect.iscoroutine(awaitable):
+            awaitable.close()  # never awaited: no "coroutine was never awaited" warning
+        raise TaskStopped("the rehearsal ends where the task waits for its input")
+
+    async def idle_until(self, source: AsyncIterable[_T]) -> AsyncIterator[_T]:
+        raise TaskStopped("the rehearsal ends where the task waits for its input")
+        yield  # an async generator, as the gate's  # pragma: no cover
 
     @asynccontextmanager
     async def step(self, kind: str = "") -> AsyncIterator[None]:
         if self._enough():
-            raise TaskStopped("warmed up")
+            raise TaskStopped("rehearsed")
         delay0 = self._run_delay.ns()
         t0 = time.monotonic_ns()
         yield
         took = max(1, time.monotonic_ns() - t0 - (self._run_delay.ns() - delay0))
-        self._steps += 1
+        self.durations_ns.append(took)
+        self.kinds.append(kind)
         runs = self.seen.get(kind, 0)
         self.seen[kind] = runs + 1
         if runs:

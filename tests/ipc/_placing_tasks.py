@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 from _tasks import SpinSteps
 
@@ -31,5 +32,12 @@ class WhereAmI(SpinSteps):
             "threads": torch.get_num_threads() if torch is not None else -1,
             "omp": os.environ.get("OMP_NUM_THREADS", ""),
         }
+        self._write(line)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)  # after setup: the restored count amends the setup's line
+        self._write({"pid": os.getpid(), "restored": self.count})
+
+    def _write(self, line: dict[str, Any]) -> None:
         with open(self.where, "a") as f:
             f.write(json.dumps(line) + "\n")

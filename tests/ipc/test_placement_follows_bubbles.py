@@ -80,7 +80,15 @@ def _steps(emitter: EventEmitter, stage: int, n: int = 2) -> None:
 
 
 def _setups(where: Path) -> list[dict[str, object]]:
-    return [json.loads(line) for line in where.read_text().splitlines()] if where.exists() else []
+    """One record per worker: its setup's line, amended by what its restore wrote (same pid)."""
+    records: list[dict[str, object]] = []
+    for line in where.read_text().splitlines() if where.exists() else []:
+        entry = json.loads(line)
+        if records and records[-1]["pid"] == entry["pid"]:
+            records[-1].update(entry)
+        else:
+            records.append(entry)
+    return records
 
 
 async def test_a_task_submitted_before_training_lands_on_the_stage_with_the_bubbles(
@@ -93,18 +101,18 @@ async def test_a_task_submitted_before_training_lands_on_the_stage_with_the_bubb
         )
         assert isinstance(reply, p.Submitted) and reply.device == ""
         [task] = manager.status().tasks
-        assert task.state == "pending" and "training rank" in task.waiting
+        assert task.state == "pending" and "training rank" in task.pending_reason
 
         await _hello(manager, emitter, 0)
         record = manager.tasks[reply.task_id]
-        assert record.state == "pending" and "stage(s) 1 of 2" in manager.status().tasks[0].waiting
+        assert record.state == "pending" and "stage(s) 1 of 2" in manager.status().tasks[0].pending_reason
         await _hello(manager, emitter, 1)
-        assert record.state == "pending" and "first training steps" in manager.status().tasks[0].waiting
+        assert record.state == "pending" and "first training steps" in manager.status().tasks[0].pending_reason
 
         _steps(emitter, 0)
         _steps(emitter, 1)
         await wait_until(lambda: record.state == "running", 60, "the task placed and set up")
-        assert record.device == "cpu:1" and record.waiting == ""
+        assert record.device == "cpu:1" and record.pending_reason == ""
 
         # the rank was unpinned: its side task gets the core of stage 1's position, and one thread
         [setup] = _setups(where)

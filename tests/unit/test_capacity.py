@@ -240,5 +240,5 @@ def test_status_says_why_a_task_waits_and_how_often_it_moved() -> None:
         )
         return format_status(reply)
 
-    assert "waiting for stage(s) 1 of 2 to report" in shown(waiting="waiting for stage(s) 1 of 2 to report")
+    assert "waiting for stage(s) 1 of 2 to report" in shown(pending_reason="waiting for stage(s) 1 of 2 to report")
     assert "moved 2x" in shown(moves=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +81,16 @@ async def test_a_warmed_up_resnet_trains_exactly_as_one_that_was_not(tmp_path: P
     assert warmed.done_steps == plain.done_steps and warmed.cursor.position == plain.cursor.position
     for (name, a), b in zip(plain.model.state_dict().items(), warmed.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+async def test_a_rehearsal_ends_where_the_task_waits_for_its_input() -> None:
+    class Consumer(Phases):
+        async def run(self, gate: Any) -> None:
+            async with gate.step(self.step_kind()):
+                self.step()
+            await gate.wait_for(asyncio.sleep(3600))  # nothing arrives before training starts
+            raise AssertionError("the rehearsal waited for input")
+
+    task = Consumer()
+    record = await warm_up(task)
+    assert record is not None and record.steps == 1 and task.position == 0
