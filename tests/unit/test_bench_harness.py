@@ -159,6 +159,14 @@ def test_plan_with_hooks_and_without_controls(harness: ModuleType) -> None:
     assert sorted(r.pair_kind for r in runs if r.role == "a") == ["alone", "alone", "hooked", "hooked", "with", "with"]
 
 
+def test_plan_with_only_runs_with_side_tasks(harness: ModuleType) -> None:
+    runs = harness.plan(_options(harness, ["--with-only", "3", "--pairs", "8"]))
+    assert [(r.kind, r.role, r.pair) for r in runs] == [("with", "b", 0), ("with", "b", 1), ("with", "b", 2)]
+    with pytest.raises(ValueError, match="with_only must be >= 0"):
+        harness.BenchOptions(with_only=-1)
+    assert harness.BenchOptions(pairs=0, with_only=1).with_only == 1  # pairs are not needed then
+
+
 # -- parsing a run ---------------------------------------------------------------------
 
 
@@ -422,3 +430,9 @@ def test_dag_edges_point_forward_within_reach(mod: Callable[[str], ModuleType]) 
     assert edges == dag.dag_edges(100, 3, 5, 0)
     assert all(0 < j - i <= 5 and j < 100 for i, j in edges)
     assert len(edges) > 280  # only edges past the last node are dropped
+
+
+def test_render_of_runs_with_side_tasks_only_gives_their_figures_and_no_slowdown(report: ModuleType) -> None:
+    text = report.render(_section(report, [_with(report, 0, 120.0, 60.0), _with(report, 1, 121.0, 61.0)]))
+    assert "50.0% of 4.00 s" in text  # bubble time used, over both runs
+    assert "no pair counted" in text and "No slowdown figure" in text

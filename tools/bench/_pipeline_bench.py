@@ -185,9 +185,14 @@ class BenchOptions:
     """``same``: side tasks at the stage's priority (an overrun delays training, as on a GPU); ``low``: nice 19."""
     keep: bool = False
     """Keep the runtime directory (logs, profile)."""
+    with_only: int = 0
+    """Instead of pairs: this many runs with side tasks and nothing else (bubble use, interference and
+    latency; no slowdown). 0: pairs as ``pairs`` and ``controls`` say."""
 
     def __post_init__(self) -> None:
-        if self.pairs < 1:
+        if self.with_only < 0:
+            raise ValueError(f"with_only must be >= 0, got {self.with_only}")
+        if self.pairs < 1 and not self.with_only:
             raise ValueError(f"pairs must be >= 1, got {self.pairs}")
         if self.controls < 0:
             raise ValueError(f"controls must be >= 0, got {self.controls}")
@@ -211,6 +216,14 @@ def add_bench_args(ap: argparse.ArgumentParser, *, steps: int = 25) -> None:
         "(same, default), or at nice 19, the production default on CPU (low)",
     )
     ap.add_argument("--keep", action="store_true", help="keep the runtime directory (logs, profile)")
+    ap.add_argument(
+        "--with-only",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only N runs with side tasks, no warm-up and no runs alone: bubble use, interference and latency "
+        "(no slowdown figure); --pairs and --controls are then ignored",
+    )
 
 
 def bench_options(ns: argparse.Namespace) -> BenchOptions:
@@ -226,6 +239,7 @@ def bench_options(ns: argparse.Namespace) -> BenchOptions:
         hooked=ns.hooked,
         side_priority=ns.side_priority,
         keep=ns.keep,
+        with_only=ns.with_only,
     )
 
 
@@ -241,7 +255,13 @@ class PlannedRun:
 
 
 def plan(options: BenchOptions) -> list[PlannedRun]:
-    """The runs in time order: warm-ups, then the pairs, controls spread evenly among them, ABBA order."""
+    """The runs in time order: warm-ups, then the pairs, controls spread evenly among them, ABBA order.
+
+    With ``with_only``: just that many runs with side tasks (the side tasks rehearse their steps before
+    training starts, so no warm-up run is needed for them; none is left out).
+    """
+    if options.with_only:
+        return [PlannedRun(kind="with", role="b", pair=i, pair_kind="with") for i in range(options.with_only)]
     runs = [PlannedRun(kind="alone", role="warmup", pair=-1, pair_kind="alone")]
     if options.hooked:
         runs.append(PlannedRun(kind="hooked", role="warmup", pair=-1, pair_kind="hooked"))
