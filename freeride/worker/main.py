@@ -23,7 +23,8 @@ from freeride import protocol as p
 from freeride._procutil import bind_to_parent
 from freeride.gpu.streams import step_end_sync, use_side_stream
 from freeride.sidetask import IterativeTask, TaskContext, TaskStopped
-from freeride.transport import WorkerLink, new_async_context
+from freeride.transport import BubbleListener, WorkerLink, new_async_context
+from freeride.worker.armed import RankFeed
 from freeride.worker.checkpoint import load_checkpoint
 from freeride.worker.gate import GrantGate
 
@@ -130,6 +131,7 @@ def _torch_device(device: str) -> str:
 async def _run(endpoint: str, task_id: int) -> int:
     ctx = new_async_context()
     link = WorkerLink(ctx, endpoint, task_id)
+    feed = RankFeed(link, lambda bubbles: BubbleListener(ctx, bubbles))
     try:
         link.send_nowait(p.WorkerReady(protocol_version=p.PROTOCOL_VERSION, task_id=task_id, pid=os.getpid()))
         async with asyncio.timeout(60):
@@ -138,13 +140,14 @@ async def _run(endpoint: str, task_id: int) -> int:
                 if isinstance(msg, p.Stop):
                     return 0
                 msg = await link.recv()
-        return await _serve(link, msg)
+        return await _serve(link, msg, feed)
     finally:
+        feed.close()
         link.close()
         ctx.term()
 
 
-async def _serve(link: WorkerLink, assign: p.Assign) -> int:
+async def _serve(link: WorkerLink, assign: p.Assign, feed: RankFeed) -> int:
     if assign.cpu_affinity:
         os.sched_setaffinity(0, assign.cpu_affinity)
     if assign.side_priority == "low":  # "same": the stage's own, so an overrun delays it as on a GPU
@@ -168,7 +171,7 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
         # also under the manager's cgroup cap (tighter): a huge allocation fails here as a MemoryError
         if assign.memory_limit > 0 and assign.device.startswith("cpu"):
             _cap_address_space(assign.memory_limit)
-        gate = GrantGate(link, assign, task, steps, save=_save_checkpoint, device_sync=step_end_sync(stream))
+        gate = GrantGate(link, assign, task, steps, save=_save_checkpoint, device_sync=step_end_sync(stream), feed=feed)
         if task.state_dict():
             import torch  # noqa: F401 - load the serializer before timing a checkpoint
         gate.checkpoint()  # before any bubble: measures what a checkpoint costs
