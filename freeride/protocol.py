@@ -489,7 +489,7 @@ class DeviceStatus(_Msg, frozen=True, tag="device_status"):
     train_ns: int = 0
     """Wall time the stage has trained here: from its first bubble event to its last (or now)."""
     armed_grants: int = 0
-    """Grants whose worker started on the rank's own event (one hop), not on the manager's Grant."""
+    """Grants whose first step started on the rank's own event (one hop), not on the manager's Grant."""
 
 
 class TaskStatus(_Msg, frozen=True, tag="task_status"):

@@ -119,7 +119,7 @@ class DeviceScheduler:
         self._armed: _Armed | None = None
         self._last_start_ns = 0
         self.armed_grants = 0
-        """Grants whose worker started on the rank's own event."""
+        """Grants whose first step started on the rank's own event."""
         # accounting
         self.bubbles = 0
         self.bubble_ns = 0
@@ -291,7 +291,7 @@ class DeviceScheduler:
         else:
             state.returned = True
             if done.armed:
-                self.armed_grants += 1
+                self.armed_grants += 1 if done.steps else 0
                 if done.cpu_at_start_ns >= 0:  # read as the worker took it, before its first step
                     state.cpu_at_grant = done.cpu_at_start_ns
             state.busy_ns = done.busy_ns

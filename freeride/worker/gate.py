@@ -182,6 +182,7 @@ class GrantGate:
     def _handle(self, msg: p.ManagerToWorker | BadFrame) -> None:
         match msg:
             case p.Grant():
+                self._take_armed()  # the rank's event, if it is here, came first
                 if self._arming.manager_grant(msg):
                     return  # the armed grant, already taken from the rank's event
                 if self._grant is not None and self._grant.grant_id == msg.grant_id:
@@ -250,8 +251,8 @@ class GrantGate:
         self._g_first = -1
         self._g_armed = False
 
-    def _follow_rank(self) -> None:
-        """Read the rank's bubble starts; take the armed grant once its bubble has started."""
+    def _read_feed(self) -> None:
+        """Note the rank's latest bubble start."""
         feed = self._feed
         if feed is None:
             return
@@ -260,6 +261,9 @@ class GrantGate:
                 logger.warning("[worker] rejected a bubble event: %s", event.reason)
             else:
                 self._arming.seen(event)
+
+    def _take_armed(self) -> None:
+        """Take the armed grant if its bubble has started."""
         grant = self._arming.take()
         if grant is None:
             return
@@ -342,9 +346,11 @@ class GrantGate:
 
     async def _wait_for_fit(self) -> None:
         while True:
+            self._read_feed()  # before the manager's messages: its Grant may repeat this event
             while (msg := self._link.recv_nowait()) is not None:
                 self._handle(msg)
-            self._follow_rank()
+            self._read_feed()
+            self._take_armed()
             if self._stop is not None:
                 self._give_back("stopping")
                 raise TaskStopped(self._stop)
