@@ -10,6 +10,8 @@ latency is measured from the rank's timestamp as for a Grant.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,7 +24,15 @@ from freeride import protocol as p
 from freeride.observe.base import Observer
 from freeride.serve.config import ServeConfig
 from freeride.serve.manager import Manager
-from freeride.transport import Endpoints, bubbles_endpoint
+from freeride.transport import (
+    BubbleListener,
+    BubblePublisher,
+    Endpoints,
+    EventEmitter,
+    bubbles_endpoint,
+    new_async_context,
+    wait_readable,
+)
 
 MS = 1_000_000
 DEVICE = "cpu:0"
@@ -127,3 +137,64 @@ async def test_a_worker_starts_on_the_ranks_own_bubble_start_and_is_still_revoke
     assert manager.latency.count == sum(1 for d in reports.done if d.steps)
     assert 0 < device.used_ns <= device.bubble_ns
     assert manager.tasks[reply.task_id].state == "running"
+
+
+async def test_a_rank_that_names_another_publisher_is_not_followed(manager: Manager) -> None:
+    # An armed worker connects where the manager tells it: only inside the manager's own
+    # runtime directory, at the address the manager derives, never where a Hello says.
+    emitter = EventEmitter(manager.config.endpoints.events)
+    hello = p.Hello(
+        protocol_version=p.PROTOCOL_VERSION,
+        rank=0,
+        stage=0,
+        num_stages=1,
+        device=DEVICE,
+        framework="sim",
+        pid=os.getpid(),
+        bubbles_endpoint="ipc:///tmp/elsewhere/bubbles-0",
+    )
+    try:
+
+        def greeted() -> bool:
+            emitter.emit(hello)  # dropped until the connection is up
+            return DEVICE in manager.schedulers and manager.rejected_frames > 0
+
+        await wait_until(greeted, 30, "the manager to refuse the publisher")
+        assert manager.schedulers[DEVICE].bubbles_endpoint == ""
+    finally:
+        emitter.close()
+
+
+async def test_a_publisher_without_subscribers_never_blocks_and_a_listener_gets_the_latest(runtime_dir: Path) -> None:
+    assert bubbles_endpoint("tcp://127.0.0.1:5555", 0) == ""  # remote ranks keep the two-hop path
+    endpoint = bubbles_endpoint(Endpoints.ipc(runtime_dir).events, 3)
+    publisher = BubblePublisher(endpoint)
+    ctx = new_async_context()
+    listener: BubbleListener | None = None
+    try:
+        assert publisher.bound
+        for step in range(10_000):  # nobody listens: each is dropped at once
+            publisher.publish(_started(step))
+        listener = BubbleListener(ctx, endpoint)
+        latest = -1
+        async with asyncio.timeout(30):
+            step = 10_000
+            while latest < step:
+                step += 1
+                publisher.publish(_started(step))  # until the subscription is up
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.05):
+                        await wait_readable(listener)
+                event = listener.recv_nowait()
+                if isinstance(event, p.BubbleStarted):
+                    latest = event.step
+        assert latest == step and publisher.dropped == 0
+    finally:
+        if listener is not None:
+            listener.close()
+        publisher.close()
+        ctx.term()
+
+
+def _started(step: int) -> p.BubbleStarted:
+    return p.BubbleStarted(rank=3, stage=0, device=DEVICE, step=step, index=0, t_ns=step + 1, expected_ns=MS)
