@@ -14,8 +14,10 @@ import os
 import time
 from dataclasses import dataclass
 
+import msgspec
+
 from freeride import protocol as p
-from freeride.transport import Endpoints, EventEmitter, default_runtime_dir
+from freeride.transport import BubblePublisher, Endpoints, EventEmitter, bubbles_endpoint, default_runtime_dir
 
 __all__ = ["ENV_EVENTS", "HELLO_EVERY_NS", "BackendConfig", "BackendSession", "events_endpoint_from_env"]
 
@@ -56,6 +58,8 @@ class BackendConfig:
     device_memory: int = -1
     min_bubble_ns: int = 1_000_000
     """Bubbles expected to be shorter than this are not announced."""
+    publish_bubbles: bool = True
+    """Also publish bubble starts to armed side-task workers (one hop; ipc endpoints only)."""
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -79,6 +83,10 @@ class BackendSession:
     def __init__(self, config: BackendConfig, *, emitter: EventEmitter | None = None) -> None:
         self.config = config
         self._emitter = emitter if emitter is not None else EventEmitter(config.endpoint)
+        self._publisher: BubblePublisher | None = None
+        publish = config.publish_bubbles and emitter is None  # a test's emitter: no real sockets
+        self._publish_to = bubbles_endpoint(config.endpoint, config.rank) if publish else ""
+        """Where to publish bubble starts; "" once that is settled (bound, or not to be)."""
         self._open: p.BubbleStarted | None = None
         self._step = -1
         self._index = 0
@@ -108,6 +116,20 @@ class BackendSession:
         due = self._hello_sent_ns == 0 or now - self._hello_sent_ns > HELLO_EVERY_NS
         if due and self._emitter.emit(self._hello):
             self._hello_sent_ns = now
+            if self._publish_to:
+                self._start_publishing()
+
+    def _start_publishing(self) -> None:
+        # Once, after the first Hello went out: the manager is up, so its runtime
+        # directory exists. A bind costs a few syscalls, once; then the Hello says where.
+        endpoint, self._publish_to = self._publish_to, ""
+        publisher = BubblePublisher(endpoint)
+        if not publisher.bound:
+            return
+        self._publisher = publisher
+        self._hello = msgspec.structs.replace(self._hello, bubbles_endpoint=endpoint)
+        if self._emitter.emit(self._hello):
+            self._hello_sent_ns = time.monotonic_ns()
 
     @property
     def dropped(self) -> int:
@@ -148,6 +170,8 @@ class BackendSession:
         )
         self._open = event
         self._index += 1
+        if self._publisher is not None:
+            self._publisher.publish(event)  # first: an armed worker starts on it
         self._emitter.emit(event)
         return True
 
@@ -206,4 +230,6 @@ class BackendSession:
         atexit.unregister(self.close)
         self.bubble_ended()
         goodbye = p.Goodbye(rank=self.config.rank, t_ns=time.monotonic_ns(), dropped=self._emitter.dropped)
+        if self._publisher is not None:
+            self._publisher.close()
         self._emitter.close(goodbye)

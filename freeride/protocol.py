@@ -29,6 +29,7 @@ __all__ = [
     "MAX_EVENT_FRAME",
     "MAX_WORKER_FRAME",
     "PROTOCOL_VERSION",
+    "Arm",
     "Assign",
     "BackendEvent",
     "BubbleEnded",
@@ -41,6 +42,7 @@ __all__ = [
     "ControlRequest",
     "DeviceKind",
     "DeviceStatus",
+    "Disarm",
     "Goodbye",
     "Grant",
     "GrantDone",
@@ -156,6 +158,8 @@ class Hello(_Msg, frozen=True, tag="hello"):
     device_memory: Bytes = -1
     """Total memory of the device in bytes, -1 if unknown."""
     t_ns: Nanos = 0
+    bubbles_endpoint: Text = ""
+    """Where the rank also publishes its :class:`BubbleStarted` events for armed workers ("" none)."""
 
 
 class BubbleStarted(_Msg, frozen=True, tag="bubble_started"):
@@ -319,7 +323,30 @@ class Stop(_Msg, frozen=True, tag="stop"):
     reason: str
 
 
-ManagerToWorker = Assign | Grant | Revoke | Stop
+class Arm(_Msg, frozen=True, tag="arm"):
+    """The next bubble is this worker's: start on the rank's own event, without waiting for a Grant.
+
+    The worker subscribes to ``endpoint`` and treats the first :class:`BubbleStarted`
+    after ``after_ns`` as a Grant ``grant_id`` with deadline ``t_ns + expected_ns``
+    (one hop instead of two). The manager sends that Grant too, as soon as it sees
+    the same event: a worker that missed the event starts from it, one that did not
+    ignores it.
+    """
+
+    grant_id: int
+    endpoint: str
+    """The rank's bubble-start publisher."""
+    after_ns: int
+    """Start of the last bubble the manager has seen: only a later one is the armed one."""
+
+
+class Disarm(_Msg, frozen=True, tag="disarm"):
+    """The arm ``grant_id`` is withdrawn (the task is stopping or its rank left)."""
+
+    grant_id: int
+
+
+ManagerToWorker = Assign | Grant | Revoke | Stop | Arm | Disarm
 
 
 # --------------------------------------------------------------------------
@@ -370,6 +397,10 @@ class GrantDone(_Msg, frozen=True, tag="grant_done"):
     The manager reads the same clock when the bubble ends: what the process ran
     after that is side work a GPU would have run instead of training (interference).
     """
+    armed: bool = False
+    """The grant started from the rank's own event (an :class:`Arm`), not from the manager's Grant."""
+    cpu_at_start_ns: NanosOrUnknown = -1
+    """The process's CPU clock when it took an armed grant (the manager could not read it then); -1 unknown."""
 
 
 class Progress(_Msg, frozen=True, tag="progress"):
@@ -481,6 +512,8 @@ class DeviceStatus(_Msg, frozen=True, tag="device_status"):
     """Side-task compute that ran while the stage was not in a bubble (what a GPU would take from training)."""
     train_ns: int = 0
     """Wall time the stage has trained here: from its first bubble event to its last (or now)."""
+    armed_grants: int = 0
+    """Grants whose first step started on the rank's own event (one hop), not on the manager's Grant."""
 
 
 class TaskStatus(_Msg, frozen=True, tag="task_status"):

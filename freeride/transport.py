@@ -7,6 +7,9 @@ frames:
 * :class:`EventEmitter`: synchronous PUSH in a training rank. Never blocks and
   never raises into the training step; what it cannot send it counts.
 * :class:`EventReceiver`: the manager's PULL for backend events.
+* :class:`BubblePublisher` / :class:`BubbleListener`: a rank's PUB of its bubble
+  starts and an armed worker's SUB to it (one hop from bubble start to step; ipc
+  only, in the manager's private runtime directory).
 * :class:`WorkerHub` / :class:`WorkerLink`: ROUTER (manager) and DEALER
   (side-task worker) of the grant channel.
 * :class:`ControlServer` / :class:`ControlClient`: ROUTER (manager) and a
@@ -42,6 +45,8 @@ from freeride.auth import CurveClientKeys, CurveServerKeys, KeysMissing, default
 __all__ = [
     "MAX_IPC_PATH",
     "BadFrame",
+    "BubbleListener",
+    "BubblePublisher",
     "ControlClient",
     "ControlServer",
     "Endpoints",
@@ -51,9 +56,11 @@ __all__ = [
     "WorkerHub",
     "WorkerLink",
     "ZapHandler",
+    "bubbles_endpoint",
     "curve_keypair",
     "default_runtime_dir",
     "new_async_context",
+    "wait_readable",
     "worker_identity",
     "zap_verdict",
 ]
@@ -134,6 +141,18 @@ class Endpoints:
             if addr.startswith("ipc://") and (d := Path(addr[6:]).parent) not in dirs:
                 dirs.append(d)
         return dirs
+
+
+def bubbles_endpoint(events: str, rank: int) -> str:
+    """Where rank ``rank`` publishes its bubble starts, next to an ipc events socket ("" for tcp).
+
+    The manager derives the same address and honours only a rank that announces
+    exactly it: an armed worker connects only inside the manager's private directory.
+    """
+    if not events.startswith("ipc://"):
+        return ""  # a remote rank: its workers keep the two-hop path
+    path = f"{Path(events[6:]).parent}/bubbles-{rank}"
+    return f"ipc://{path}" if len(path.encode()) <= MAX_IPC_PATH else ""
 
 
 def default_runtime_dir() -> Path:
@@ -357,6 +376,60 @@ class EventEmitter:
             logger.debug("[shutdown] emitter close failed", exc_info=True)
 
 
+class BubblePublisher:
+    """A rank's PUB of its :class:`~freeride.protocol.BubbleStarted` events, for armed workers.
+
+    Bound by the rank (one per rank, in the manager's runtime directory); workers
+    connect and disconnect as they are armed. Like :class:`EventEmitter` it never
+    blocks and never raises: a PUB drops what a slow subscriber cannot take, and
+    one without subscribers drops at once.
+    """
+
+    def __init__(self, endpoint: str, *, sndhwm: int = 16) -> None:
+        """Bind ``endpoint``; :attr:`bound` says whether that worked (its directory may not exist yet)."""
+        self.endpoint = endpoint
+        self.dropped = 0
+        self._pid = os.getpid()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = zmq.Context(io_threads=1)
+        sock = self._ctx.socket(zmq.PUB)
+        sock.setsockopt(zmq.SNDHWM, sndhwm)
+        sock.setsockopt(zmq.LINGER, 0)
+        self._sock: zmq.Socket[bytes] | None = sock
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            logger.debug("[emit] cannot publish bubbles on %s: %s", endpoint, exc)
+            self.close()
+
+    @property
+    def bound(self) -> bool:
+        return self._sock is not None
+
+    def publish(self, event: p.BubbleStarted) -> None:
+        """Offer ``event`` to the armed workers; never blocks or raises."""
+        sock = self._sock
+        if sock is None or os.getpid() != self._pid:
+            self.dropped += 1
+            return
+        try:
+            sock.send(_encoder.encode(event), zmq.NOBLOCK)
+        except Exception:  # the training step must never see our errors
+            self.dropped += 1
+            logger.debug("[emit] publish failed", exc_info=True)
+
+    def close(self) -> None:
+        """Release the socket (idempotent); libzmq removes the socket file."""
+        sock, ctx = self._sock, self._ctx
+        self._sock = self._ctx = None
+        if sock is None or ctx is None or os.getpid() != self._pid:
+            return
+        try:
+            sock.close()
+            ctx.term()
+        except Exception:
+            logger.debug("[shutdown] publisher close failed", exc_info=True)
+
+
 # --------------------------------------------------------------------------
 # manager side
 # --------------------------------------------------------------------------
@@ -520,6 +593,46 @@ class WorkerLink(_AsyncOwner[p.ManagerToWorker]):
         exc = fut.exception() if isinstance(fut, asyncio.Future) and fut.done() else None
         if exc is not None:
             logger.warning("[send] to the manager failed: %s", exc)
+
+
+class BubbleListener(_AsyncOwner[p.BubbleStarted]):
+    """An armed worker's SUB to its rank's :class:`BubblePublisher`.
+
+    Conflated: only the latest bubble start is kept, so a worker that has not
+    read for a while finds the current bubble, not a queue of past ones.
+    """
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+        if not endpoint.startswith("ipc://"):
+            raise ValueError(f"bubble starts are followed over ipc only, got {endpoint!r}")
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.CONFLATE, 1)  # before connect
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_EVENT_FRAME)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(endpoint)
+        self.endpoint = endpoint
+        super().__init__(sock, msgspec.msgpack.Decoder(p.BubbleStarted))
+
+    def recv_nowait(self) -> p.BubbleStarted | BadFrame | None:
+        """The latest bubble start not yet read, or ``None`` (see :meth:`WorkerLink.recv_nowait`)."""
+        frame: bytes | None = _nowait_result(self._live().recv(zmq.NOBLOCK))
+        if frame is None:
+            return None
+        event: p.BubbleStarted | BadFrame = _decode(self._decoder, frame)
+        return event
+
+
+async def wait_readable(*owners: WorkerLink | BubbleListener) -> None:
+    """Return once one of ``owners`` has a message queued (read it with its ``recv_nowait``).
+
+    Polls through pyzmq's asyncio poller, which keeps each socket's edge-triggered
+    wake-ups consistent with its owner's own awaits.
+    """
+    poller = zmq.asyncio.Poller()
+    for owner in owners:
+        poller.register(owner._live(), zmq.POLLIN)
+    await poller.poll()
 
 
 # --------------------------------------------------------------------------

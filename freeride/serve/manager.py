@@ -42,6 +42,7 @@ from freeride.transport import (
     EventReceiver,
     WorkerHub,
     ZapHandler,
+    bubbles_endpoint,
     new_async_context,
 )
 
@@ -238,6 +239,8 @@ class Manager:
             case p.Hello():
                 if not self.ranks.hello(event):
                     self.rejected_frames += 1
+                elif (scheduler := self.schedulers.get(event.device)) is not None:
+                    scheduler.follow_rank(self._bubbles_endpoint(event))
             # Bubble events are handled here, on the events loop, not through a queue: a
             # queue hop costs a loop iteration (~0.1 ms here) on the bubble-start -> step path.
             case p.BubbleStarted():
@@ -256,6 +259,17 @@ class Manager:
                 self.ranks.goodbye(rank, dropped)
             case _:
                 assert_never(event)
+
+    def _bubbles_endpoint(self, hello: p.Hello) -> str:
+        """Where the rank publishes its bubble starts: only the address derived here is followed.
+
+        So an armed worker only ever connects inside this manager's private runtime directory.
+        """
+        expected = bubbles_endpoint(self.config.endpoints.events, hello.rank)
+        if hello.bubbles_endpoint and hello.bubbles_endpoint != expected:
+            self.event_refused(f"rank {hello.rank} publishes bubbles on {hello.bubbles_endpoint!r}, not {expected!r}")
+            return ""
+        return hello.bubbles_endpoint
 
     # -- what the ranks tell (RankListener) -----------------------------------
 

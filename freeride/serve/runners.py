@@ -47,6 +47,18 @@ class Runner(Protocol):
         """Let the task run until ``grant.deadline_ns``; False if the grant could not be handed over."""
         ...
 
+    def arm(self, arm: p.Arm) -> bool:
+        """Let the task start on the next bubble by itself (see :class:`~freeride.protocol.Arm`).
+
+        Returns:
+            Whether the arm was handed over; False if the task cannot be armed (a program).
+        """
+        ...
+
+    def disarm(self, grant_id: int) -> None:
+        """Withdraw the arm ``grant_id``."""
+        ...
+
     def revoke(self, grant_id: int) -> None:
         """The bubble ended: no more work under ``grant_id``.
 
@@ -91,6 +103,12 @@ class WorkerRunner:
         # clock read is ~1 us; the worker wakes on its own core)
         self._cpu_at_grant = self.cpu_ns() if sent else -1
         return sent
+
+    def arm(self, arm: p.Arm) -> bool:
+        return self._send(self._ident, arm)
+
+    def disarm(self, grant_id: int) -> None:
+        self._send(self._ident, p.Disarm(grant_id=grant_id))
 
     def revoke(self, grant_id: int) -> None:
         self._send(self._ident, p.Revoke(grant_id=grant_id))
@@ -141,6 +159,12 @@ class ProgramRunner:
         self._resumed_ns = self._clock.now_ns()
         self.program.resume(grant.deadline_ns)  # SIGCONT now, SIGSTOP at the deadline minus the margin
         return True
+
+    def arm(self, arm: p.Arm) -> bool:
+        return False  # a program is resumed by signals from the manager, which must see the bubble first
+
+    def disarm(self, grant_id: int) -> None:
+        pass
 
     def revoke(self, grant_id: int) -> None:
         grant = self._grant

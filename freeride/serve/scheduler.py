@@ -15,6 +15,14 @@ others gave it back, so short steps fill the ends that long ones cannot. When
 the bubble ends the grant is revoked. All accounting of bubble time and its
 use lives here.
 
+Armed grants shorten the path from a bubble's start to a step's: when a bubble
+ends, the task next in turn is armed for the next one (where the rank publishes
+its bubble starts), so its worker starts on the rank's own event instead of
+waiting for this scheduler's Grant. The scheduler still sees that event, counts
+the armed task as the bubble's holder (an arm, once out, is always honoured:
+the worker may already run) and sends the same Grant, which a worker that
+missed the event starts from.
+
 Each event costs O(1) in the number of events seen: the grants in flight are at
 most one per task still placed here (those of a task that leaves go with it),
 and every sum saturates at 2**63 - 1, so no sender can make a total that the
@@ -69,6 +77,16 @@ class _GrantState:
     """The task's CPU clock at its last step in the grant, as reported."""
     overrun_ns: int = 0
     """What the worker reported as past the grant's deadline (used if the bubble's end is never seen)."""
+    armed: bool = False
+    """Handed over by an arm: the worker may have started before this scheduler saw the bubble."""
+
+
+@dataclass(slots=True)
+class _Armed:
+    task: TaskRecord
+    grant_id: int
+    early: p.GrantDone | None = None
+    """The grant's report, if it came before its bubble's start did."""
 
 
 class DeviceScheduler:
@@ -103,6 +121,12 @@ class DeviceScheduler:
         self._grants: dict[int, _GrantState] = {}
         self._next_grant = 1
         self._rr = 0
+        self.bubbles_endpoint = ""
+        """Where the rank training here publishes its bubble starts ("" none: no arming)."""
+        self._armed: _Armed | None = None
+        self._last_start_ns = 0
+        self.armed_grants = 0
+        """Grants whose first step started on the rank's own event."""
         # accounting
         self.bubbles = 0
         self.bubble_ns = 0
@@ -140,6 +164,7 @@ class DeviceScheduler:
             free_memory=info.free_memory,
             interference_ns=self.interference_ns,
             train_ns=self.train_ns(alive=info.alive),
+            armed_grants=self.armed_grants,
         )
 
     def train_ns(self, *, alive: bool) -> int:
@@ -170,8 +195,18 @@ class DeviceScheduler:
         elapsed = self._clock.now_ns() - self.first_seen_ns
         return self.bubble_ns / elapsed if elapsed > 0 else 0.0
 
+    def follow_rank(self, endpoint: str) -> None:
+        """The rank training here publishes its bubble starts on ``endpoint`` ("": it does not)."""
+        if endpoint == self.bubbles_endpoint:
+            return
+        self._disarm()
+        self.bubbles_endpoint = endpoint
+        self._arm_next()
+
     def backend_lost(self) -> None:
         """The rank training here is gone: stop handing out its bubble."""
+        self._disarm()
+        self.bubbles_endpoint = ""
         if self._first_event_ns:
             self._trained_before_ns += max(0, self._last_event_ns - self._first_event_ns)
             self._first_event_ns = 0
@@ -192,10 +227,12 @@ class DeviceScheduler:
         self._last_event_ns = max(self._last_event_ns, ev.t_ns)
         self._bubble = ev
         self._deadline_ns = min(p.I64_MAX, ev.t_ns + ev.expected_ns)
+        self._last_start_ns = max(self._last_start_ns, ev.t_ns)
         self._tried.clear()
         self._kept_out.clear()
         self.bubbles += 1
-        self._grant_next(fresh=True)
+        if not self._honour_arm():
+            self._grant_next(fresh=True)
 
     def on_bubble_ended(self, ev: p.BubbleEnded) -> None:
         self.bubble_ns = _sat(self.bubble_ns, ev.duration_ns)
@@ -213,9 +250,13 @@ class DeviceScheduler:
         self._grants = {gid: s for gid, s in self._grants.items() if not s.returned}
         self._revoke_current()
         self._bubble = None
+        self._arm_next()
 
     def on_task_changed(self, task: TaskRecord) -> None:
         """``task`` was placed here, became runnable or not, or left."""
+        armed = self._armed
+        if armed is not None and armed.task is task and not (task.runnable and task.runner is not None):
+            self._disarm()
         if task.device != self.device or task.terminal:
             if task in self.tasks:
                 self.tasks.remove(task)
@@ -230,11 +271,13 @@ class DeviceScheduler:
             if holder is not None and held is not None and held.task is task:
                 self._holder = None
                 self._grant_next(fresh=False)
+            self._arm_next()
             return
         if task not in self.tasks:
             self.tasks.append(task)
         if task.runnable and self._holder is None and self._bubble is not None:
             self._grant_next(fresh=False)
+        self._arm_next()
 
     def on_grant_done(self, task: TaskRecord, done: p.GrantDone) -> None:
         """A grant came back (``task`` has already taken its own share of the report)."""
@@ -242,11 +285,24 @@ class DeviceScheduler:
             self._observers.grant_done(self.device, task.task_id, task.name, done)
         if done.first_step_delay_ns >= 0:
             self._latency.record(done.first_step_delay_ns)
+        armed = self._armed
+        if armed is not None and armed.grant_id == done.grant_id and armed.task is task:
+            # The worker took its bubble and gave it back before the rank's event reached
+            # this scheduler: the report waits for that event, where the grant is handed over.
+            armed.early = done
+            return
+        self._returned(task, done)
+
+    def _returned(self, task: TaskRecord, done: p.GrantDone) -> None:
         state = self._grants.get(done.grant_id)
         if state is None:  # a grant forgotten when its task left: all we know is its own account
             self.used_ns = _sat(self.used_ns, done.busy_ns)
         else:
             state.returned = True
+            if done.armed:
+                self.armed_grants += 1 if done.steps else 0
+                if done.cpu_at_start_ns >= 0:  # read as the worker took it, before its first step
+                    state.cpu_at_grant = done.cpu_at_start_ns
             state.busy_ns = done.busy_ns
             state.last_step_end_ns = done.last_step_end_ns
             state.overrun_ns = done.overrun_ns
@@ -258,8 +314,15 @@ class DeviceScheduler:
                 self._grants.pop(done.grant_id)
         if self._holder == done.grant_id:
             self._holder = None
+            # an armed task that did not fit took the bubble's start: the others get it as fresh
+            fresh = state is not None and state.armed and done.steps == 0
+            if fresh:
+                self._starved[task.task_id] = self._starved.get(task.task_id, 0) + 1
+            elif done.steps > 0:
+                self._starved.pop(task.task_id, None)
             if done.reason in ("no_fit", "finished", "idle") and self._bubble is not None:
-                self._grant_next(fresh=False)
+                self._grant_next(fresh=fresh)
+        self._arm_next()
 
     # -- liveness (the supervisor's hang detector calls these) ----------------
 
@@ -281,6 +344,8 @@ class DeviceScheduler:
 
     def forget(self, task: TaskRecord) -> None:
         """Drop the grants ``task`` holds: its worker was killed and never answers for them."""
+        if self._armed is not None and self._armed.task is task:
+            self._armed = None
         for grant_id, state in list(self._grants.items()):
             if state.task is task:
                 del self._grants[grant_id]
@@ -349,24 +414,84 @@ class DeviceScheduler:
         why = f"its step estimate {estimate_ns / 1e6:.3g} ms > the {room / 1e6:.3g} ms left in the bubble"
         self._no_fit[task_id] = (count, why)
 
+    def _stuck(self, now: int) -> set[int]:
+        """Tasks still in a step a full estimate after their last bubble's end.
+
+        Such a task gets no grant (nor arm): it would sit unread in its socket
+        while the bubble passes by the tasks that could use it.
+        """
+        return {
+            st.task.task_id
+            for st in self._grants.values()
+            if not st.returned and (st.bubble_end_ns or st.deadline_ns) + max(st.task.estimate_ns, 0) < now
+        }
+
+    def _arm_next(self) -> None:
+        """Between bubbles, arm the task next in turn whose step is known, unless one is armed."""
+        if self._armed is not None or self._bubble is not None or not self.bubbles_endpoint or not self.tasks:
+            return
+        stuck = self._stuck(self._clock.now_ns())
+        for k in self._turns():
+            task = self.tasks[(self._rr + k) % len(self.tasks)]
+            if not task.runnable or task.runner is None or task.task_id in stuck or task.estimate_ns < 0:
+                continue
+            if self._starved.get(task.task_id, 0) + 1 >= PROBE_AFTER_BUBBLES:
+                continue  # due for a probe, which only a Grant gives
+            arm = p.Arm(grant_id=self._next_grant, endpoint=self.bubbles_endpoint, after_ns=self._last_start_ns)
+            if not task.runner.arm(arm):
+                continue  # a program, or the worker's socket refused
+            self._next_grant += 1
+            self._rr = (self._rr + k + 1) % len(self.tasks)
+            self._armed = _Armed(task=task, grant_id=arm.grant_id)
+            return
+
+    def _disarm(self) -> None:
+        armed, self._armed = self._armed, None
+        if armed is None:
+            return
+        if armed.early is not None:  # ran on a bubble this scheduler never saw: its own account
+            self.used_ns = _sat(self.used_ns, armed.early.busy_ns)
+        elif armed.task.runner is not None:
+            armed.task.runner.disarm(armed.grant_id)
+
+    def _honour_arm(self) -> bool:
+        """Make the armed task the holder of the bubble just started; False if none is armed."""
+        armed, self._armed = self._armed, None
+        bubble = self._bubble
+        if armed is None or bubble is None or armed.task not in self.tasks or armed.task.runner is None:
+            return False
+        runner = armed.task.runner
+        if armed.early is None:
+            # the Grant a worker that missed the rank's event starts from (one that did not ignores it)
+            runner.grant(p.Grant(grant_id=armed.grant_id, bubble_t_ns=bubble.t_ns, deadline_ns=self._deadline_ns))
+        self._tried.add(armed.task.task_id)
+        self._holder = armed.grant_id
+        self._grants[armed.grant_id] = _GrantState(
+            task=armed.task,
+            bubble_t_ns=bubble.t_ns,
+            deadline_ns=self._deadline_ns,
+            cpu_at_grant=runner.cpu_at_grant(),
+            armed=True,
+        )
+        if armed.early is not None:
+            self._returned(armed.task, armed.early)
+        return True
+
+    def _turns(self) -> list[int]:
+        """Offsets from the task served last, in the order tasks get their turn: fillers after every other."""
+        n = len(self.tasks)
+        return sorted(range(n), key=lambda k: self.tasks[(self._rr + k) % n].spec.fill)
+
     def _grant_next(self, *, fresh: bool) -> None:
         if self._bubble is None or self._holder is not None or not self.tasks:
             return
         remaining = room_ns(self._clock.now_ns(), self._deadline_ns, self._margin_ns)
         if remaining <= 0:
             return
-        # A task still in a step a full estimate after its last bubble's end gets no grant: it
-        # would sit unread in its socket while the bubble passes by the tasks that could use it.
         now = self._clock.now_ns()
-        stuck = {
-            st.task.task_id
-            for st in self._grants.values()
-            if not st.returned and (st.bubble_end_ns or st.deadline_ns) + max(st.task.estimate_ns, 0) < now
-        }
+        stuck = self._stuck(now)
         n = len(self.tasks)
-        # round robin from the last task served, fillers after every other task
-        order = sorted(range(n), key=lambda k: self.tasks[(self._rr + k) % n].spec.fill)
-        for k in order:
+        for k in self._turns():
             task = self.tasks[(self._rr + k) % n]
             if not task.runnable or task.task_id in self._tried or task.task_id in stuck:
                 continue

@@ -26,6 +26,7 @@ from freeride.admission import fits, room_ns
 from freeride.clock import MONOTONIC, Clock
 from freeride.sidetask import IterativeTask, StepEstimates, TaskStopped
 from freeride.transport import BadFrame
+from freeride.worker.armed import Arming, BubbleFeed
 from freeride.worker.checkpoint import state_bytes as state_bytes_of
 from freeride.worker.waiting import race_link
 
@@ -123,6 +124,8 @@ class GrantGate:
         device_sync: Called at the end of each step before its end time is read:
             on a GPU it waits for an event recorded on the task's stream, so step
             times (and so the estimates that must fit a bubble) are the device's.
+        feed: The rank's bubble starts, for armed grants (see :mod:`freeride.worker.armed`);
+            without one, an :class:`~freeride.protocol.Arm` is ignored and Grants alone start steps.
     """
 
     def __init__(
@@ -138,8 +141,13 @@ class GrantGate:
         run_delay: RunDelay | None = None,
         device_sync: Callable[[], None] | None = None,
         state_bytes: Callable[[IterativeTask], int] = lambda task: state_bytes_of(task.state_dict()),
+        feed: BubbleFeed | None = None,
     ) -> None:
         self._link = link
+        self._feed = feed
+        self._arming = Arming()
+        self._g_armed = False
+        self._g_cpu_start = -1
         self._device_sync = device_sync
         self._assign = assign
         self._task = task
@@ -194,12 +202,38 @@ class GrantGate:
     def _handle(self, msg: p.ManagerToWorker | BadFrame) -> None:
         match msg:
             case p.Grant():
+                self._take_armed()  # the rank's event, if it is here, came first
+                if self._arming.manager_grant(msg):
+                    return  # the armed grant, already taken from the rank's event
+                if self._grant is not None and self._grant.grant_id == msg.grant_id:
+                    self._grant = msg  # the armed grant, taken on another bubble than the manager's
+                    return
                 if self._grant is not None:
                     self._give_back("expired")
                 self._grant, self._revoked = msg, False
             case p.Revoke(grant_id=gid):
                 if self._grant is not None and self._grant.grant_id == gid:
                     self._revoked = True
+                elif self._arming.disarmed(gid):  # its bubble passed unseen (and no Grant came): give it back
+                    self._link.send_nowait(
+                        p.GrantDone(
+                            task_id=self._assign.task_id,
+                            grant_id=gid,
+                            steps=0,
+                            busy_ns=0,
+                            first_step_delay_ns=-1,
+                            overrun_ns=0,
+                            reason="revoked",
+                            step_estimate_ns=self.estimate_ns,
+                            total_steps=self._steps,
+                        )
+                    )
+            case p.Arm(endpoint=endpoint):
+                if self._feed is not None:
+                    self._feed.follow(endpoint)
+                    self._arming.armed(msg)
+            case p.Disarm(grant_id=gid):
+                self._arming.disarmed(gid)
             case p.Stop(reason=reason):
                 self._stop = reason
             case p.Assign():
@@ -230,12 +264,36 @@ class GrantGate:
                 first_step_ns=grant.bubble_t_ns + self._g_first if self._g_first >= 0 else 0,
                 total_steps=self._steps,
                 cpu_ns=self._g_cpu,
+                armed=self._g_armed,
+                cpu_at_start_ns=self._g_cpu_start,
             )
         )
         self._grant = None
         self._g_steps = self._g_busy = self._g_overrun = self._g_last_end = 0
-        self._g_cpu = -1
+        self._g_cpu = self._g_cpu_start = -1
         self._g_first = -1
+        self._g_armed = False
+
+    def _read_feed(self) -> None:
+        """Note the rank's latest bubble start."""
+        feed = self._feed
+        if feed is None:
+            return
+        while (event := feed.recv_nowait()) is not None:
+            if isinstance(event, BadFrame):
+                logger.warning("[worker] rejected a bubble event: %s", event.reason)
+            else:
+                self._arming.seen(event)
+
+    def _take_armed(self) -> None:
+        """Take the armed grant if its bubble has started."""
+        grant = self._arming.take()
+        if grant is None:
+            return
+        if self._grant is not None:
+            self._give_back("revoked" if self._revoked else "expired")
+        self._grant, self._revoked = grant, False
+        self._g_armed, self._g_cpu_start = True, self._cpu_clock()
 
     def _fits(self, now: int, need_ns: int) -> bool:
         grant = self._grant
@@ -402,8 +460,11 @@ class GrantGate:
 
     async def _wait_for_fit(self) -> None:
         while True:
+            self._read_feed()  # before the manager's messages: its Grant may repeat this event
             while (msg := self._link.recv_nowait()) is not None:
                 self._handle(msg)
+            self._read_feed()
+            self._take_armed()
             now = self._clock.now_ns()
             if self._stop is not None:
                 # a task between consistent points runs on to the next one, but only in the grant it holds
@@ -432,7 +493,10 @@ class GrantGate:
             if self._grant is not None:
                 self._give_back("revoked" if self._revoked else "no_fit")
             self._progress(now)
-            self._handle(await self._link.recv())
+            if self._feed is not None and self._arming.arm is not None:
+                await self._feed.wait()  # a Grant or the armed bubble's start, whichever comes first
+            else:
+                self._handle(await self._link.recv())
 
     def _pack(self, now: int) -> None:
         """Let a packing task choose its next piece for the room left (see ``IterativeTask.fit_piece``).

@@ -24,7 +24,8 @@ from freeride._procutil import bind_to_parent
 from freeride.declared import declared, validate_options
 from freeride.gpu.streams import step_end_sync, use_side_stream
 from freeride.sidetask import IterativeTask, TaskContext, TaskStopped
-from freeride.transport import WorkerLink, new_async_context
+from freeride.transport import BubbleListener, WorkerLink, new_async_context
+from freeride.worker.armed import RankFeed
 from freeride.worker.checkpoint import load_checkpoint, state_bytes
 from freeride.worker.gate import GrantGate
 from freeride.worker.warmup import warm_up
@@ -142,6 +143,7 @@ def _torch_device(device: str) -> str:
 async def _run(endpoint: str, task_id: int) -> int:
     ctx = new_async_context()
     link = WorkerLink(ctx, endpoint, task_id)
+    feed = RankFeed(link, lambda bubbles: BubbleListener(ctx, bubbles))
     try:
         link.send_nowait(p.WorkerReady(protocol_version=p.PROTOCOL_VERSION, task_id=task_id, pid=os.getpid()))
         async with asyncio.timeout(60):
@@ -150,13 +152,14 @@ async def _run(endpoint: str, task_id: int) -> int:
                 if isinstance(msg, p.Stop):
                     return 0
                 msg = await link.recv()
-        return await _serve(link, msg)
+        return await _serve(link, msg, feed)
     finally:
+        feed.close()
         link.close()
         ctx.term()
 
 
-async def _serve(link: WorkerLink, assign: p.Assign) -> int:
+async def _serve(link: WorkerLink, assign: p.Assign, feed: RankFeed) -> int:
     if assign.cpu_affinity:
         os.sched_setaffinity(0, assign.cpu_affinity)
         _set_threads(len(assign.cpu_affinity))
@@ -183,7 +186,7 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
         # also under the manager's cgroup cap (tighter): a huge allocation fails here as a MemoryError
         if assign.memory_limit > 0 and assign.device.startswith("cpu"):
             _cap_address_space(assign.memory_limit)
-        gate = GrantGate(link, assign, task, steps, save=_save_checkpoint, device_sync=step_end_sync(stream))
+        gate = GrantGate(link, assign, task, steps, save=_save_checkpoint, device_sync=step_end_sync(stream), feed=feed)
         if assign.warm_up:
             rehearsal = await warm_up(task)
             for kind, took_ns in rehearsal.slowest().items() if rehearsal is not None else ():

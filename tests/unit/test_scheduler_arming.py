@@ -1,0 +1,256 @@
+"""The per-device scheduler's armed grants: who is armed, when an arm is honoured, what it is charged.
+
+Driven by hand, as the events loop and the supervisor call it, with a
+:class:`~freeride.clock.ManualClock` and runners that record what they are told.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from freeride import protocol as p
+from freeride.clock import ManualClock
+from freeride.observe.stats import LatencyRecorder
+from freeride.serve.ranks import DeviceInfo
+from freeride.serve.scheduler import PROBE_AFTER_BUBBLES, DeviceScheduler
+from freeride.serve.tasks import TaskRecord
+
+MS = 1_000_000
+ENDPOINT = "ipc:///run/fr/bubbles-0"
+
+
+class ArmableRunner:
+    """A worker's runner without a worker: records what it is told; arms are accepted unless told not to."""
+
+    pid = 4242
+    alive = True
+
+    def __init__(self, task_id: int, sent: list[tuple[int, p.ManagerToWorker]], *, armable: bool = True) -> None:
+        self.task_id, self.sent, self.armable = task_id, sent, armable
+        self.cpu = -1
+
+    def cpu_ns(self) -> int:
+        return self.cpu
+
+    def cpu_at_grant(self) -> int:
+        return self.cpu
+
+    def grant(self, grant: p.Grant) -> bool:
+        self.sent.append((self.task_id, grant))
+        return True
+
+    def arm(self, arm: p.Arm) -> bool:
+        if self.armable:
+            self.sent.append((self.task_id, arm))
+        return self.armable
+
+    def disarm(self, grant_id: int) -> None:
+        self.sent.append((self.task_id, p.Disarm(grant_id=grant_id)))
+
+    def revoke(self, grant_id: int) -> None:
+        self.sent.append((self.task_id, p.Revoke(grant_id=grant_id)))
+
+    def stop(self, reason: str) -> None:
+        self.sent.append((self.task_id, p.Stop(reason=reason)))
+
+
+class Harness:
+    def __init__(self, *, endpoint: str = ENDPOINT) -> None:
+        self.clock = ManualClock()
+        self.latency = LatencyRecorder()
+        self.sent: list[tuple[int, p.ManagerToWorker]] = []
+        self.sched = DeviceScheduler("cpu:0", latency=self.latency, margin_ns=0, clock=self.clock)
+        self.sched.follow_rank(endpoint)
+
+    def of(self, kind: type[p.Disarm] | type[p.Revoke]) -> list[tuple[int, object]]:
+        return [(t, m) for t, m in self.sent if isinstance(m, kind)]
+
+    def arms(self) -> list[tuple[int, p.Arm]]:
+        return [(t, m) for t, m in self.sent if isinstance(m, p.Arm)]
+
+    def grants(self) -> list[tuple[int, p.Grant]]:
+        return [(t, m) for t, m in self.sent if isinstance(m, p.Grant)]
+
+    def task(self, task_id: int, estimate_ns: int, *, armable: bool = True) -> TaskRecord:
+        t = TaskRecord(
+            task_id=task_id,
+            spec=p.TaskSpec(kind="iterative", target="m:C"),
+            name=f"t{task_id}",
+            checkpoint_path=Path("/x"),
+        )
+        t.place("cpu:0")
+        t.runner = ArmableRunner(task_id, self.sent, armable=armable)
+        t.ready(estimate_ns=estimate_ns)
+        self.sched.on_task_changed(t)
+        return t
+
+    def report(self, t: TaskRecord, d: p.GrantDone) -> None:
+        t.account(d)
+        self.sched.on_grant_done(t, d)
+
+    def started(self, expected_ns: int) -> p.BubbleStarted:
+        ev = p.BubbleStarted(
+            rank=0, stage=0, device="cpu:0", step=0, index=0, t_ns=self.clock.now_ns(), expected_ns=expected_ns
+        )
+        self.sched.on_bubble_started(ev)
+        return ev
+
+    def ended(self, start: p.BubbleStarted, duration_ns: int) -> None:
+        self.clock.set(max(self.clock.now_ns(), start.t_ns + duration_ns))
+        self.sched.on_bubble_ended(
+            p.BubbleEnded(
+                rank=0,
+                stage=0,
+                device="cpu:0",
+                step=0,
+                index=0,
+                t_ns=start.t_ns + duration_ns,
+                duration_ns=duration_ns,
+            )
+        )
+
+
+def done(
+    t: TaskRecord,
+    grant_id: int,
+    *,
+    reason: p.GrantDoneReason = "no_fit",
+    busy: int = 0,
+    delay: int = 100,
+    armed: bool = True,
+    cpu_start: int = -1,
+    cpu: int = -1,
+    end: int = 0,
+) -> p.GrantDone:
+    return p.GrantDone(
+        task_id=t.task_id,
+        grant_id=grant_id,
+        steps=1 if busy else 0,
+        busy_ns=busy,
+        first_step_delay_ns=delay if busy else -1,
+        overrun_ns=0,
+        reason=reason,
+        step_estimate_ns=t.estimate_ns,
+        last_step_end_ns=end,
+        cpu_ns=cpu,
+        armed=armed,
+        cpu_at_start_ns=cpu_start,
+    )
+
+
+def test_a_task_is_armed_between_bubbles_and_holds_the_next_one_without_another_choice() -> None:
+    h = Harness()
+    t1 = h.task(1, 2 * MS)
+    [(tid, arm)] = h.arms()  # armed as soon as it is ready, before any bubble
+    assert (tid, arm.endpoint, arm.after_ns) == (1, ENDPOINT, 0)
+    h.clock.advance(5 * MS)
+    b = h.started(20 * MS)
+    # the same grant, sent as the fallback of a worker that missed the rank's event
+    [(tid, grant)] = h.grants()
+    assert (tid, grant.grant_id, grant.bubble_t_ns, grant.deadline_ns) == (1, arm.grant_id, b.t_ns, b.t_ns + 20 * MS)
+    h.ended(b, 20 * MS)
+    assert h.of(p.Revoke) == [(1, p.Revoke(grant_id=arm.grant_id))]
+    # and the next bubble is armed at this one's end, after this one's start
+    [_, (tid, again)] = h.arms()
+    assert (tid, again.after_ns) == (1, b.t_ns) and again.grant_id != arm.grant_id
+    h.report(t1, done(t1, arm.grant_id, reason="revoked", busy=15 * MS, delay=200_000, end=b.t_ns + 16 * MS))
+    status = h.sched.status(_info())
+    assert (status.used_ns, status.armed_grants, status.overruns) == (15 * MS, 1, 0)
+    assert h.latency.values() == [200_000]
+
+
+def test_used_time_of_an_armed_grant_starts_at_the_cpu_clock_the_worker_read_when_it_took_it() -> None:
+    h = Harness()
+    t1 = h.task(1, 2 * MS)
+    runner = t1.runner
+    assert isinstance(runner, ArmableRunner)
+    runner.cpu = 9 * MS  # read by the manager when the event reached it: the worker was already stepping
+    [(_, arm)] = h.arms()
+    b = h.started(20 * MS)
+    runner.cpu = 17 * MS  # at the bubble's end: the worker's last step ended just before
+    h.ended(b, 20 * MS)
+    h.report(t1, done(t1, arm.grant_id, reason="revoked", busy=12 * MS, cpu_start=5 * MS, cpu=17 * MS))
+    assert h.sched.status(_info()).used_ns == 12 * MS  # 17 - 5, not 17 - 9
+
+
+def test_an_armed_task_that_does_not_fit_passes_the_bubble_on_as_a_fresh_one() -> None:
+    h = Harness()
+    t1 = h.task(1, 30 * MS)
+    t2 = h.task(2, 2 * MS)
+    [(tid, arm)] = h.arms()
+    assert tid == 1  # first in turn; only one task is armed at a time
+    b = h.started(20 * MS)
+    assert [t for t, _ in h.grants()] == [1]
+    h.report(t1, done(t1, arm.grant_id))  # no_fit, no step
+    [_, (tid, grant)] = h.grants()
+    assert (tid, grant.deadline_ns) == (2, b.t_ns + 20 * MS)
+    h.report(t2, done(t2, grant.grant_id, reason="revoked", busy=10 * MS, armed=False))
+    h.ended(b, 20 * MS)
+    assert h.sched.status(_info()).armed_grants == 0  # the armed task ran nothing
+
+
+def test_a_report_that_overtakes_its_bubble_start_waits_for_it_instead_of_holding_the_device() -> None:
+    # The worker saw the rank's event, found no fit and answered before the same event
+    # reached the manager. Were the report dropped, the grant would stay out for good.
+    h = Harness()
+    t1 = h.task(1, 30 * MS)
+    t2 = h.task(2, 2 * MS)
+    [(_, arm)] = h.arms()
+    h.report(t1, done(t1, arm.grant_id))
+    b = h.started(20 * MS)
+    assert [t for t, _ in h.grants()] == [2]  # no Grant for the armed task: it has answered
+    [(_, grant)] = h.grants()
+    h.report(t2, done(t2, grant.grant_id, reason="revoked", busy=10 * MS, armed=False))
+    h.ended(b, 20 * MS)
+    assert h.sched.overdue(h.clock.now_ns() + 10**12, lambda task: 0) == []
+
+
+def test_a_task_that_stops_being_runnable_is_disarmed_and_the_bubble_goes_the_two_hop_way() -> None:
+    h = Harness()
+    t1 = h.task(1, 2 * MS)
+    h.task(2, 2 * MS)
+    [(_, arm)] = h.arms()
+    t1.request_stop()
+    h.sched.on_task_changed(t1)
+    assert h.of(p.Disarm) == [(1, p.Disarm(grant_id=arm.grant_id))]
+    assert [t for t, _ in h.arms()] == [1, 2]  # the next in turn is armed instead
+    h.started(20 * MS)
+    assert [t for t, _ in h.grants()] == [2]
+
+
+def test_no_arm_without_a_rank_that_publishes_its_bubbles() -> None:
+    h = Harness(endpoint="")  # a rank over tcp, or an older one
+    h.task(1, 2 * MS)
+    assert h.arms() == []
+    h.started(20 * MS)
+    assert [t for t, _ in h.grants()] == [1]
+
+
+def test_a_program_or_an_unknown_step_time_is_not_armed_and_a_lost_rank_disarms() -> None:
+    h = Harness()
+    h.task(1, 2 * MS, armable=False)  # a program's runner refuses arms
+    h.task(2, -1)  # unknown: it probes at a bubble's start, by Grant
+    assert h.arms() == []
+    h.task(3, 2 * MS)
+    [(tid, arm)] = h.arms()
+    assert tid == 3
+    h.sched.backend_lost()
+    assert h.of(p.Disarm) == [(3, p.Disarm(grant_id=arm.grant_id))]
+    assert h.sched.bubbles_endpoint == ""
+
+
+def test_a_task_due_for_a_probe_is_not_armed() -> None:
+    h = Harness()
+    t1 = h.task(1, 30 * MS)  # never fits a 20 ms bubble
+    answered = 0
+    for _ in range(PROBE_AFTER_BUBBLES + 2):
+        b = h.started(20 * MS)
+        for _, g in h.grants()[answered:]:
+            h.report(t1, done(t1, g.grant_id, armed=not g.probe))
+        answered = len(h.grants())
+        h.ended(b, 20 * MS)
+    assert any(g.probe for _, g in h.grants()), "a task that never fits is still probed now and then"
+
+
+def _info() -> DeviceInfo:
+    return DeviceInfo(name="cpu:0", first_seen_ns=0)
