@@ -71,10 +71,10 @@ class Harness:
     def grants(self) -> list[tuple[int, p.Grant]]:
         return [(t, m) for t, m in self.sent if isinstance(m, p.Grant)]
 
-    def task(self, task_id: int, estimate_ns: int, *, armable: bool = True) -> TaskRecord:
+    def task(self, task_id: int, estimate_ns: int, *, armable: bool = True, fill: bool = False) -> TaskRecord:
         t = TaskRecord(
             task_id=task_id,
-            spec=p.TaskSpec(kind="iterative", target="m:C"),
+            spec=p.TaskSpec(kind="iterative", target="m:C", fill=fill),
             name=f"t{task_id}",
             checkpoint_path=Path("/x"),
         )
@@ -254,3 +254,19 @@ def test_a_task_due_for_a_probe_is_not_armed() -> None:
 
 def _info() -> DeviceInfo:
     return DeviceInfo(name="cpu:0", first_seen_ns=0)
+
+
+def test_a_filler_is_armed_only_when_no_other_task_can_be() -> None:
+    h = Harness()
+    filler = h.task(1, 1 * MS, fill=True)
+    assert [t for t, _ in h.arms()] == [filler.task_id]  # alone, it is armed as soon as it is ready
+    big = h.task(2, 8 * MS)
+    ev = h.started(20 * MS)  # the filler's arm, once out, is honoured
+    h.ended(ev, 20 * MS)
+    h.report(filler, done(filler, h.arms()[0][1].grant_id, reason="revoked", busy=19 * MS))
+    for _ in range(3):  # from then on, whoever was served last, the long-step task is armed
+        assert h.arms()[-1][0] == big.task_id
+        ev = h.started(20 * MS)
+        h.ended(ev, 20 * MS)
+        h.report(big, done(big, h.arms()[-2][1].grant_id, reason="revoked", busy=16 * MS))
+    assert [t for t, _ in h.arms()[1:]] == [big.task_id] * 4
