@@ -14,6 +14,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from backends.run_delay import ThreadRunDelay
 from freeride import protocol as p
 from freeride.transport import Endpoints, EventEmitter, default_runtime_dir
 
@@ -76,9 +77,16 @@ class BackendSession:
     training step. :meth:`close` (also run at exit) sends ``Goodbye``.
     """
 
-    def __init__(self, config: BackendConfig, *, emitter: EventEmitter | None = None) -> None:
+    def __init__(
+        self, config: BackendConfig, *, emitter: EventEmitter | None = None, run_delay: ThreadRunDelay | None = None
+    ) -> None:
         self.config = config
         self._emitter = emitter if emitter is not None else EventEmitter(config.endpoint)
+        self._run_delay = run_delay if run_delay is not None else ThreadRunDelay()
+        """The training thread's wait for its core (read at a host-timed bubble's start and end)."""
+        self._delay_at_start = -1
+        self.last_waited_runnable_ns = 0
+        """How long the stage waited for its core at the end of the last bubble (see :class:`BubbleEnded`)."""
         self._open: p.BubbleStarted | None = None
         self._step = -1
         self._index = 0
@@ -148,6 +156,8 @@ class BackendSession:
         )
         self._open = event
         self._index += 1
+        # a bubble timed on the device ends on the device's clock: the host thread's waits do not apply
+        self._delay_at_start = self._run_delay.ns() if t_ns is None else -1
         self._emitter.emit(event)
         return True
 
@@ -163,6 +173,11 @@ class BackendSession:
         self._open = None
         now = time.monotonic_ns() if t_ns is None else t_ns
         duration = max(0, now - start.t_ns)
+        waited = 0
+        if self._delay_at_start >= 0 and t_ns is None:
+            waited = min(duration, max(0, self._run_delay.ns() - self._delay_at_start))
+        self._delay_at_start = -1
+        self.last_waited_runnable_ns = waited
         self._step_bubble_ns += duration
         self.bubbles += 1
         self._emitter.emit(
@@ -174,6 +189,7 @@ class BackendSession:
                 index=start.index,
                 t_ns=now,
                 duration_ns=duration,
+                waited_runnable_ns=waited,
             )
         )
         return duration
@@ -207,3 +223,4 @@ class BackendSession:
         self.bubble_ended()
         goodbye = p.Goodbye(rank=self.config.rank, t_ns=time.monotonic_ns(), dropped=self._emitter.dropped)
         self._emitter.close(goodbye)
+        self._run_delay.close()

@@ -175,6 +175,9 @@ class BubbleEnded(_Msg, frozen=True, tag="bubble_ended"):
     t_ns: Nanos
     duration_ns: Nanos
     """Measured duration of the bubble."""
+    waited_runnable_ns: Nanos = 0
+    """Of it, how long the stage waited for its core at the end (runnable, not running): on a shared core,
+    time a side task's step kept from training (0: none, or not measured)."""
 
 
 class StepFinished(_Msg, frozen=True, tag="step_finished"):
@@ -287,6 +290,8 @@ class Grant(_Msg, frozen=True, tag="grant"):
     """Expected end of the bubble; no step may run past it."""
     probe: bool = False
     """Run one step even if the estimate says it does not fit: the estimate may be stale."""
+    margin_ns: NanosOrUnknown = -1
+    """The device's current safety margin (its interference guard's); -1: the one in :class:`Assign`."""
 
 
 class Revoke(_Msg, frozen=True, tag="revoke"):
@@ -457,6 +462,12 @@ class DeviceStatus(_Msg, frozen=True, tag="device_status"):
     """Side-task compute that ran while the stage was not in a bubble (what a GPU would take from training)."""
     train_ns: int = 0
     """Wall time the stage has trained here: from its first bubble event to its last (or now)."""
+    margin_ns: int = -1
+    """The safety margin grants carry now (set by the device's interference guard); -1 unknown."""
+    prediction_factor: float = 1.0
+    """What each bubble's expected length is multiplied by when a grant's deadline is set."""
+    guard_reason: str = ""
+    """Why the margin and factor are what they are, in one line."""
 
 
 class TaskStatus(_Msg, frozen=True, tag="task_status"):

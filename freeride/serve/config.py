@@ -22,7 +22,7 @@ class ServeConfig:
     state_dir: Path
     """Logs and checkpoints of side tasks live here."""
     margin_ns: int = 300_000
-    """Time kept free before a bubble's expected end; a step must fit before it."""
+    """Time kept free before a bubble's expected end, to start with: each device's interference guard adapts it."""
     checkpoint_every_s: float = 30.0
     """How often a running iterative task saves its state (between steps, inside bubbles)."""
     backend_timeout_s: float = 30.0
@@ -55,6 +55,9 @@ class ServeConfig:
     """Step time a crash may lose: past it a checkpoint is forced even when none fits a bubble (0: no bound)."""
     max_loss_steps: int = 0
     """Steps a crash may lose, likewise (0: no bound)."""
+    interference_target: float = 0.005
+    """Share of training time side work may take past bubble ends (0.005: 0.5 %); each device's guard
+    widens its margin above it and narrows it well below."""
 
     def __post_init__(self) -> None:
         if self.margin_ns < 0:
@@ -72,6 +75,11 @@ class ServeConfig:
             raise ValueError(f"restart_backoff_max_s must be >= restart_backoff_s, got {self.restart_backoff_max_s}")
         if self.max_loss_s < 0:
             raise ValueError(f"max_loss_s must be >= 0, got {self.max_loss_s}")
+        if not 0 < self.interference_target < 1:
+            raise ValueError(
+                f"interference_target must be a share of training time in (0, 1) (0.005 is 0.5 %),"
+                f" got {self.interference_target}"
+            )
         if self.max_loss_steps < 0:
             raise ValueError(f"max_loss_steps must be >= 0, got {self.max_loss_steps}")
         if self.keys_dir is None and self.endpoints.tcp_endpoints():

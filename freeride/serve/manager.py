@@ -261,7 +261,11 @@ class Manager:
 
     def device_added(self, info: DeviceInfo) -> None:
         self.schedulers[info.name] = DeviceScheduler(
-            info.name, latency=self.latency, margin_ns=self.config.margin_ns, observers=self.observers
+            info.name,
+            latency=self.latency,
+            margin_ns=self.config.margin_ns,
+            interference_target=self.config.interference_target,
+            observers=self.observers,
         )
 
     def device_lost(self, name: str) -> None:

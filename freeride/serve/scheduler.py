@@ -29,6 +29,7 @@ from freeride.admission import room_ns
 from freeride.clock import MONOTONIC, Clock
 from freeride.observe.base import Observers
 from freeride.observe.stats import LatencyRecorder
+from freeride.serve.guard import DEFAULT_TARGET, GuardConfig, InterferenceGuard
 from freeride.serve.ranks import DeviceInfo
 from freeride.serve.tasks import TaskRecord
 
@@ -66,6 +67,8 @@ class _GrantState:
     """The task's CPU clock at its last step in the grant, as reported."""
     overrun_ns: int = 0
     """What the worker reported as past the grant's deadline (used if the bubble's end is never seen)."""
+    stage_waited_ns: int = 0
+    """How long the stage then waited for its core, runnable, while this grant's step held it."""
 
 
 class DeviceScheduler:
@@ -77,14 +80,16 @@ class DeviceScheduler:
         *,
         latency: LatencyRecorder,
         margin_ns: int,
+        interference_target: float = DEFAULT_TARGET,
         observers: Observers | None = None,
         clock: Clock = MONOTONIC,
     ) -> None:
         self.device = device
+        self.guard = InterferenceGuard(GuardConfig(target=interference_target, margin_ns=margin_ns))
+        """Sets the margin and the bubbles' prediction factor from the interference measured here."""
         self.tasks: list[TaskRecord] = []
         self._observers = observers
         self._latency = latency
-        self._margin_ns = margin_ns
         self._clock = clock
         # bubble state
         self._bubble: p.BubbleStarted | None = None
@@ -133,6 +138,9 @@ class DeviceScheduler:
             free_memory=info.free_memory,
             interference_ns=self.interference_ns,
             train_ns=self.train_ns(alive=info.alive),
+            margin_ns=self.guard.margin_ns,
+            prediction_factor=self.guard.factor,
+            guard_reason=self.guard.reason,
         )
 
     def train_ns(self, *, alive: bool) -> int:
@@ -183,13 +191,16 @@ class DeviceScheduler:
         self._first_event_ns = self._first_event_ns or ev.t_ns
         self._last_event_ns = max(self._last_event_ns, ev.t_ns)
         self._bubble = ev
-        self._deadline_ns = min(p.I64_MAX, ev.t_ns + ev.expected_ns)
+        self._deadline_ns = min(p.I64_MAX, ev.t_ns + self.guard.expected_ns(ev.expected_ns))
         self._tried.clear()
         self.bubbles += 1
         self._grant_next(fresh=True)
 
     def on_bubble_ended(self, ev: p.BubbleEnded) -> None:
-        self.bubble_ns = _sat(self.bubble_ns, ev.duration_ns)
+        waited = min(ev.waited_runnable_ns, ev.duration_ns)
+        charged = self._charge_stage_wait(ev.t_ns - waited, waited) if waited > 0 else 0
+        # the stage's wait for side work to let go of its core was not bubble: training lost it
+        self.bubble_ns = _sat(self.bubble_ns, ev.duration_ns - charged)
         self._first_event_ns = self._first_event_ns or max(0, ev.t_ns - ev.duration_ns)
         self._last_event_ns = max(self._last_event_ns, ev.t_ns)
         for state in self._grants.values():
@@ -203,7 +214,28 @@ class DeviceScheduler:
                     state.cpu_at_end = state.task.runner.cpu_ns()
         self._grants = {gid: s for gid, s in self._grants.items() if not s.returned}
         self._revoke_current()
-        self._bubble = None
+        bubble, self._bubble = self._bubble, None
+        if bubble is not None and bubble.index == ev.index and bubble.step == ev.step:
+            self.guard.bubble_ended(ev.t_ns, ev.duration_ns - waited, bubble.expected_ns)
+
+    def _charge_stage_wait(self, free_until_ns: int, waited_ns: int) -> int:
+        """Charge the stage's wait for its core at a bubble's end to the grant whose step held it.
+
+        The stage was free until ``free_until_ns`` and then runnable for
+        ``waited_ns`` (its schedstat run delay): if a side task of this bubble
+        was still in a step then (its grant not back, or back with a step that
+        ended after that), that wait is training time lost to side work, as a
+        side kernel holding a GPU past a bubble's end is. With no such grant it
+        is other load on the machine, and charged to no one.
+
+        Returns:
+            The wait charged (0 or ``waited_ns``).
+        """
+        for state in self._grants.values():
+            if state.bubble_end_ns == 0 and (not state.returned or state.last_step_end_ns > free_until_ns):
+                state.stage_waited_ns = waited_ns
+                return waited_ns
+        return 0
 
     def on_task_changed(self, task: TaskRecord) -> None:
         """``task`` was placed here, became runnable or not, or left."""
@@ -297,7 +329,8 @@ class DeviceScheduler:
         if late > 0:
             self.overruns += 1
             self.overrun_ns = _sat(self.overrun_ns, late)
-        inside_wall = max(0, state.busy_ns - late)
+        # the side work that held the core while the stage waited for it was not used bubble time
+        inside_wall = max(0, state.busy_ns - late - state.stage_waited_ns)
         work = -1
         if state.cpu_done >= 0 and state.cpu_at_grant >= 0:
             upto = state.cpu_done if state.cpu_at_end < 0 else min(state.cpu_done, state.cpu_at_end)
@@ -311,9 +344,11 @@ class DeviceScheduler:
             interference = min(late, max(0, state.cpu_done - state.cpu_at_grant))
         else:
             interference = late
+        interference += state.stage_waited_ns
         if interference > 0:
             task = state.task
             self.interference_ns = _sat(self.interference_ns, interference)
+            self.guard.add_interference(interference)
             self._task_interference[task.task_id] = _sat(self._task_interference.get(task.task_id, 0), interference)
             if self._observers is not None:
                 self._observers.interference(
@@ -331,7 +366,8 @@ class DeviceScheduler:
     def _grant_next(self, *, fresh: bool) -> None:
         if self._bubble is None or self._holder is not None or not self.tasks:
             return
-        remaining = room_ns(self._clock.now_ns(), self._deadline_ns, self._margin_ns)
+        margin = self.guard.margin_ns
+        remaining = room_ns(self._clock.now_ns(), self._deadline_ns, margin)
         if remaining <= 0:
             return
         # A task still in a step a full estimate after its last bubble's end gets no grant: it
@@ -365,7 +401,11 @@ class DeviceScheduler:
             self._tried.add(task.task_id)
             self._rr = (self._rr + k + 1) % n
             grant = p.Grant(
-                grant_id=grant_id, bubble_t_ns=self._bubble.t_ns, deadline_ns=self._deadline_ns, probe=probe
+                grant_id=grant_id,
+                bubble_t_ns=self._bubble.t_ns,
+                deadline_ns=self._deadline_ns,
+                probe=probe,
+                margin_ns=margin,
             )
             if task.runner is None or not task.runner.grant(grant):
                 continue

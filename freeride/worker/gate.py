@@ -218,7 +218,7 @@ class GrantGate:
         grant = self._grant
         if grant is None or self._revoked:
             return False
-        margin = self._assign.margin_ns
+        margin = self._margin(grant)
         if need_ns < 0 or grant.probe:  # unknown or stale: one step, at the start of a grant still open
             return self._g_steps == 0 and room_ns(now, grant.deadline_ns, margin) > 0
         return fits(now, need_ns, grant.deadline_ns, margin)
@@ -229,8 +229,12 @@ class GrantGate:
             grant is not None
             and not self._revoked
             and self._g_steps == 0
-            and room_ns(now, grant.deadline_ns, self._assign.margin_ns) > 0
+            and room_ns(now, grant.deadline_ns, self._margin(grant)) > 0
         )
+
+    def _margin(self, grant: p.Grant) -> int:
+        """The grant's margin (its device's guard adapts it), else the one assigned at the start."""
+        return grant.margin_ns if grant.margin_ns >= 0 else self._assign.margin_ns
 
     def _progress(self, now: int) -> None:
         if now - self._last_progress >= _PROGRESS_EVERY_NS:
