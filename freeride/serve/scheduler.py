@@ -197,10 +197,12 @@ class DeviceScheduler:
         self._grant_next(fresh=True)
 
     def on_bubble_ended(self, ev: p.BubbleEnded) -> None:
+        # Bubble time stays what the rank measured (as the trace shows it); the stage's wait for
+        # its core at the end is charged as interference to the step that held it, not as used.
         waited = min(ev.waited_runnable_ns, ev.duration_ns)
-        charged = self._charge_stage_wait(ev.t_ns - waited, waited) if waited > 0 else 0
-        # the stage's wait for side work to let go of its core was not bubble: training lost it
-        self.bubble_ns = _sat(self.bubble_ns, ev.duration_ns - charged)
+        if waited > 0:
+            self._charge_stage_wait(ev.t_ns - waited, waited)
+        self.bubble_ns = _sat(self.bubble_ns, ev.duration_ns)
         self._first_event_ns = self._first_event_ns or max(0, ev.t_ns - ev.duration_ns)
         self._last_event_ns = max(self._last_event_ns, ev.t_ns)
         for state in self._grants.values():
@@ -218,7 +220,7 @@ class DeviceScheduler:
         if bubble is not None and bubble.index == ev.index and bubble.step == ev.step:
             self.guard.bubble_ended(ev.t_ns, ev.duration_ns - waited, bubble.expected_ns)
 
-    def _charge_stage_wait(self, free_until_ns: int, waited_ns: int) -> int:
+    def _charge_stage_wait(self, free_until_ns: int, waited_ns: int) -> None:
         """Charge the stage's wait for its core at a bubble's end to the grant whose step held it.
 
         The stage was free until ``free_until_ns`` and then runnable for
@@ -227,15 +229,11 @@ class DeviceScheduler:
         ended after that), that wait is training time lost to side work, as a
         side kernel holding a GPU past a bubble's end is. With no such grant it
         is other load on the machine, and charged to no one.
-
-        Returns:
-            The wait charged (0 or ``waited_ns``).
         """
         for state in self._grants.values():
             if state.bubble_end_ns == 0 and (not state.returned or state.last_step_end_ns > free_until_ns):
                 state.stage_waited_ns = waited_ns
-                return waited_ns
-        return 0
+                return
 
     def on_task_changed(self, task: TaskRecord) -> None:
         """``task`` was placed here, became runnable or not, or left."""
