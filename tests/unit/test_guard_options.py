@@ -8,6 +8,7 @@ import pytest
 
 from freeride import protocol as p
 from freeride.cli import _serve_config, build_parser, format_status
+from freeride.demo import DemoOptions, DemoReport
 from freeride.observe.metrics import StatusCollector
 from freeride.serve.config import ServeConfig
 from freeride.transport import Endpoints
@@ -81,3 +82,11 @@ def test_metrics_export_margin_and_factor_per_device() -> None:
     [factor] = families["freeride_prediction_factor"].samples
     assert margin.labels == {"device": "cpu:0", "stage": "0"} and margin.value == pytest.approx(0.0006)
     assert factor.value == pytest.approx(0.9)
+
+
+def test_the_demo_report_shows_what_each_guard_settled_on() -> None:
+    reason = "narrowed: interference 0.00% < target 0.50% over last 50 bubbles"
+    report = DemoReport(
+        options=DemoOptions(), status=_status(margin_ns=270_000, prediction_factor=1.0, guard_reason=reason)
+    )
+    assert f"guard cpu:0: margin 0.27 ms, bubbles predicted x1.00 ({reason})" in report.text().splitlines()
