@@ -265,6 +265,7 @@ class Manager:
             latency=self.latency,
             margin_ns=self.config.margin_ns,
             interference_target=self.config.interference_target,
+            charge_stage_waits=self.config.side_priority == "same",
             observers=self.observers,
         )
 

@@ -72,7 +72,20 @@ class _GrantState:
 
 
 class DeviceScheduler:
-    """Grants the bubbles of one device to its side tasks."""
+    """Grants the bubbles of one device to its side tasks.
+
+    Args:
+        device: The device's name.
+        latency: Where bubble start -> first step delays are recorded.
+        margin_ns: The margin to start from (the device's guard adapts it).
+        interference_target: What the guard keeps interference under, as a share of training time.
+        charge_stage_waits: Side tasks can hold the stage's core (they run at its own CPU
+            priority): a stage's wait for its core at a bubble's end is charged to the step that
+            was running. At nice 19 the stage preempts a side task at once, so a wait is other
+            load's and is charged to no one.
+        observers: Told of grants and interference.
+        clock: Where the time comes from.
+    """
 
     def __init__(
         self,
@@ -81,10 +94,12 @@ class DeviceScheduler:
         latency: LatencyRecorder,
         margin_ns: int,
         interference_target: float = DEFAULT_TARGET,
+        charge_stage_waits: bool = True,
         observers: Observers | None = None,
         clock: Clock = MONOTONIC,
     ) -> None:
         self.device = device
+        self._charge_stage_waits = charge_stage_waits
         self.guard = InterferenceGuard(GuardConfig(target=interference_target, margin_ns=margin_ns))
         """Sets the margin and the bubbles' prediction factor from the interference measured here."""
         self.tasks: list[TaskRecord] = []
@@ -199,7 +214,7 @@ class DeviceScheduler:
     def on_bubble_ended(self, ev: p.BubbleEnded) -> None:
         # Bubble time stays what the rank measured (as the trace shows it); the stage's wait for
         # its core at the end is charged as interference to the step that held it, not as used.
-        waited = min(ev.waited_runnable_ns, ev.duration_ns)
+        waited = min(ev.waited_runnable_ns, ev.duration_ns) if self._charge_stage_waits else 0
         if waited > 0:
             self._charge_stage_wait(ev.t_ns - waited, waited)
         self.bubble_ns = _sat(self.bubble_ns, ev.duration_ns)

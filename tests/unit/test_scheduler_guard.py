@@ -11,6 +11,7 @@ from freeride import protocol as p
 from freeride.clock import ManualClock
 from freeride.serve.ranks import DeviceInfo
 from freeride.serve.runners import ProgramRunner
+from freeride.serve.scheduler import DeviceScheduler
 from freeride.serve.tasks import TaskRecord
 
 
@@ -131,3 +132,15 @@ def test_a_program_stops_at_the_grants_margin() -> None:
     runner.revoke(1)
     runner.grant(p.Grant(grant_id=2, bubble_t_ns=0, deadline_ns=10 * MS))
     assert program.margins == [3 * MS, None]  # None: the program's own, from the configured margin
+
+
+def test_a_stage_that_preempts_its_side_tasks_is_not_charged_for_its_wait() -> None:
+    """Side tasks at nice 19 cannot hold the stage's core: a wait at the end is other load's."""
+    h = Harness()
+    h.sched = DeviceScheduler("cpu:0", latency=h.latency, margin_ns=0, charge_stage_waits=False, clock=h.clock)
+    t = h.task(1, 5 * MS)
+    b = h.started(20 * MS)
+    [(_, grant)] = h.grants()
+    ended(h, b, 12 * MS, waited_ns=2 * MS)
+    h.report(t, done(t, grant, reason="revoked", busy=12 * MS, end=b.t_ns + 12 * MS))
+    assert h.sched.interference_ns == 0 and h.sched.used_ns == 12 * MS
