@@ -450,6 +450,10 @@ def bench(
             flags = f" [{'; '.join(result.flags)}]" if result.flags else ""
             label = "warm-up" if planned.pair < 0 else f"pair {planned.pair}"
             print(f"{label} {result.kind}: step {result.step_ms:.2f} ms{cpu}{flags}", file=sys.stderr)
+            if result.kind == "with":  # where each device's interference guard stands, and why
+                for d in _status(endpoints).devices:
+                    guard = f"margin {d.margin_ns / 1e6:.2f} ms, bubbles predicted x{d.prediction_factor:.2f}"
+                    print(f"  guard {d.device}: {guard} ({d.guard_reason})", file=sys.stderr)
         section = Section(
             title=job.title,
             command=command,
