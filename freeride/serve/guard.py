@@ -6,9 +6,10 @@ workload, the machine and the load on it. The guard closes the loop: after
 every bubble it compares the interference measured since its last change, as
 a share of the training time that passed, with a target, and
 
-* widens fast when above the target: the margin doubles and the prediction
-  factor (applied to each bubble's expected length when a grant's deadline is
-  set) drops by a tenth;
+* widens fast when above the target: the margin doubles, and where more than
+  a tenth of the bubbles ended before the deadline said (or the margin is at
+  its cap) the prediction factor (applied to each bubble's expected length
+  when a grant's deadline is set) drops by a tenth;
 * narrows slowly while well below it (half the target or less, over more
   bubbles): the margin shrinks by a tenth, and the factor rises by a step, but
   never past what bubbles reliably last (the low decile of their measured
@@ -184,9 +185,16 @@ class InterferenceGuard:
             return
         if share > c.target and seen >= c.widen_after:
             margin = min(self._cap, max(2 * self.margin_ns, _MIN_WIDENED_NS))
-            self._change(margin_ns=margin, factor=max(c.factor_min, 0.9 * self.factor))
+            # The deadline moves earlier only where bubbles often end before it (or the margin can
+            # widen no more): a factor costs a share of every bubble, the margin a fixed slice.
+            early = self.early_share()
+            factor = self.factor
+            if early > _RELIABLE_QUANTILE or margin == self.margin_ns:
+                factor = max(c.factor_min, 0.9 * self.factor)
+            shortened = f"; {early:.0%} of bubbles ended before their deadline" if factor < self.factor else ""
+            self._change(margin_ns=margin, factor=factor)
             self.widenings += 1
-            self.reason = f"widened: {over.format('>')}{self._bounds()}"
+            self.reason = f"widened: {over.format('>')}{shortened}{self._bounds()}"
             return
         if share <= c.target / 2 and seen >= c.narrow_after:
             reliable = self.reliable_ratio() or 1.0

@@ -55,7 +55,7 @@ def test_it_widens_fast_when_interference_is_above_target() -> None:
     feed = Feed(g)
     feed.bubbles(g.config.widen_after, interference_ns=PERIOD // 100)  # 1 % of training time
     assert g.margin_ns == 600 * US
-    assert g.factor == pytest.approx(0.9)
+    assert g.factor == 1.0  # the bubbles lasted what was predicted: the margin alone widens
     # 20 x 0.2 ms over 19 periods and the first bubble itself (where the guard's time line starts)
     assert g.reason == "widened: interference 1.04% > target 0.50% over last 20 bubbles"
     # it waits for the new setting to show before it widens again
@@ -63,6 +63,17 @@ def test_it_widens_fast_when_interference_is_above_target() -> None:
     assert g.margin_ns == 600 * US
     feed.bubbles(1, interference_ns=PERIOD // 100)
     assert (g.margin_ns, g.widenings) == (1_200 * US, 2)
+
+
+def test_where_bubbles_end_before_their_deadline_widening_also_shortens_the_prediction() -> None:
+    g = guard()
+    feed = Feed(g)
+    feed.bubbles(g.config.widen_after, interference_ns=PERIOD // 100, duration_ns=BUBBLE * 8 // 10)
+    assert (g.margin_ns, g.factor) == (600 * US, pytest.approx(0.9))
+    assert g.reason.endswith("; 100% of bubbles ended before their deadline")
+    # at 0.9 they still end early (0.8): the next widening shortens it again
+    feed.bubbles(g.config.widen_after, interference_ns=PERIOD // 100, duration_ns=BUBBLE * 8 // 10)
+    assert (g.margin_ns, g.factor) == (1_200 * US, pytest.approx(0.81))
 
 
 def test_it_narrows_slowly_while_well_below_target_and_not_below_half() -> None:
