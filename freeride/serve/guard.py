@@ -11,7 +11,7 @@ a share of the training time that passed, with a target, and
   its cap) the prediction factor (applied to each bubble's expected length
   when a grant's deadline is set) drops by a tenth;
 * narrows slowly while well below it (half the target or less, over more
-  bubbles): the margin shrinks by a tenth, and the factor rises by a step, but
+  bubbles that side work was granted in): the margin shrinks by a tenth, and the factor rises by a step, but
   never past what bubbles reliably last (the low decile of their measured
   length over their prediction), so a deadline only moves later where bubbles
   have kept ending later still;
@@ -100,6 +100,8 @@ class _Bubble:
     end_ns: int
     interference_ns: int
     """Interference settled since the bubble before ended."""
+    granted: bool
+    """Side work was granted in it (a bubble nobody used says nothing about the margin)."""
 
 
 class InterferenceGuard:
@@ -134,15 +136,16 @@ class InterferenceGuard:
         """The bubble length a grant's deadline is set by, for a bubble predicted to last ``predicted_ns``."""
         return max(0, round(predicted_ns * self.factor))
 
-    def bubble_ended(self, end_ns: int, duration_ns: int, predicted_ns: int) -> None:
+    def bubble_ended(self, end_ns: int, duration_ns: int, predicted_ns: int, *, granted: bool = True) -> None:
         """A bubble predicted to last ``predicted_ns`` ended at ``end_ns`` after ``duration_ns``.
 
         ``duration_ns`` is how long the stage was free, without the time it then
-        waited for side work to let go of its core.
+        waited for side work to let go of its core. ``granted``: side work was
+        granted in the bubble; only such bubbles count toward narrowing.
         """
         since = self._last_end_ns or end_ns - max(0, duration_ns)
         self._last_end_ns = max(self._last_end_ns, end_ns)
-        self._epoch.append(_Bubble(since_ns=since, end_ns=end_ns, interference_ns=self._pending_ns))
+        self._epoch.append(_Bubble(since_ns=since, end_ns=end_ns, interference_ns=self._pending_ns, granted=granted))
         self._pending_ns = 0
         if predicted_ns > 0:
             self._ratios.append(max(0, duration_ns) / predicted_ns)
@@ -196,7 +199,8 @@ class InterferenceGuard:
             self.widenings += 1
             self.reason = f"widened: {over.format('>')}{shortened}{self._bounds()}"
             return
-        if share <= c.target / 2 and seen >= c.narrow_after:
+        used = sum(1 for b in self._epoch if b.granted)
+        if share <= c.target / 2 and used >= c.narrow_after:
             reliable = self.reliable_ratio() or 1.0
             factor = self.factor
             if factor < 1.0:

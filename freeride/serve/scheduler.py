@@ -10,7 +10,9 @@ one GPU. When a bubble starts, the scheduler grants it to the next task (round
 robin) whose estimated step fits in the bubble; a task that gives the grant
 back early (its next step no longer fits, or it finished) passes the rest of
 the bubble on to another task whose step does fit. When the bubble ends the
-grant is revoked. All accounting of bubble time and its use lives here.
+grant is revoked. All accounting of bubble time and its use lives here, and
+it feeds the device's :class:`~freeride.serve.guard.InterferenceGuard`, which
+sets the margin grants carry and the factor their deadlines are set by.
 
 Each event costs O(1) in the number of events seen: the grants in flight are at
 most one per task still placed here (those of a task that leaves go with it),
@@ -110,6 +112,7 @@ class DeviceScheduler:
         self._bubble: p.BubbleStarted | None = None
         self._deadline_ns = 0
         self._tried: set[int] = set()
+        self._granted_in_bubble = False
         self._starved: dict[int, int] = {}
         """Consecutive bubbles a task's estimate kept it out of."""
         self._holder: int | None = None
@@ -208,6 +211,7 @@ class DeviceScheduler:
         self._bubble = ev
         self._deadline_ns = min(p.I64_MAX, ev.t_ns + self.guard.expected_ns(ev.expected_ns))
         self._tried.clear()
+        self._granted_in_bubble = False
         self.bubbles += 1
         self._grant_next(fresh=True)
 
@@ -233,7 +237,9 @@ class DeviceScheduler:
         self._revoke_current()
         bubble, self._bubble = self._bubble, None
         if bubble is not None and bubble.index == ev.index and bubble.step == ev.step:
-            self.guard.bubble_ended(ev.t_ns, ev.duration_ns - waited, bubble.expected_ns)
+            self.guard.bubble_ended(
+                ev.t_ns, ev.duration_ns - waited, bubble.expected_ns, granted=self._granted_in_bubble
+            )
 
     def _charge_stage_wait(self, free_until_ns: int, waited_ns: int) -> None:
         """Charge the stage's wait for its core at a bubble's end to the grant whose step held it.
@@ -430,4 +436,5 @@ class DeviceScheduler:
             )
             self._holder = grant_id
             self._grants[grant_id] = state
+            self._granted_in_bubble = True
             return

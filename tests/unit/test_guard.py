@@ -171,3 +171,13 @@ def test_bubbles_shorter_than_predicted_without_interference_keep_the_factor() -
 def test_bad_config_names_its_field(kw: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         GuardConfig(**kw)
+
+
+def test_bubbles_nobody_was_granted_do_not_narrow_the_margin() -> None:
+    """Without side work there is no evidence that a narrower margin would hold."""
+    g = guard()
+    feed = Feed(g)
+    for _ in range(4 * g.config.narrow_after):
+        feed.clock.advance(PERIOD)
+        g.bubble_ended(feed.clock.now_ns(), BUBBLE, BUBBLE, granted=False)
+    assert g.margin_ns == 300 * US

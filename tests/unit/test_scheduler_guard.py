@@ -145,3 +145,15 @@ def test_a_stage_that_preempts_its_side_tasks_is_not_charged_for_its_wait() -> N
     ended(h, b, 12 * MS, waited_ns=2 * MS)
     h.report(t, done(t, grant, reason="revoked", busy=12 * MS, end=b.t_ns + 12 * MS))
     assert h.sched.interference_ns == 0 and h.sched.used_ns == 12 * MS
+
+
+def test_bubbles_without_a_task_to_grant_leave_the_margin_where_it_is() -> None:
+    h = Harness(margin_ns=1 * MS)
+    for i in range(4 * h.sched.guard.config.narrow_after):
+        b = h.started(10 * MS, index=i)
+        ended(h, b, 10 * MS)
+        h.clock.advance(10 * MS)
+    assert h.sched.guard.margin_ns == 1 * MS
+    t = h.task(1, 1 * MS)
+    overrunning_bubbles(h, t, h.sched.guard.config.narrow_after, past_end_ns=0)
+    assert h.sched.guard.margin_ns == 900_000  # granted bubbles, none spilling: it narrows
