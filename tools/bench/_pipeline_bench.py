@@ -320,7 +320,16 @@ def _freeride(*args: str) -> list[str]:
 
 
 def _plain_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("FREERIDE_") and k != "PYTHONPATH"}
+    """The environment of every process the benchmark starts: none of ours, and this checkout's code.
+
+    ``PYTHONPATH`` names this checkout: a job script run by path, and the workers
+    ``serve`` starts with ``python -P``, would otherwise import ``freeride`` and
+    ``backends`` from wherever the package is installed (an editable install of
+    another checkout), not the code under test.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FREERIDE_") and k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(ROOT)
+    return env
 
 
 def _run(cmd: list[str]) -> tuple[str, float]:
