@@ -37,8 +37,8 @@ def runtime_dir() -> Iterator[Path]:
 
 @pytest.fixture(autouse=True)
 def _tasks_importable(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Worker processes import the test tasks in _tasks.py."""
-    monkeypatch.setenv("PYTHONPATH", str(HERE))
+    """Worker processes import the test tasks in _tasks.py, and this checkout's code (not an installed one's)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), str(HERE.parents[1])]))
     monkeypatch.syspath_prepend(str(HERE))
 
 
