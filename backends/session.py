@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from backends.run_delay import ThreadRunDelay
 from freeride import protocol as p
 from freeride.transport import BubblePublisher, Endpoints, EventEmitter, bubbles_endpoint, default_runtime_dir
 
@@ -80,13 +81,20 @@ class BackendSession:
     training step. :meth:`close` (also run at exit) sends ``Goodbye``.
     """
 
-    def __init__(self, config: BackendConfig, *, emitter: EventEmitter | None = None) -> None:
+    def __init__(
+        self, config: BackendConfig, *, emitter: EventEmitter | None = None, run_delay: ThreadRunDelay | None = None
+    ) -> None:
         self.config = config
         self._emitter = emitter if emitter is not None else EventEmitter(config.endpoint)
         self._publisher: BubblePublisher | None = None
         publish = config.publish_bubbles and emitter is None  # a test's emitter: no real sockets
         self._publish_to = bubbles_endpoint(config.endpoint, config.rank) if publish else ""
         """Where to publish bubble starts; "" once that is settled (bound, or not to be)."""
+        self._run_delay = run_delay if run_delay is not None else ThreadRunDelay()
+        """The training thread's wait for its core (read at a host-timed bubble's start and end)."""
+        self._delay_at_start = -1
+        self.last_waited_runnable_ns = 0
+        """How long the stage waited for its core at the end of the last bubble (see :class:`BubbleEnded`)."""
         self._open: p.BubbleStarted | None = None
         self._step = -1
         self._index = 0
@@ -172,6 +180,8 @@ class BackendSession:
         self._index += 1
         if self._publisher is not None:
             self._publisher.publish(event)  # first: an armed worker starts on it
+        # a bubble timed on the device ends on the device's clock: the host thread's waits do not apply
+        self._delay_at_start = self._run_delay.ns() if t_ns is None else -1
         self._emitter.emit(event)
         return True
 
@@ -187,6 +197,11 @@ class BackendSession:
         self._open = None
         now = time.monotonic_ns() if t_ns is None else t_ns
         duration = max(0, now - start.t_ns)
+        waited = 0
+        if self._delay_at_start >= 0 and t_ns is None:
+            waited = min(duration, max(0, self._run_delay.ns() - self._delay_at_start))
+        self._delay_at_start = -1
+        self.last_waited_runnable_ns = waited
         self._step_bubble_ns += duration
         self.bubbles += 1
         self._emitter.emit(
@@ -198,6 +213,7 @@ class BackendSession:
                 index=start.index,
                 t_ns=now,
                 duration_ns=duration,
+                waited_runnable_ns=waited,
             )
         )
         return duration
@@ -233,3 +249,4 @@ class BackendSession:
         if self._publisher is not None:
             self._publisher.close()
         self._emitter.close(goodbye)
+        self._run_delay.close()

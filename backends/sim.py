@@ -184,7 +184,10 @@ def run_stage(
         if opened:
             measured = session.bubble_ended()
             result.announced.append((step, session.bubbles - 1, t0, expected, measured))
-        predictor.observe(key, measured)
+            # the stage's wait for a side step to let go of its core was not part of the bubble
+            predictor.observe(key, measured - session.last_waited_runnable_ns)
+        else:
+            predictor.observe(key, measured)
         return measured if opened else 0
 
     try:

@@ -22,7 +22,7 @@ from freeride import protocol as p
 from freeride.serve.config import ServeConfig
 from freeride.submission import await_start, check_submission, report_start, task_details
 from freeride.transport import ControlClient, Endpoints, ManagerUnreachable, curve_keypair, default_runtime_dir
-from freeride.units import format_ns, parse_bytes, parse_duration_ns, printable
+from freeride.units import format_ns, parse_bytes, parse_duration_ns, parse_share, printable
 
 if TYPE_CHECKING:
     from backends.sim import SimConfig
@@ -124,6 +124,7 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
         max_loss_steps=args.max_loss_steps,
         settle_s=parse_duration_ns(args.settle) / 1e9,
         move_every_s=parse_duration_ns(args.move_every) / 1e9,
+        interference_target=parse_share(args.interference_target),
     )
 
 
@@ -266,6 +267,14 @@ def _liveness_shown(t: p.TaskStatus) -> str:
     return "; ".join(parts)
 
 
+def _guard_line(d: p.DeviceStatus) -> str:
+    """What the device's interference guard set, and why."""
+    return (
+        f"{printable(d.device):10} guard: margin {format_ns(d.margin_ns)}, bubbles predicted x{d.prediction_factor:.2f}"
+        f" ({printable(d.guard_reason) or 'no reason given'})"
+    )
+
+
 def format_status(status: p.StatusReply) -> str:
     lines = [
         f"{'device':10} {'stage':>5} {'alive':>5} {'bubbles':>8} {'bubble time':>12} {'used':>7} {'overruns':>8}"
@@ -278,6 +287,7 @@ def format_status(status: p.StatusReply) -> str:
             f"{printable(d.device):10} {d.stage:>5} {'yes' if d.alive else 'no':>5} {d.bubbles:>8} "
             f"{format_ns(d.bubble_ns):>12} {share:>6.1%} {d.overruns:>8} {format_ns(d.interference_ns):>13} {taken:>11}"
         )
+    lines.extend(_guard_line(d) for d in status.devices if d.margin_ns >= 0)
     lines.append("")
     lines.append(
         f"{'task':>4} {'name':28} {'state':10} {'device':10} {'steps':>8} {'busy':>10} {'interference':>13}"
@@ -456,7 +466,18 @@ def build_parser() -> argparse.ArgumentParser:
     s = subs.add_parser("serve", help="run the manager (one per node, beside the training job)")
     _add_runtime(s)
     s.add_argument("--state-dir", metavar="DIR", help="logs and checkpoints (default RUNTIME_DIR/state)")
-    s.add_argument("--margin", default="0.3ms", help="time kept free before a bubble's expected end (default 0.3ms)")
+    s.add_argument(
+        "--margin",
+        default="0.3ms",
+        help="time kept free before a bubble's expected end, to start with (each device's guard adapts it;"
+        " default 0.3ms)",
+    )
+    s.add_argument(
+        "--interference-target",
+        default="0.5%",
+        metavar="SHARE",
+        help="side work past bubble ends each device's guard keeps under, as a share of training time (default 0.5%%)",
+    )
     s.add_argument("--checkpoint-every", default="30s", help="how often running tasks checkpoint (default 30s)")
     s.add_argument("--backend-timeout", default="30s", help="silence after which an unwatchable rank is dead")
     s.add_argument("--profile", metavar="FILE", help="bubble profile from `freeride profile`")

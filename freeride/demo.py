@@ -79,6 +79,12 @@ class DemoReport:
             )
         formula = "(p-1)/(v*m+p-1)" if sim.num_chunks > 1 else "(p-1)/(m+p-1)"
         lines.append(f"(bubble share measured after step 0; the schedule's {formula} is {theory:.1%})")
+        for d in sorted(self.status.devices, key=lambda d: d.stage):
+            if d.margin_ns >= 0:  # what each device's interference guard settled on, and why
+                lines.append(
+                    f"guard {d.device}: margin {format_ns(d.margin_ns)}, bubbles predicted x{d.prediction_factor:.2f}"
+                    f" ({d.guard_reason})"
+                )
         lines.append("")
         for t in self.status.tasks:
             metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(t.metrics.items()))

@@ -190,6 +190,9 @@ class BubbleEnded(_Msg, frozen=True, tag="bubble_ended"):
     t_ns: Nanos
     duration_ns: Nanos
     """Measured duration of the bubble."""
+    waited_runnable_ns: Nanos = 0
+    """Of it, how long the stage waited for its core at the end (runnable, not running): on a shared core,
+    time a side task's step kept from training (0: none, or not measured)."""
 
 
 class StepFinished(_Msg, frozen=True, tag="step_finished"):
@@ -309,6 +312,8 @@ class Grant(_Msg, frozen=True, tag="grant"):
     """Expected end of the bubble; no step may run past it."""
     probe: bool = False
     """Run one step even if the estimate says it does not fit: the estimate may be stale."""
+    margin_ns: NanosOrUnknown = -1
+    """The device's current safety margin (its interference guard's); -1: the one in :class:`Assign`."""
 
 
 class Revoke(_Msg, frozen=True, tag="revoke"):
@@ -327,7 +332,7 @@ class Arm(_Msg, frozen=True, tag="arm"):
     """The next bubble is this worker's: start on the rank's own event, without waiting for a Grant.
 
     The worker subscribes to ``endpoint`` and treats the first :class:`BubbleStarted`
-    after ``after_ns`` as a Grant ``grant_id`` with deadline ``t_ns + expected_ns``
+    after ``after_ns`` as a Grant ``grant_id`` with deadline ``t_ns + expected_ns * prediction_factor``
     (one hop instead of two). The manager sends that Grant too, as soon as it sees
     the same event: a worker that missed the event starts from it, one that did not
     ignores it.
@@ -338,6 +343,10 @@ class Arm(_Msg, frozen=True, tag="arm"):
     """The rank's bubble-start publisher."""
     after_ns: int
     """Start of the last bubble the manager has seen: only a later one is the armed one."""
+    margin_ns: int = -1
+    """The margin the grant carries (the device's guard sets it; -1: the assigned one)."""
+    prediction_factor: float = 1.0
+    """What the event's expected length is multiplied by for the deadline (the device's guard sets it)."""
 
 
 class Disarm(_Msg, frozen=True, tag="disarm"):
@@ -514,6 +523,12 @@ class DeviceStatus(_Msg, frozen=True, tag="device_status"):
     """Wall time the stage has trained here: from its first bubble event to its last (or now)."""
     armed_grants: int = 0
     """Grants whose first step started on the rank's own event (one hop), not on the manager's Grant."""
+    margin_ns: int = -1
+    """The safety margin grants carry now (set by the device's interference guard); -1 unknown."""
+    prediction_factor: float = 1.0
+    """What each bubble's expected length is multiplied by when a grant's deadline is set."""
+    guard_reason: str = ""
+    """Why the margin and factor are what they are, in one line."""
 
 
 class TaskStatus(_Msg, frozen=True, tag="task_status"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["format_bytes", "format_ns", "parse_bytes", "parse_duration_ns", "printable"]
+__all__ = ["format_bytes", "format_ns", "parse_bytes", "parse_duration_ns", "parse_share", "printable"]
 
 _SIZE = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _TIME = {"ns": 1, "us": 1_000, "µs": 1_000, "ms": 1_000_000, "s": 1_000_000_000}
@@ -32,6 +32,18 @@ def parse_duration_ns(text: str) -> int:
     if not m:
         raise ValueError(f"not a duration: {text!r} (try 5ms or 0.2s)")
     return int(float(m.group(1)) * _TIME[m.group(2) or "s"])
+
+
+def parse_share(text: str) -> float:
+    """``"0.5%"`` -> 0.005; a bare number is the share itself (``"0.005"``).
+
+    Raises:
+        ValueError: not a share.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*(%?)\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"not a share: {text!r} (try 0.5% or 0.005)")
+    return float(m.group(1)) / (100 if m.group(2) else 1)
 
 
 def format_bytes(n: int) -> str:

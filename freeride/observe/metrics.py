@@ -97,6 +97,14 @@ def _device_metrics(status: p.StatusReply) -> Iterator[Metric]:
         "spare": GaugeMetricFamily(
             "freeride_spare_memory_bytes", "Device memory the stage leaves free (-1 unknown)", labels=labels
         ),
+        "margin": GaugeMetricFamily(
+            "freeride_margin_seconds", "Safety margin grants carry now (set by the interference guard)", labels=labels
+        ),
+        "factor": GaugeMetricFamily(
+            "freeride_prediction_factor",
+            "What bubbles' expected lengths are multiplied by when a grant's deadline is set",
+            labels=labels,
+        ),
     }
     for d in status.devices:
         values = {
@@ -111,6 +119,8 @@ def _device_metrics(status: p.StatusReply) -> Iterator[Metric]:
             "dropped": d.dropped,
             "alive": float(d.alive),
             "spare": d.spare_memory,
+            "margin": d.margin_ns / 1e9,
+            "factor": d.prediction_factor,
         }
         for key, family in families.items():
             family.add_metric([d.device, str(d.stage)], float(values[key]))

@@ -22,7 +22,7 @@ class ServeConfig:
     state_dir: Path
     """Logs and checkpoints of side tasks live here."""
     margin_ns: int = 300_000
-    """Time kept free before a bubble's expected end; a step must fit before it."""
+    """Time kept free before a bubble's expected end, to start with: each device's interference guard adapts it."""
     checkpoint_every_s: float = 30.0
     """How often a running iterative task saves its state (between steps, inside bubbles)."""
     backend_timeout_s: float = 30.0
@@ -61,6 +61,9 @@ class ServeConfig:
     """A task moves to another device only if it gets this many times its bubble time there."""
     move_every_s: float = 60.0
     """A task moves at most once in this many seconds (its first move may come as soon as it is set up)."""
+    interference_target: float = 0.005
+    """Share of training time side work may take past bubble ends (0.005: 0.5 %); each device's guard
+    widens its margin above it and narrows it well below."""
 
     def __post_init__(self) -> None:
         if self.margin_ns < 0:
@@ -84,6 +87,11 @@ class ServeConfig:
             raise ValueError(f"move_gain must be >= 1 (a move must pay for its restart), got {self.move_gain}")
         if self.move_every_s < 0:
             raise ValueError(f"move_every_s must be >= 0, got {self.move_every_s}")
+        if not 0 < self.interference_target < 1:
+            raise ValueError(
+                f"interference_target must be a share of training time in (0, 1) (0.005 is 0.5 %),"
+                f" got {self.interference_target}"
+            )
         if self.max_loss_steps < 0:
             raise ValueError(f"max_loss_steps must be >= 0, got {self.max_loss_steps}")
         if self.keys_dir is None and self.endpoints.tcp_endpoints():

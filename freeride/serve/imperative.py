@@ -274,7 +274,7 @@ class ImperativeProcess:
         """Whether the program has exited and been reaped."""
         return self._exit is not None and self._exit.done()
 
-    def resume(self, deadline_ns: int) -> None:
+    def resume(self, deadline_ns: int, *, margin_ns: int | None = None) -> None:
         """Continue the program now; stop it at ``deadline_ns - margin_ns`` unless stopped earlier.
 
         A deadline already past leaves the program stopped (or stops it). Calling
@@ -283,6 +283,7 @@ class ImperativeProcess:
 
         Args:
             deadline_ns: Expected end of the bubble on the ``time.monotonic_ns()`` clock.
+            margin_ns: This grant's margin (None: the process's own).
 
         Raises:
             RuntimeError: If the process has not been started.
@@ -291,7 +292,7 @@ class ImperativeProcess:
             raise RuntimeError(f"{self.name}: resume() before start()")
         if self.exited:
             return
-        stop_at = latest_end_ns(deadline_ns, self.margin_ns)
+        stop_at = latest_end_ns(deadline_ns, self.margin_ns if margin_ns is None else margin_ns)
         now = time.monotonic_ns()
         if stop_at <= now:
             logger.debug("[imperative] %s: deadline already passed, not running", self.name)

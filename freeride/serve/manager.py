@@ -275,7 +275,12 @@ class Manager:
 
     def device_added(self, info: DeviceInfo) -> None:
         self.schedulers[info.name] = DeviceScheduler(
-            info.name, latency=self.latency, margin_ns=self.config.margin_ns, observers=self.observers
+            info.name,
+            latency=self.latency,
+            margin_ns=self.config.margin_ns,
+            interference_target=self.config.interference_target,
+            charge_stage_waits=self.config.side_priority == "same",
+            observers=self.observers,
         )
 
     def device_lost(self, name: str) -> None:

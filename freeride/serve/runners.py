@@ -157,7 +157,8 @@ class ProgramRunner:
         self._busy_before_ns = self.program.busy_ns
         self._cpu_at_grant = self.cpu_ns()  # exact: the program is frozen until the resume below
         self._resumed_ns = self._clock.now_ns()
-        self.program.resume(grant.deadline_ns)  # SIGCONT now, SIGSTOP at the deadline minus the margin
+        # SIGCONT now, SIGSTOP at the deadline minus the margin (the grant's, which the device's guard adapts)
+        self.program.resume(grant.deadline_ns, margin_ns=grant.margin_ns if grant.margin_ns >= 0 else None)
         return True
 
     def arm(self, arm: p.Arm) -> bool:

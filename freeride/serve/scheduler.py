@@ -23,6 +23,9 @@ the armed task as the bubble's holder (an arm, once out, is always honoured:
 the worker may already run) and sends the same Grant, which a worker that
 missed the event starts from.
 
+All accounting feeds the device's :class:`~freeride.serve.guard.InterferenceGuard`, which
+sets the margin grants carry and the factor their deadlines are set by.
+
 Each event costs O(1) in the number of events seen: the grants in flight are at
 most one per task still placed here (those of a task that leaves go with it),
 and every sum saturates at 2**63 - 1, so no sender can make a total that the
@@ -40,6 +43,7 @@ from freeride.admission import room_ns
 from freeride.clock import MONOTONIC, Clock
 from freeride.observe.base import Observers
 from freeride.observe.stats import LatencyRecorder
+from freeride.serve.guard import DEFAULT_TARGET, GuardConfig, InterferenceGuard
 from freeride.serve.ranks import DeviceInfo
 from freeride.serve.tasks import TaskRecord
 
@@ -79,6 +83,8 @@ class _GrantState:
     """What the worker reported as past the grant's deadline (used if the bubble's end is never seen)."""
     armed: bool = False
     """Handed over by an arm: the worker may have started before this scheduler saw the bubble."""
+    stage_waited_ns: int = 0
+    """How long the stage then waited for its core, runnable, while this grant's step held it."""
 
 
 @dataclass(slots=True)
@@ -90,7 +96,20 @@ class _Armed:
 
 
 class DeviceScheduler:
-    """Grants the bubbles of one device to its side tasks."""
+    """Grants the bubbles of one device to its side tasks.
+
+    Args:
+        device: The device's name.
+        latency: Where bubble start -> first step delays are recorded.
+        margin_ns: The margin to start from (the device's guard adapts it).
+        interference_target: What the guard keeps interference under, as a share of training time.
+        charge_stage_waits: Side tasks can hold the stage's core (they run at its own CPU
+            priority): a stage's wait for its core at a bubble's end is charged to the step that
+            was running. At nice 19 the stage preempts a side task at once, so a wait is other
+            load's and is charged to no one.
+        observers: Told of grants and interference.
+        clock: Where the time comes from.
+    """
 
     def __init__(
         self,
@@ -98,19 +117,24 @@ class DeviceScheduler:
         *,
         latency: LatencyRecorder,
         margin_ns: int,
+        interference_target: float = DEFAULT_TARGET,
+        charge_stage_waits: bool = True,
         observers: Observers | None = None,
         clock: Clock = MONOTONIC,
     ) -> None:
         self.device = device
+        self._charge_stage_waits = charge_stage_waits
+        self.guard = InterferenceGuard(GuardConfig(target=interference_target, margin_ns=margin_ns))
+        """Sets the margin and the bubbles' prediction factor from the interference measured here."""
         self.tasks: list[TaskRecord] = []
         self._observers = observers
         self._latency = latency
-        self._margin_ns = margin_ns
         self._clock = clock
         # bubble state
         self._bubble: p.BubbleStarted | None = None
         self._deadline_ns = 0
         self._tried: set[int] = set()
+        self._granted_in_bubble = False
         self._starved: dict[int, int] = {}
         """Consecutive bubbles a task's estimate kept it out of."""
         self._no_fit: dict[int, tuple[int, str]] = {}
@@ -165,6 +189,9 @@ class DeviceScheduler:
             interference_ns=self.interference_ns,
             train_ns=self.train_ns(alive=info.alive),
             armed_grants=self.armed_grants,
+            margin_ns=self.guard.margin_ns,
+            prediction_factor=self.guard.factor,
+            guard_reason=self.guard.reason,
         )
 
     def train_ns(self, *, alive: bool) -> int:
@@ -226,15 +253,21 @@ class DeviceScheduler:
         self._first_event_ns = self._first_event_ns or ev.t_ns
         self._last_event_ns = max(self._last_event_ns, ev.t_ns)
         self._bubble = ev
-        self._deadline_ns = min(p.I64_MAX, ev.t_ns + ev.expected_ns)
+        self._deadline_ns = min(p.I64_MAX, ev.t_ns + self.guard.expected_ns(ev.expected_ns))
         self._last_start_ns = max(self._last_start_ns, ev.t_ns)
         self._tried.clear()
         self._kept_out.clear()
+        self._granted_in_bubble = False
         self.bubbles += 1
         if not self._honour_arm():
             self._grant_next(fresh=True)
 
     def on_bubble_ended(self, ev: p.BubbleEnded) -> None:
+        # Bubble time stays what the rank measured (as the trace shows it); the stage's wait for
+        # its core at the end is charged as interference to the step that held it, not as used.
+        waited = min(ev.waited_runnable_ns, ev.duration_ns) if self._charge_stage_waits else 0
+        if waited > 0:
+            self._charge_stage_wait(ev.t_ns - waited, waited)
         self.bubble_ns = _sat(self.bubble_ns, ev.duration_ns)
         self._first_event_ns = self._first_event_ns or max(0, ev.t_ns - ev.duration_ns)
         self._last_event_ns = max(self._last_event_ns, ev.t_ns)
@@ -249,8 +282,27 @@ class DeviceScheduler:
                     state.cpu_at_end = state.task.runner.cpu_ns()
         self._grants = {gid: s for gid, s in self._grants.items() if not s.returned}
         self._revoke_current()
-        self._bubble = None
+        bubble, self._bubble = self._bubble, None
+        if bubble is not None and bubble.index == ev.index and bubble.step == ev.step:
+            self.guard.bubble_ended(
+                ev.t_ns, ev.duration_ns - waited, bubble.expected_ns, granted=self._granted_in_bubble
+            )
         self._arm_next()
+
+    def _charge_stage_wait(self, free_until_ns: int, waited_ns: int) -> None:
+        """Charge the stage's wait for its core at a bubble's end to the grant whose step held it.
+
+        The stage was free until ``free_until_ns`` and then runnable for
+        ``waited_ns`` (its schedstat run delay): if a side task of this bubble
+        was still in a step then (its grant not back, or back with a step that
+        ended after that), that wait is training time lost to side work, as a
+        side kernel holding a GPU past a bubble's end is. With no such grant it
+        is other load on the machine, and charged to no one.
+        """
+        for state in self._grants.values():
+            if state.bubble_end_ns == 0 and (not state.returned or state.last_step_end_ns > free_until_ns):
+                state.stage_waited_ns = waited_ns
+                return
 
     def on_task_changed(self, task: TaskRecord) -> None:
         """``task`` was placed here, became runnable or not, or left."""
@@ -371,7 +423,8 @@ class DeviceScheduler:
         if late > 0:
             self.overruns += 1
             self.overrun_ns = _sat(self.overrun_ns, late)
-        inside_wall = max(0, state.busy_ns - late)
+        # the side work that held the core while the stage waited for it was not used bubble time
+        inside_wall = max(0, state.busy_ns - late - state.stage_waited_ns)
         work = -1
         if state.cpu_done >= 0 and state.cpu_at_grant >= 0:
             upto = state.cpu_done if state.cpu_at_end < 0 else min(state.cpu_done, state.cpu_at_end)
@@ -385,9 +438,11 @@ class DeviceScheduler:
             interference = min(late, max(0, state.cpu_done - state.cpu_at_grant))
         else:
             interference = late
+        interference += state.stage_waited_ns
         if interference > 0:
             task = state.task
             self.interference_ns = _sat(self.interference_ns, interference)
+            self.guard.add_interference(interference)
             self._task_interference[task.task_id] = _sat(self._task_interference.get(task.task_id, 0), interference)
             if self._observers is not None:
                 self._observers.interference(
@@ -437,7 +492,13 @@ class DeviceScheduler:
                 continue
             if self._starved.get(task.task_id, 0) + 1 >= PROBE_AFTER_BUBBLES:
                 continue  # due for a probe, which only a Grant gives
-            arm = p.Arm(grant_id=self._next_grant, endpoint=self.bubbles_endpoint, after_ns=self._last_start_ns)
+            arm = p.Arm(
+                grant_id=self._next_grant,
+                endpoint=self.bubbles_endpoint,
+                after_ns=self._last_start_ns,
+                margin_ns=self.guard.margin_ns,
+                prediction_factor=self.guard.factor,
+            )
             if not task.runner.arm(arm):
                 continue  # a program, or the worker's socket refused
             self._next_grant += 1
@@ -463,7 +524,14 @@ class DeviceScheduler:
         runner = armed.task.runner
         if armed.early is None:
             # the Grant a worker that missed the rank's event starts from (one that did not ignores it)
-            runner.grant(p.Grant(grant_id=armed.grant_id, bubble_t_ns=bubble.t_ns, deadline_ns=self._deadline_ns))
+            runner.grant(
+                p.Grant(
+                    grant_id=armed.grant_id,
+                    bubble_t_ns=bubble.t_ns,
+                    deadline_ns=self._deadline_ns,
+                    margin_ns=self.guard.margin_ns,
+                )
+            )
         self._tried.add(armed.task.task_id)
         self._holder = armed.grant_id
         self._grants[armed.grant_id] = _GrantState(
@@ -485,7 +553,8 @@ class DeviceScheduler:
     def _grant_next(self, *, fresh: bool) -> None:
         if self._bubble is None or self._holder is not None or not self.tasks:
             return
-        remaining = room_ns(self._clock.now_ns(), self._deadline_ns, self._margin_ns)
+        margin = self.guard.margin_ns
+        remaining = room_ns(self._clock.now_ns(), self._deadline_ns, margin)
         if remaining <= 0:
             return
         now = self._clock.now_ns()
@@ -514,7 +583,11 @@ class DeviceScheduler:
             self._tried.add(task.task_id)
             self._rr = (self._rr + k + 1) % n
             grant = p.Grant(
-                grant_id=grant_id, bubble_t_ns=self._bubble.t_ns, deadline_ns=self._deadline_ns, probe=probe
+                grant_id=grant_id,
+                bubble_t_ns=self._bubble.t_ns,
+                deadline_ns=self._deadline_ns,
+                probe=probe,
+                margin_ns=margin,
             )
             if task.runner is None or not task.runner.grant(grant):
                 continue
@@ -526,4 +599,5 @@ class DeviceScheduler:
             )
             self._holder = grant_id
             self._grants[grant_id] = state
+            self._granted_in_bubble = True
             return

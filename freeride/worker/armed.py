@@ -102,8 +102,12 @@ class Arming:
         if arm is None or ev is None or ev.t_ns <= arm.after_ns:
             return None
         self.arm = None
+        expected = max(0, round(ev.expected_ns * arm.prediction_factor))  # as the manager's guard sets it
         self._taken = p.Grant(
-            grant_id=arm.grant_id, bubble_t_ns=ev.t_ns, deadline_ns=min(p.I64_MAX, ev.t_ns + ev.expected_ns)
+            grant_id=arm.grant_id,
+            bubble_t_ns=ev.t_ns,
+            deadline_ns=min(p.I64_MAX, ev.t_ns + expected),
+            margin_ns=arm.margin_ns,
         )
         return self._taken
 

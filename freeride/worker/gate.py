@@ -299,7 +299,7 @@ class GrantGate:
         grant = self._grant
         if grant is None or self._revoked:
             return False
-        margin = self._assign.margin_ns
+        margin = self._margin(grant)
         if need_ns < 0 or grant.probe:  # unknown or stale: one step, at the start of a grant still open
             return self._g_steps == 0 and room_ns(now, grant.deadline_ns, margin) > 0
         return fits(now, need_ns, grant.deadline_ns, margin)
@@ -310,8 +310,12 @@ class GrantGate:
             grant is not None
             and not self._revoked
             and self._g_steps == 0
-            and room_ns(now, grant.deadline_ns, self._assign.margin_ns) > 0
+            and room_ns(now, grant.deadline_ns, self._margin(grant)) > 0
         )
+
+    def _margin(self, grant: p.Grant) -> int:
+        """The grant's margin (its device's guard adapts it), else the one assigned at the start."""
+        return grant.margin_ns if grant.margin_ns >= 0 else self._assign.margin_ns
 
     def _progress(self, now: int, *, force: bool = False) -> None:
         if force or now - self._last_progress >= _PROGRESS_EVERY_NS:
@@ -335,7 +339,7 @@ class GrantGate:
         grant = self._grant
         if grant is None or self._revoked:
             return None
-        return max(0, room_ns(self._clock.now_ns(), grant.deadline_ns, self._assign.margin_ns)) / 1e9
+        return max(0, room_ns(self._clock.now_ns(), grant.deadline_ns, self._margin(grant))) / 1e9
 
     def report(self, **metrics: float) -> None:
         """Publish ``metrics`` (sent at once, or with the next progress report if one went out lately)."""
@@ -507,7 +511,7 @@ class GrantGate:
         grant = self._grant
         if not self._packs or grant is None or self._revoked or grant.probe:
             return
-        room = room_ns(now, grant.deadline_ns, self._assign.margin_ns)
+        room = room_ns(now, grant.deadline_ns, self._margin(grant))
         if room > 0:
             kind = self._task.fit_piece(room, self.estimates.estimate_ns)
             if kind is not None:

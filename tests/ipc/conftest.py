@@ -37,8 +37,9 @@ def runtime_dir() -> Iterator[Path]:
 
 @pytest.fixture(autouse=True)
 def _tasks_importable(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Worker processes import the test tasks in _tasks.py (and FreeRide from where this run imports it)."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (str(HERE), os.environ.get("PYTHONPATH")))))
+    """Worker processes import the test tasks in _tasks.py, and this checkout's code (not an installed one's)."""
+    inherited = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (str(HERE), str(HERE.parents[1]), inherited))))
     monkeypatch.syspath_prepend(str(HERE))
 
 

@@ -271,3 +271,15 @@ async def test_without_a_feed_an_arm_is_ignored(tmp_path: Path) -> None:
     wires.push(p.Grant(grant_id=6, bubble_t_ns=clock.now_ns(), deadline_ns=clock.now_ns() + 3 * STEP))
     await stepping
     assert gate.steps == 1
+
+
+def test_an_armed_grant_takes_the_guards_margin_and_prediction_factor() -> None:
+    from freeride.worker.armed import Arming
+
+    arming = Arming()
+    arming.armed(p.Arm(grant_id=5, endpoint="ipc:///x", after_ns=0, margin_ns=2_000_000, prediction_factor=0.5))
+    arming.seen(p.BubbleStarted(rank=0, stage=0, device="cpu:0", step=1, index=0, t_ns=100, expected_ns=40_000_000))
+    grant = arming.take()
+    assert grant is not None
+    # as the manager's Grant for the same bubble: t + round(expected * factor), the guard's margin
+    assert (grant.grant_id, grant.deadline_ns, grant.margin_ns) == (5, 100 + 20_000_000, 2_000_000)

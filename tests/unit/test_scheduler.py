@@ -292,9 +292,11 @@ class FakeProgram:
         self.busy_ns = 0
         self.resumed_at: int | None = None
         self.deadlines: list[int] = []
+        self.margins: list[int | None] = []
 
-    def resume(self, deadline_ns: int) -> None:
+    def resume(self, deadline_ns: int, *, margin_ns: int | None = None) -> None:
         self.deadlines.append(deadline_ns)
+        self.margins.append(margin_ns)
         self.resumed_at = self.clock.now_ns()
 
     def suspend(self) -> None:

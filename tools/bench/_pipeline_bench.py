@@ -368,7 +368,16 @@ def _freeride(*args: str) -> list[str]:
 
 
 def _plain_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("FREERIDE_") and k != "PYTHONPATH"}
+    """The environment of every process the benchmark starts: none of ours, and this checkout's code.
+
+    ``PYTHONPATH`` names this checkout: a job script run by path, and the workers
+    ``serve`` starts with ``python -P``, would otherwise import ``freeride`` and
+    ``backends`` from wherever the package is installed (an editable install of
+    another checkout), not the code under test.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FREERIDE_") and k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(ROOT)
+    return env
 
 
 def _run(cmd: list[str]) -> tuple[str, float]:
@@ -503,6 +512,10 @@ def bench(
             flags = f" [{'; '.join(result.flags)}]" if result.flags else ""
             label = "warm-up" if planned.pair < 0 else f"pair {planned.pair}"
             print(f"{label} {result.kind}: step {result.step_ms:.2f} ms{cpu}{flags}", file=sys.stderr)
+            if result.kind == "with":  # where each device's interference guard stands, and why
+                for d in _status(endpoints).devices:
+                    guard = f"margin {d.margin_ns / 1e6:.2f} ms, bubbles predicted x{d.prediction_factor:.2f}"
+                    print(f"  guard {d.device}: {guard} ({d.guard_reason})", file=sys.stderr)
         section = Section(
             title=job.title,
             command=command,

@@ -1,0 +1,242 @@
+"""The interference guard of one device: a margin and a prediction factor that follow what side work costs.
+
+A fixed margin is either too wide (bubble time left unused) or too narrow
+(side work spills past bubble ends: interference) and which one depends on the
+workload, the machine and the load on it. The guard closes the loop: after
+every bubble it compares the interference measured since its last change, as
+a share of the training time that passed, with a target, and
+
+* widens fast when above the target: the margin doubles, and where more than
+  a tenth of the bubbles ended before the deadline said (or the margin is at
+  its cap) the prediction factor (applied to each bubble's expected length
+  when a grant's deadline is set) drops by a tenth;
+* narrows slowly while well below it (half the target or less, over more
+  bubbles that side work was granted in): the margin shrinks by a tenth, and the factor rises by a step, but
+  never past what bubbles reliably last (the low decile of their measured
+  length over their prediction), so a deadline only moves later where bubbles
+  have kept ending later still;
+* pulls a factor above 1 back as soon as bubbles stop lasting that long
+  (more than a tenth of the window ended before the deadline said).
+
+Asymmetric steps (x2 out, x0.9 in) and a wait of several bubbles between two
+changes make it settle instead of hunting. The margin stays within a floor and
+a cap, the factor within ``[factor_min, factor_max]``. Every change leaves a
+one-line reason that ``freeride status`` shows.
+
+Pure: it is fed by the device's scheduler (interference as it is settled,
+each bubble's end with its measured and predicted lengths) and reads no clock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_TARGET", "GuardConfig", "InterferenceGuard"]
+
+DEFAULT_TARGET = 0.005
+"""Interference the guard aims below: 0.5 % of training time."""
+
+_MIN_WIDENED_NS = 10_000
+"""A margin of 0 widens to this (doubling 0 would not widen it)."""
+
+_RELIABLE_QUANTILE = 0.1
+"""A bubble length "reliably" reached is one at least this share of bubbles fell short of."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GuardConfig:
+    """Bounds and pace of one device's guard."""
+
+    target: float = DEFAULT_TARGET
+    """Interference share of training time aimed below (0.005: 0.5 %)."""
+    margin_ns: int = 300_000
+    """Margin to start from (the configured one)."""
+    margin_floor_ns: int = 100_000
+    """The margin never narrows below this (nor below the starting margin, if that is lower)."""
+    margin_cap_ns: int = 20_000_000
+    """The margin never widens past this (nor past the starting margin, if that is higher)."""
+    factor_min: float = 0.5
+    """Lowest prediction factor: a grant's deadline is at least half the expected bubble."""
+    factor_max: float = 1.5
+    """Highest prediction factor (reached only where bubbles reliably last that long)."""
+    factor_step: float = 0.02
+    """How much the factor rises per narrowing."""
+    widen_after: int = 20
+    """Bubbles since the last change before the guard may widen again."""
+    narrow_after: int = 50
+    """Bubbles since the last change, all well below target, before the guard narrows."""
+    window: int = 200
+    """Bubbles whose lengths (and, at most, interference) the guard looks back on."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.target < 1:
+            raise ValueError(f"target must be in (0, 1), got {self.target}")
+        if self.margin_ns < 0:
+            raise ValueError(f"margin_ns must be >= 0, got {self.margin_ns}")
+        if not 0 <= self.margin_floor_ns <= self.margin_cap_ns:
+            raise ValueError(
+                f"margin_floor_ns and margin_cap_ns must satisfy 0 <= floor <= cap, got "
+                f"{self.margin_floor_ns} and {self.margin_cap_ns}"
+            )
+        if not 0 < self.factor_min <= 1 <= self.factor_max:
+            raise ValueError(
+                "factor_min and factor_max must satisfy 0 < min <= 1 <= max, got"
+                f" {self.factor_min} and {self.factor_max}"
+            )
+        if self.factor_step <= 0:
+            raise ValueError(f"factor_step must be > 0, got {self.factor_step}")
+        if not 1 <= self.widen_after <= self.narrow_after <= self.window:
+            raise ValueError(
+                "widen_after, narrow_after and window must satisfy 1 <= widen_after <= narrow_after <= window, got "
+                f"{self.widen_after}, {self.narrow_after} and {self.window}"
+            )
+
+
+@dataclass(slots=True)
+class _Bubble:
+    since_ns: int
+    """The end of the bubble before (or this one's start, for the first)."""
+    end_ns: int
+    interference_ns: int
+    """Interference settled since the bubble before ended."""
+    granted: bool
+    """Side work was granted in it (a bubble nobody used says nothing about the margin)."""
+
+
+class InterferenceGuard:
+    """Keeps one device's margin and prediction factor where interference stays under the target."""
+
+    def __init__(self, config: GuardConfig | None = None) -> None:
+        self.config = c = config if config is not None else GuardConfig()
+        self._floor = min(c.margin_floor_ns, c.margin_ns)
+        self._cap = max(c.margin_cap_ns, c.margin_ns)
+        self.margin_ns = c.margin_ns
+        """The margin grants carry now."""
+        self.factor = 1.0
+        """What each bubble's expected length is multiplied by when a grant's deadline is set."""
+        self.reason = f"learning: 0 of {c.widen_after} bubbles seen"
+        """Why the margin and factor are what they are (one line)."""
+        self.widenings = 0
+        self.narrowings = 0
+        self._epoch: deque[_Bubble] = deque(maxlen=c.window)
+        """Bubbles since the last change (at most a window of them)."""
+        self._ratios: deque[float] = deque(maxlen=c.window)
+        """Measured length over predicted length of the last bubbles."""
+        self._pending_ns = 0
+        self._last_end_ns = 0
+
+    # -- feeding -------------------------------------------------------------
+
+    def add_interference(self, ns: int) -> None:
+        """Side work ran ``ns`` past a bubble's end (counted with the next bubble that ends)."""
+        self._pending_ns += max(0, ns)
+
+    def expected_ns(self, predicted_ns: int) -> int:
+        """The bubble length a grant's deadline is set by, for a bubble predicted to last ``predicted_ns``."""
+        return max(0, round(predicted_ns * self.factor))
+
+    def bubble_ended(self, end_ns: int, duration_ns: int, predicted_ns: int, *, granted: bool = True) -> None:
+        """A bubble predicted to last ``predicted_ns`` ended at ``end_ns`` after ``duration_ns``.
+
+        ``duration_ns`` is how long the stage was free, without the time it then
+        waited for side work to let go of its core. ``granted``: side work was
+        granted in the bubble; only such bubbles count toward narrowing.
+        """
+        since = self._last_end_ns or end_ns - max(0, duration_ns)
+        self._last_end_ns = max(self._last_end_ns, end_ns)
+        self._epoch.append(_Bubble(since_ns=since, end_ns=end_ns, interference_ns=self._pending_ns, granted=granted))
+        self._pending_ns = 0
+        if predicted_ns > 0:
+            self._ratios.append(max(0, duration_ns) / predicted_ns)
+        self._decide()
+
+    # -- views ----------------------------------------------------------------
+
+    def share(self) -> float:
+        """Interference since the last change, as a share of the training time it spans (0 with none)."""
+        if not self._epoch:
+            return 0.0
+        span = self._epoch[-1].end_ns - self._epoch[0].since_ns
+        taken = sum(b.interference_ns for b in self._epoch)
+        return taken / span if span > 0 else 0.0
+
+    def reliable_ratio(self) -> float | None:
+        """What bubbles last, over their prediction, in all but the shortest tenth (None: too few seen)."""
+        if len(self._ratios) < self.config.widen_after:
+            return None
+        ordered = sorted(self._ratios)
+        return ordered[int(len(ordered) * _RELIABLE_QUANTILE)]
+
+    def early_share(self) -> float:
+        """Share of the last bubbles that ended before the deadline the current factor sets."""
+        if not self._ratios:
+            return 0.0
+        return sum(1 for r in self._ratios if r < self.factor) / len(self._ratios)
+
+    # -- deciding -------------------------------------------------------------
+
+    def _decide(self) -> None:
+        c = self.config
+        seen = len(self._epoch)
+        share = self.share()
+        over = f"interference {share:.2%} {{}} target {c.target:.2%} over last {seen} bubbles"
+        if self.factor > 1.0 and self.early_share() > _RELIABLE_QUANTILE:
+            early = self.early_share()
+            self._change(margin_ns=self.margin_ns, factor=max(1.0, self.reliable_ratio() or 1.0))
+            self.reason = f"prediction pulled back: {early:.0%} of bubbles ended before their deadline"
+            return
+        if share > c.target and seen >= c.widen_after:
+            margin = min(self._cap, max(2 * self.margin_ns, _MIN_WIDENED_NS))
+            # The deadline moves earlier only where bubbles often end before it (or the margin can
+            # widen no more): a factor costs a share of every bubble, the margin a fixed slice.
+            early = self.early_share()
+            factor = self.factor
+            if early > _RELIABLE_QUANTILE or margin == self.margin_ns:
+                factor = max(c.factor_min, 0.9 * self.factor)
+            shortened = f"; {early:.0%} of bubbles ended before their deadline" if factor < self.factor else ""
+            self._change(margin_ns=margin, factor=factor)
+            self.widenings += 1
+            self.reason = f"widened: {over.format('>')}{shortened}{self._bounds()}"
+            return
+        used = sum(1 for b in self._epoch if b.granted)
+        if share <= c.target / 2 and used >= c.narrow_after:
+            reliable = self.reliable_ratio() or 1.0
+            factor = self.factor
+            if factor < 1.0:
+                factor = min(1.0, factor + c.factor_step)
+            elif reliable > factor:
+                factor = min(c.factor_max, factor + c.factor_step, reliable)
+            margin = max(self._floor, round(0.9 * self.margin_ns))
+            if margin == self.margin_ns and factor == self.factor:
+                self.reason = f"narrowest: {over.format('<')}{self._bounds()}"
+                self._epoch.clear()  # nothing to change: look at the next stretch on its own
+                return
+            self._change(margin_ns=margin, factor=factor)
+            self.narrowings += 1
+            lasts = f"; bubbles last >= {reliable:.2f}x their prediction in 90 %" if reliable > 1.0 else ""
+            self.reason = f"narrowed: {over.format('<')}{lasts}{self._bounds()}"
+            return
+        if seen < c.widen_after:
+            if self.widenings + self.narrowings == 0:
+                self.reason = f"learning: {seen} of {c.widen_after} bubbles seen"
+            return
+        if share > c.target / 2:
+            self.reason = f"holding: {over.format('near')}"
+
+    def _change(self, *, margin_ns: int, factor: float) -> None:
+        self.margin_ns, self.factor = margin_ns, factor
+        self._epoch.clear()
+
+    def _bounds(self) -> str:
+        c = self.config
+        parts = []
+        if self.margin_ns >= self._cap:
+            parts.append("margin at its cap")
+        elif self.margin_ns <= self._floor:
+            parts.append("margin at its floor")
+        if self.factor <= c.factor_min:
+            parts.append("factor at its floor")
+        elif self.factor >= c.factor_max:
+            parts.append("factor at its cap")
+        return f" ({', '.join(parts)})" if parts else ""

@@ -1,0 +1,92 @@
+"""The interference target from the command line to the config, and the guard's state out to status and metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from freeride import protocol as p
+from freeride.cli import _serve_config, build_parser, format_status
+from freeride.demo import DemoOptions, DemoReport
+from freeride.observe.metrics import StatusCollector
+from freeride.serve.config import ServeConfig
+from freeride.transport import Endpoints
+from freeride.units import parse_share
+
+
+@pytest.mark.parametrize(("text", "share"), [("0.5%", 0.005), ("2 %", 0.02), ("0.005", 0.005), ("1e-3", 0.001)])
+def test_parse_share(text: str, share: float) -> None:
+    assert parse_share(text) == pytest.approx(share)
+
+
+@pytest.mark.parametrize("text", ["", "half", "0.5%%", "-1%"])
+def test_parse_share_refuses_what_is_not_a_share(text: str) -> None:
+    with pytest.raises(ValueError, match="not a share"):
+        parse_share(text)
+
+
+def test_the_interference_target_flag_reaches_the_config(tmp_path: Path) -> None:
+    args = build_parser().parse_args(["serve", "--runtime-dir", str(tmp_path), "--interference-target", "1%"])
+    assert _serve_config(args).interference_target == pytest.approx(0.01)
+    default = build_parser().parse_args(["serve", "--runtime-dir", str(tmp_path)])
+    assert _serve_config(default).interference_target == pytest.approx(0.005)
+
+
+@pytest.mark.parametrize("target", [0.0, 1.0, 50.0])
+def test_a_target_that_is_not_a_share_names_the_field(target: float) -> None:
+    with pytest.raises(ValueError, match=r"interference_target .*0\.5 %"):
+        ServeConfig(endpoints=Endpoints.ipc(Path("/tmp/fr")), state_dir=Path("/tmp/fr/s"), interference_target=target)
+
+
+def _status(**guard: object) -> p.StatusReply:
+    device = p.DeviceStatus(
+        device="cpu:0",
+        stage=0,
+        rank=0,
+        framework="sim",
+        alive=True,
+        bubbles=400,
+        bubble_ns=10**9,
+        used_ns=8 * 10**8,
+        overruns=3,
+        overrun_ns=10**6,
+        spare_memory=-1,
+        steps=10,
+        **guard,  # type: ignore[arg-type]
+    )
+    return p.StatusReply(
+        devices=[device],
+        tasks=[],
+        latency=p.LatencySummary(count=0, p50_ns=0, p99_ns=0, max_ns=0),
+        events=0,
+        rejected_frames=0,
+        uptime_ns=0,
+    )
+
+
+def test_status_shows_each_devices_margin_factor_and_reason() -> None:
+    reason = "widened: interference 0.90% > target 0.50% over last 20 bubbles"
+    text = format_status(_status(margin_ns=600_000, prediction_factor=0.9, guard_reason=reason))
+    assert f"cpu:0      guard: margin 0.60 ms, bubbles predicted x0.90 ({reason})" in text.splitlines()
+
+
+def test_status_of_a_manager_without_a_guard_shows_no_guard_line() -> None:
+    assert "guard:" not in format_status(_status())
+
+
+def test_metrics_export_margin_and_factor_per_device() -> None:
+    status = _status(margin_ns=600_000, prediction_factor=0.9, guard_reason="x")
+    families = {f.name: f for f in StatusCollector(lambda: status, dict).collect()}
+    [margin] = families["freeride_margin_seconds"].samples
+    [factor] = families["freeride_prediction_factor"].samples
+    assert margin.labels == {"device": "cpu:0", "stage": "0"} and margin.value == pytest.approx(0.0006)
+    assert factor.value == pytest.approx(0.9)
+
+
+def test_the_demo_report_shows_what_each_guard_settled_on() -> None:
+    reason = "narrowed: interference 0.00% < target 0.50% over last 50 bubbles"
+    report = DemoReport(
+        options=DemoOptions(), status=_status(margin_ns=270_000, prediction_factor=1.0, guard_reason=reason)
+    )
+    assert f"guard cpu:0: margin 0.27 ms, bubbles predicted x1.00 ({reason})" in report.text().splitlines()
