@@ -275,6 +275,8 @@ class Assign(_Msg, frozen=True, tag="assign"):
     """Step time the task may lose to a crash: a checkpoint is forced before more is unsaved (0: no bound)."""
     max_loss_steps: Count = 0
     """Steps the task may lose to a crash, likewise (0: no bound)."""
+    estimates_dir: str = ""
+    """Directory of the step-time estimates kept across runs (see :mod:`freeride.estimates`); empty: none kept."""
 
 
 class Grant(_Msg, frozen=True, tag="grant"):

@@ -43,9 +43,10 @@ from __future__ import annotations
 import abc
 import inspect
 import logging
+import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 __all__ = [
     "IterativeTask",
+    "StepCost",
     "StepEstimates",
     "StepEstimator",
     "StepGate",
@@ -133,9 +135,22 @@ class IterativeTask(abc.ABC):
         optimizer update, training vs. a periodic evaluation) names them, so
         each must fit in a bubble on its own estimate rather than all on the
         slowest one. Keep the number of kinds small (tens): a kind not seen
-        yet runs only at the start of a bubble until it has been measured.
+        yet runs only at the start of a bubble until it has been measured,
+        unless :meth:`step_cost` lets its time be estimated from the kinds
+        measured already (and estimates measured in an earlier run are kept,
+        see ``freeride profile-task``).
         """
         return ""
+
+    def step_cost(self, kind: str) -> float | None:
+        """Relative work of a step of ``kind`` (FLOPs, multiply-adds, elements...), or None if unknown.
+
+        Only ratios between kinds of one task matter. A kind not measured yet is
+        estimated as its cost times a high percentile of the time per cost of
+        the kinds measured so far, so that it can start inside a bubble rather
+        than only as a one-step probe at a bubble's start. Default: unknown.
+        """
+        return None
 
     def metrics(self) -> dict[str, float]:
         """Numbers to report as progress (loss, accuracy, residual, ...)."""
@@ -179,6 +194,15 @@ class StepEstimator:
         self._recent.append(duration_ns)
 
     @property
+    def measured(self) -> bool:
+        """Whether a step has been measured (or restored from an earlier run)."""
+        return bool(self._recent)
+
+    def recent(self) -> list[int]:
+        """The measured durations the estimate is taken over, oldest first."""
+        return list(self._recent)
+
+    @property
     def estimate_ns(self) -> int:
         """The estimate, or -1 if nothing is known yet."""
         if not self._recent:
@@ -187,12 +211,37 @@ class StepEstimator:
         return ordered[int(0.9 * (len(ordered) - 1))]
 
 
-class StepEstimates:
-    """One :class:`StepEstimator` per step kind; the hint applies to the default kind ``""``."""
+StepCost = Callable[[str], float | None]
+"""Relative work of a step of a kind, or None (see :meth:`IterativeTask.step_cost`)."""
 
-    def __init__(self, hint_ns: int = -1, *, window: int = 16) -> None:
+
+class StepEstimates:
+    """One :class:`StepEstimator` per step kind; the hint applies to the default kind ``""``.
+
+    A kind with no measurement (and no hint) is estimated from its ``cost``, if
+    the task gives one, as a fixed part plus a part proportional to the cost:
+    the fixed part is the shortest step measured (what any step pays: launches,
+    Python), the proportional part the 90th percentile (rounded up: the largest
+    of up to ten) of the measured kinds' time beyond it per unit of cost. Only
+    kinds of at least 1/16 of the cost inform the proportional part (unless
+    none does): in a tiny step the fixed part drowns the rest. Erring high
+    keeps a kind out of a few bubbles it would have fit; erring low would run
+    a step past a bubble's end, into training.
+    """
+
+    def __init__(self, hint_ns: int = -1, *, window: int = 16, cost: StepCost | None = None) -> None:
         self._window = window
         self._by_kind: dict[str, StepEstimator] = {"": StepEstimator(hint_ns, window=window)}
+        self._cost = cost
+        self._costs: dict[str, float | None] = {}
+        self._points: dict[str, tuple[int, float]] = {}
+        """Measured kinds with a cost: (estimate, cost)."""
+        self._scaled: dict[str, int] = {}
+        """Cost-scaled estimates of unmeasured kinds, until the next measurement."""
+        self._first: dict[str, int] = {}
+        """The first measured step of each kind in this run."""
+        self._cold: dict[str, int] = {}
+        """Seeded kinds not yet run in this run: their first step's time in the run that measured them."""
 
     def _of(self, kind: str) -> StepEstimator:
         estimator = self._by_kind.get(kind)
@@ -200,13 +249,80 @@ class StepEstimates:
             estimator = self._by_kind[kind] = StepEstimator(window=self._window)
         return estimator
 
+    def _measured_now(self, kind: str, estimator: StepEstimator) -> None:
+        cost = self._cost_of(kind)
+        if cost is not None:
+            self._points[kind] = (estimator.estimate_ns, cost)
+            self._scaled.clear()
+
     def observe(self, kind: str, duration_ns: int) -> None:
-        self._of(kind).observe(duration_ns)
+        estimator = self._of(kind)
+        estimator.observe(duration_ns)
+        self._first.setdefault(kind, duration_ns)
+        self._cold.pop(kind, None)
+        self._measured_now(kind, estimator)
+
+    def seed(self, kind: str, durations_ns: Iterable[int], *, first_ns: int = -1) -> None:
+        """Take ``durations_ns`` (from an earlier run) as measured; new measurements displace them.
+
+        Args:
+            kind: The step kind.
+            durations_ns: Its recent step times, oldest first.
+            first_ns: The first step of the kind in that run, warm-up included
+                (caches, allocations, kernel selection): the estimate of this
+                run's first step of the kind is at least this long.
+        """
+        estimator = self._of(kind)
+        for duration in durations_ns:
+            if duration > 0:
+                estimator.observe(duration)
+        if first_ns > 0 and kind not in self._first:
+            self._cold[kind] = first_ns
+        if estimator.measured:
+            self._measured_now(kind, estimator)
+
+    def first_ns(self, kind: str) -> int:
+        """The first step of ``kind`` measured in this run, else the one seeded, else -1."""
+        return self._first.get(kind, self._cold.get(kind, -1))
+
+    def recent(self) -> dict[str, list[int]]:
+        """The measured durations of every measured kind (what an estimates file keeps)."""
+        return {kind: e.recent() for kind, e in self._by_kind.items() if e.measured}
+
+    def measured(self, kind: str) -> bool:
+        """Whether a step of ``kind`` was measured (or restored from an earlier run)."""
+        estimator = self._by_kind.get(kind)
+        return estimator is not None and estimator.measured
+
+    def _cost_of(self, kind: str) -> float | None:
+        if self._cost is None:
+            return None
+        if kind not in self._costs:
+            cost = self._cost(kind)
+            self._costs[kind] = float(cost) if cost is not None and math.isfinite(cost) and cost > 0 else None
+        return self._costs[kind]
+
+    def _cost_scaled(self, cost: float) -> int:
+        points = list(self._points.values())
+        if not points:
+            return -1
+        fixed = min(t for t, _ in points)
+        near = [(t, c) for t, c in points if c * 16 >= cost] or points
+        slopes = sorted((t - fixed) / c for t, c in near)
+        slope = slopes[math.ceil(0.9 * (len(slopes) - 1))]
+        return math.ceil(fixed + slope * cost)
 
     def estimate_ns(self, kind: str = "") -> int:
         """The estimate for a step of ``kind``, or -1 if nothing is known yet."""
         estimator = self._by_kind.get(kind)
-        return -1 if estimator is None else estimator.estimate_ns
+        if estimator is not None and (estimator.measured or estimator.hint_ns >= 0):
+            cold = self._cold.get(kind, -1)
+            return max(cold, estimator.estimate_ns)
+        scaled = self._scaled.get(kind)
+        if scaled is None:
+            cost = self._cost_of(kind)
+            scaled = self._scaled[kind] = -1 if cost is None else self._cost_scaled(cost)
+        return scaled
 
     def kinds(self) -> list[str]:
         return list(self._by_kind)

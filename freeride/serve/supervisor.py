@@ -187,6 +187,7 @@ class Supervisor:
             side_priority=self.config.side_priority,
             max_loss_ns=task.max_loss_ns,
             max_loss_steps=task.max_loss_steps,
+            estimates_dir=str(self.config.estimates_dir.absolute()),  # the worker runs in its workdir
         )
 
     # -- submit and place ---------------------------------------------------------------

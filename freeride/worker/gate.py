@@ -118,6 +118,8 @@ class GrantGate:
         device_sync: Called at the end of each step before its end time is read:
             on a GPU it waits for an event recorded on the task's stream, so step
             times (and so the estimates that must fit a bubble) are the device's.
+        idle: Called each time the gate parks the task between grants, for
+            housekeeping that must not run inside a bubble (keeping estimates).
     """
 
     def __init__(
@@ -132,8 +134,10 @@ class GrantGate:
         cpu_clock: Callable[[], int] = _process_cpu_ns,
         run_delay: RunDelay | None = None,
         device_sync: Callable[[], None] | None = None,
+        idle: Callable[[], None] | None = None,
     ) -> None:
         self._link = link
+        self._idle = idle
         self._device_sync = device_sync
         self._assign = assign
         self._task = task
@@ -145,7 +149,7 @@ class GrantGate:
         hint = assign.spec.step_time_ns
         if hint < 0 and task.step_time > 0:
             hint = int(task.step_time * 1e9)
-        self.estimates = StepEstimates(hint)
+        self.estimates = StepEstimates(hint, cost=task.step_cost)
         self._run_delay: RunDelay = _RunDelay() if run_delay is None else run_delay
         self._kind = task.step_kind()
         """The kind of the step waiting to start (or of the next one)."""
@@ -311,6 +315,8 @@ class GrantGate:
             if self._grant is not None:
                 self._give_back("revoked" if self._revoked else "no_fit")
             self._progress(now)
+            if self._idle is not None and self._grant is None:
+                self._idle()
             self._handle(await self._link.recv())
 
     def _timed(self, fn: Callable[[], object]) -> int:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from freeride import protocol as p
 from freeride._procutil import bind_to_parent
+from freeride.estimates import EstimatesStore
 from freeride.gpu.streams import step_end_sync, use_side_stream
 from freeride.sidetask import IterativeTask, TaskContext, TaskStopped
 from freeride.transport import WorkerLink, new_async_context
@@ -66,6 +67,23 @@ def _load_checkpoint(task: IterativeTask, path: Path) -> int:
     saved = load_checkpoint(path)  # weights only: a planted pickle must not run code here
     task.load_state_dict(saved["state"])
     return int(saved["steps"])
+
+
+def _estimates_store(assign: p.Assign, cls: type[IterativeTask]) -> EstimatesStore | None:
+    """Where this task's step-time estimates are kept across runs (None: the manager keeps none)."""
+    if not assign.estimates_dir:
+        return None
+    try:
+        return EstimatesStore.for_task(
+            Path(assign.estimates_dir),
+            assign.spec.target,
+            cls,
+            dict(assign.spec.options),
+            torch_device=_torch_device(assign.device),
+        )
+    except Exception as exc:  # an optimisation: never a reason to fail the task
+        logger.warning("[estimates] not kept for task %d: %s: %s", assign.task_id, type(exc).__name__, exc)
+        return None
 
 
 def _lower_cpu_priority() -> None:
@@ -153,6 +171,8 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
     # before the task builds anything: its kernels go to a lowest-priority stream
     stream = use_side_stream(_torch_device(assign.device))
     task: IterativeTask | None = None
+    store: EstimatesStore | None = None
+    gate: GrantGate | None = None
     try:
         cls = load_target(assign.spec.target)
         task = cls(**assign.spec.options)
@@ -165,10 +185,21 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
             workdir=workdir,
         )
         await task.setup(tctx)
+        store = _estimates_store(assign, cls)
         # also under the manager's cgroup cap (tighter): a huge allocation fails here as a MemoryError
         if assign.memory_limit > 0 and assign.device.startswith("cpu"):
             _cap_address_space(assign.memory_limit)
-        gate = GrantGate(link, assign, task, steps, save=_save_checkpoint, device_sync=step_end_sync(stream))
+        gate = running = GrantGate(
+            link,
+            assign,
+            task,
+            steps,
+            save=_save_checkpoint,
+            device_sync=step_end_sync(stream),
+            idle=None if store is None else lambda: store.save_if_due(running.estimates),
+        )
+        if store is not None:
+            store.seed(gate.estimates)
         if task.state_dict():
             import torch  # noqa: F401 - load the serializer before timing a checkpoint
         gate.checkpoint()  # before any bubble: measures what a checkpoint costs
@@ -199,6 +230,8 @@ async def _serve(link: WorkerLink, assign: p.Assign) -> int:
         )
         return 1
     finally:
+        if store is not None and gate is not None:
+            store.save(gate.estimates)  # also after a failure: what was measured holds
         if task is not None:
             await task.teardown()
 
