@@ -219,13 +219,13 @@ class StepEstimates:
     """One :class:`StepEstimator` per step kind; the hint applies to the default kind ``""``.
 
     A kind with no measurement (and no hint) is estimated from its ``cost``, if
-    the task gives one, as a fixed part plus a part proportional to the cost:
-    the fixed part is the shortest step measured (what any step pays: launches,
-    Python), the proportional part the 90th percentile (rounded up: the largest
-    of up to ten) of the measured kinds' time beyond it per unit of cost. Only
-    kinds of at least 1/16 of the cost inform the proportional part (unless
-    none does): in a tiny step the fixed part drowns the rest. Erring high
-    keeps a kind out of a few bubbles it would have fit; erring low would run
+    the task gives one: its cost times the 90th percentile (rounded up: the
+    largest of up to ten) of time per unit of cost over the measured kinds, and
+    at least the shortest step measured (what any step pays: launches, Python).
+    Only kinds of at least 1/16 of its cost count (unless none does): a tiny
+    step is mostly that fixed part, and its time per cost would inflate the
+    estimate of every large one. Per unit of cost a smaller step takes longer
+    than a larger one, which makes the estimate err high; erring low would run
     a step past a bubble's end, into training.
     """
 
@@ -306,11 +306,10 @@ class StepEstimates:
         points = list(self._points.values())
         if not points:
             return -1
-        fixed = min(t for t, _ in points)
         near = [(t, c) for t, c in points if c * 16 >= cost] or points
-        slopes = sorted((t - fixed) / c for t, c in near)
-        slope = slopes[math.ceil(0.9 * (len(slopes) - 1))]
-        return math.ceil(fixed + slope * cost)
+        ratios = sorted(t / c for t, c in near)
+        ratio = ratios[math.ceil(0.9 * (len(ratios) - 1))]
+        return max(min(t for t, _ in points), math.ceil(ratio * cost))
 
     def estimate_ns(self, kind: str = "") -> int:
         """The estimate for a step of ``kind``, or -1 if nothing is known yet."""

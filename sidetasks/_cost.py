@@ -18,7 +18,7 @@ from sidetasks._models import ARCHITECTURES
 
 __all__ = ["UPDATE_COST_PER_ELEMENT", "backward_cost", "segment_costs"]
 
-UPDATE_COST_PER_ELEMENT = 64.0
+UPDATE_COST_PER_ELEMENT = 32.0
 """Work of the SGD update (momentum, weight decay) per parameter element, in multiply-add units.
 
 Memory-bound: a handful of reads and writes per element, each worth tens of

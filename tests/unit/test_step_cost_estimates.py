@@ -1,0 +1,133 @@
+"""A step kind not measured yet is estimated from its cost and the kinds measured: high, never low."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from freeride import protocol as p
+from freeride.clock import ManualClock
+from freeride.sidetask import IterativeTask, StepEstimates
+from freeride.worker.gate import GrantGate
+
+COSTS = {f"k{i}": float(cost) for i, cost in enumerate([2e6, 5e6, 1e7, 2e7, 4e7, 8e7, 3e6, 6e7])}
+
+
+def _true_ns(cost: float, rng: random.Random) -> int:
+    """A step: a fixed part and a part proportional to its cost, each a little noisy."""
+    return int(300_000 * rng.uniform(0.8, 1.2) + cost * 0.5 * rng.uniform(0.8, 1.2))
+
+
+def test_an_unmeasured_kind_is_estimated_from_its_cost_and_errs_high() -> None:
+    rng = random.Random(0)
+    kinds = list(COSTS)
+    for first in range(1, len(kinds)):
+        estimates = StepEstimates(cost=COSTS.get)
+        for kind in kinds[:first]:
+            for _ in range(5):
+                estimates.observe(kind, _true_ns(COSTS[kind], rng))
+        for kind in kinds[first:]:
+            typical = 300_000 + COSTS[kind] * 0.5
+            assert estimates.estimate_ns(kind) >= typical, (first, kind)
+            assert estimates.estimate_ns(kind) < typical * 6, (first, kind)  # still of use in a bubble
+
+
+def test_a_tiny_kind_dominated_by_its_fixed_part_does_not_blow_up_a_large_one() -> None:
+    costs = {"head": 2e4, "conv": 2e7, "big": 4e7}
+    estimates = StepEstimates(cost=costs.get)
+    estimates.observe("head", 600_000)  # 30 ns per unit of cost: all overhead
+    estimates.observe("conv", 4_000_000)  # 0.2 ns per unit
+    assert 8_000_000 <= estimates.estimate_ns("big") <= 12_000_000  # not 40e6 * 30 ns = 1.2 s
+
+
+def test_without_a_cost_or_a_measured_kind_the_estimate_stays_unknown() -> None:
+    assert StepEstimates(cost=COSTS.get).estimate_ns("k1") == -1  # nothing measured yet
+    no_cost = StepEstimates()
+    no_cost.observe("k0", 1000)
+    assert no_cost.estimate_ns("k1") == -1
+    partial = StepEstimates(cost={"k0": 1.0}.get)
+    partial.observe("k0", 1000)
+    assert partial.estimate_ns("other") == -1  # the task does not know this kind's cost
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        odd = StepEstimates(cost={"k0": 1.0, "k1": bad}.get)
+        odd.observe("k0", 1000)
+        assert odd.estimate_ns("k1") == -1, bad
+
+
+def test_a_measurement_wins_over_the_cost_and_the_hint_over_both() -> None:
+    estimates = StepEstimates(hint_ns=50, cost=COSTS.get)
+    estimates.observe("k0", 1_000_000)
+    assert estimates.estimate_ns("k1") > 1_000_000
+    estimates.observe("k1", 7)
+    assert estimates.estimate_ns("k1") == 7
+    assert estimates.estimate_ns("") == 50  # the hint of the default kind
+
+
+class _Costed(IterativeTask):
+    def __init__(self) -> None:
+        self.kind = "small"
+
+    def step(self) -> None:
+        pass
+
+    def step_kind(self) -> str:
+        return self.kind
+
+    def step_cost(self, kind: str) -> float | None:
+        return {"small": 1.0, "large": 4.0}.get(kind)
+
+
+class _Link:
+    def __init__(self) -> None:
+        self.inbox: list[p.ManagerToWorker] = []
+        self.sent: list[p.WorkerToManager] = []
+
+    def recv_nowait(self) -> p.ManagerToWorker | None:
+        return self.inbox.pop(0) if self.inbox else None
+
+    async def recv(self) -> p.ManagerToWorker:
+        raise AssertionError("the gate parked")
+
+    def send_nowait(self, msg: p.WorkerToManager) -> None:
+        self.sent.append(msg)
+
+
+class _NoDelay:
+    def ns(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+async def test_the_gate_starts_an_unmeasured_kind_mid_grant_when_its_cost_scaled_estimate_fits() -> None:
+    clock = ManualClock()
+    link = _Link()
+    spec = p.TaskSpec(kind="iterative", target="x:Y")
+    assign = p.Assign(
+        task_id=1, spec=spec, device="cpu:0", checkpoint_path="", margin_ns=0, checkpoint_every_ns=1 << 62
+    )
+    task = _Costed()
+    gate = GrantGate(link, assign, task, 0, save=lambda *_: False, clock=clock, run_delay=_NoDelay())
+    now = clock.now_ns()
+    link.inbox.append(p.Grant(grant_id=1, bubble_t_ns=now, deadline_ns=now + 100_000_000))
+    async with gate.step("small"):
+        clock.advance(1_000_000)
+        task.kind = "large"
+    assert 4_000_000 <= gate.estimate_ns < 100_000_000
+    async with gate.step("large"):  # without a cost: unknown, so it would wait for the next grant's start
+        clock.advance(4_000_000)
+    assert gate.steps == 2
+
+
+@pytest.mark.parametrize("kinds", [0, 1])
+def test_no_cost_hook_keeps_unknown_kinds_unknown(kinds: int) -> None:
+    class Plain(IterativeTask):
+        def step(self) -> None:
+            pass
+
+    estimates = StepEstimates(cost=Plain().step_cost)
+    for i in range(kinds):
+        estimates.observe(f"k{i}", 1000)
+    assert estimates.estimate_ns("new") == -1
