@@ -269,8 +269,7 @@ class StepEstimates:
             kind: The step kind.
             durations_ns: Its recent step times, oldest first.
             first_ns: The first step of the kind in that run, warm-up included
-                (caches, allocations, kernel selection): the estimate of this
-                run's first step of the kind is at least this long.
+                (see :meth:`cold_ns`).
         """
         estimator = self._of(kind)
         for duration in durations_ns:
@@ -284,6 +283,15 @@ class StepEstimates:
     def first_ns(self, kind: str) -> int:
         """The first step of ``kind`` measured in this run, else the one seeded, else -1."""
         return self._first.get(kind, self._cold.get(kind, -1))
+
+    def cold_ns(self, kind: str) -> int:
+        """How long the first step of a seeded ``kind`` took in the run that measured it, until one runs here.
+
+        A fresh process pays a kind's warm-up (caches, allocations, kernel
+        selection) again on its first step of the kind; -1 once that step has
+        run here, or if nothing was seeded.
+        """
+        return self._cold.get(kind, -1)
 
     def recent(self) -> dict[str, list[int]]:
         """The measured durations of every measured kind (what an estimates file keeps)."""
@@ -315,8 +323,7 @@ class StepEstimates:
         """The estimate for a step of ``kind``, or -1 if nothing is known yet."""
         estimator = self._by_kind.get(kind)
         if estimator is not None and (estimator.measured or estimator.hint_ns >= 0):
-            cold = self._cold.get(kind, -1)
-            return max(cold, estimator.estimate_ns)
+            return estimator.estimate_ns
         scaled = self._scaled.get(kind)
         if scaled is None:
             cost = self._cost_of(kind)

@@ -227,6 +227,19 @@ class GrantGate:
             return self._g_steps == 0 and room_ns(now, grant.deadline_ns, margin) > 0
         return fits(now, need_ns, grant.deadline_ns, margin)
 
+    def _step_fits(self, now: int) -> bool:
+        """Whether the pending step may start now.
+
+        A kind measured only in an earlier run pays its warm-up again in this
+        process: where that first step's time there does not fit, it starts only
+        at the start of a grant, as an unmeasured kind would, rather than wait
+        for a bubble that long.
+        """
+        if not self._fits(now, self.estimate_ns):
+            return False
+        cold = self.estimates.cold_ns(self._kind)
+        return cold <= self.estimate_ns or self._fits(now, cold) or self._at_grant_start(now)
+
     def _at_grant_start(self, now: int) -> bool:
         grant = self._grant
         return (
@@ -310,7 +323,7 @@ class GrantGate:
                 logger.info("[worker] checkpoint forced at step %d (loss bound reached)", self._steps)
                 self._g_busy += self._timed(self.checkpoint)
                 continue
-            if not bound and self._fits(now, self.estimate_ns):
+            if not bound and self._step_fits(now):
                 return
             if self._grant is not None:
                 self._give_back("revoked" if self._revoked else "no_fit")
@@ -352,7 +365,7 @@ class GrantGate:
             t0 = self._clock.now_ns()
             # checked again with the step's own start time: the worker runs at the lowest
             # priority and may have been preempted since the fit was decided
-            if self._fits(t0, self.estimate_ns):
+            if self._step_fits(t0):
                 break
         if self._g_steps == 0 and self._grant is not None:
             self._g_first = t0 - self._grant.bubble_t_ns

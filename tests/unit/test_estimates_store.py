@@ -118,9 +118,9 @@ def test_seeded_times_count_as_measured_and_are_written_back_at_most_every_perio
     store = EstimatesStore(path, key, every_ns=5_000_000_000, clock=clock)
     estimates = StepEstimates()
     assert store.seed(estimates) == 1
-    assert estimates.estimate_ns("b") == 3000  # the first step of a kind in a run: at least its warm-up
+    assert estimates.estimate_ns("b") == 1000 and estimates.cold_ns("b") == 3000  # and its warm-up
     estimates.observe("b", 1200)
-    assert estimates.estimate_ns("b") == 1000
+    assert estimates.estimate_ns("b") == 1000 and estimates.cold_ns("b") == -1
     for _ in range(16):
         estimates.observe("b", 2000)  # new measurements displace the stored ones
     assert estimates.estimate_ns("b") == 2000

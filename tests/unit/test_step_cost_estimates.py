@@ -81,13 +81,18 @@ class _Costed(IterativeTask):
 class _Link:
     def __init__(self) -> None:
         self.inbox: list[p.ManagerToWorker] = []
+        """What has arrived."""
+        self.later: list[p.ManagerToWorker] = []
+        """What arrives once the gate waits."""
         self.sent: list[p.WorkerToManager] = []
 
     def recv_nowait(self) -> p.ManagerToWorker | None:
         return self.inbox.pop(0) if self.inbox else None
 
     async def recv(self) -> p.ManagerToWorker:
-        raise AssertionError("the gate parked")
+        if not self.later:
+            raise AssertionError("the gate parked with nothing to come")
+        return self.later.pop(0)
 
     def send_nowait(self, msg: p.WorkerToManager) -> None:
         self.sent.append(msg)
@@ -131,3 +136,31 @@ def test_no_cost_hook_keeps_unknown_kinds_unknown(kinds: int) -> None:
     for i in range(kinds):
         estimates.observe(f"k{i}", 1000)
     assert estimates.estimate_ns("new") == -1
+
+
+async def test_a_kind_measured_in_an_earlier_run_takes_its_warm_up_at_a_grant_start() -> None:
+    # A fresh process pays a kind's warm-up again: its first step starts mid-grant only where
+    # the earlier run's first step of the kind would fit, else at the start of the next grant.
+    clock = ManualClock()
+    link = _Link()
+    spec = p.TaskSpec(kind="iterative", target="x:Y")
+    assign = p.Assign(
+        task_id=1, spec=spec, device="cpu:0", checkpoint_path="", margin_ns=0, checkpoint_every_ns=1 << 62
+    )
+    task = _Costed()
+    gate = GrantGate(link, assign, task, 0, save=lambda *_: False, clock=clock, run_delay=_NoDelay())
+    gate.estimates.seed("small", [1_000_000])
+    gate.estimates.seed("large", [1_000_000], first_ns=5_000_000)
+    assert gate.estimates.estimate_ns("large") == 1_000_000  # what the manager fits
+    now = clock.now_ns()
+    link.inbox.append(p.Grant(grant_id=1, bubble_t_ns=now, deadline_ns=now + 4_000_000))
+    async with gate.step("small"):
+        clock.advance(1_000_000)
+        task.kind = "large"
+    now = clock.now_ns()
+    link.later.append(p.Grant(grant_id=2, bubble_t_ns=now, deadline_ns=now + 4_000_000))
+    async with gate.step("large"):
+        clock.advance(5_000_000)
+    (done,) = [m for m in link.sent if isinstance(m, p.GrantDone)]
+    assert done.grant_id == 1 and done.steps == 1 and done.reason == "no_fit"  # 3 ms left: not for the warm-up
+    assert gate.steps == 2 and gate.estimates.cold_ns("large") == -1
