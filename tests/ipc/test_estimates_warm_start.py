@@ -92,3 +92,26 @@ def test_profile_task_refuses_a_bad_option_before_running_anything(runtime_dir: 
     )
     assert out.returncode == 2 and "step_sm" in out.stderr and "its options are: step_ms" in out.stderr
     assert not (runtime_dir / "estimates").exists()
+
+
+async def test_serve_starts_a_task_with_what_profile_task_measured(manager: Manager) -> None:
+    profiled = await asyncio.create_subprocess_exec(
+        *freeride_cmd("profile-task"),
+        "_kind_tasks:TwoKinds",
+        "--opt",
+        "step_ms=0.5",
+        "--cores",
+        "0",
+        "--state-dir",
+        str(manager.config.state_dir),
+        cwd=REPO,
+    )
+    assert await profiled.wait() == 0
+    device = "cpu:0"
+    manager.declare_device(device, stage=0, spare_memory=1 << 30, cpu_affinity=[0])
+    spec = p.TaskSpec(kind="iterative", target="_kind_tasks:TwoKinds", device=device, options={"step_ms": 0.5})
+    reply = manager.submit(spec)
+    assert isinstance(reply, p.Submitted)
+    task = manager.tasks[reply.task_id]
+    await wait_until(lambda: task.state == "running", 60, "setup")
+    assert task.estimate_ns >= 500_000  # the same key: no bubble has run, no probe is needed
