@@ -33,7 +33,6 @@ from typing import Any
 
 from freeride.estimates import EstimatesStore, KindTimes, canonical_options, save_estimates
 from freeride.sidetask import IterativeTask, TaskContext, TaskStopped, UnboundedGate, run_alone
-from freeride.units import format_ns
 
 __all__ = ["DEFAULT_SAMPLES", "DEFAULT_STEPS", "KindSummary", "ProfileResult", "ProfileTaskOptions", "profile_task"]
 
@@ -105,12 +104,13 @@ class ProfileResult:
         lines = [f"{'kind':{width}} {'steps':>6} {'median':>10} {'p90':>10} {'max':>10}"]
         for k in self.kinds:
             name = k.kind or '""'
-            lines.append(
-                f"{name:{width}} {k.steps:>6} {format_ns(k.median_ns):>10} {format_ns(k.p90_ns):>10}"
-                f" {format_ns(k.max_ns):>10}"
-            )
+            lines.append(f"{name:{width}} {k.steps:>6} {_ms(k.median_ns):>10} {_ms(k.p90_ns):>10} {_ms(k.max_ns):>10}")
         lines.append(f"{self.steps} steps on {self.device_kind}; estimates written to {self.path}")
         return "\n".join(lines)
+
+
+def _ms(ns: int) -> str:
+    return f"{ns / 1e6:.3f} ms"
 
 
 class _ProfileGate(UnboundedGate):
