@@ -210,6 +210,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         device=args.device or "",
         max_restarts=args.max_restarts,
         sm_share=_sm_share(args.sm_share),
+        fill=args.fill,
     )
     with _control(args) as client:
         reply = client.request(p.Submit(spec=spec))
@@ -278,8 +279,9 @@ def format_status(status: p.StatusReply) -> str:
     )
     for t in status.tasks:
         metrics = " ".join(f"{printable(k)}={v:.4g}" for k, v in sorted(t.metrics.items()))
+        name = printable(t.name) + (" (fill)" if t.fill else "")
         lines.append(
-            f"{t.task_id:>4} {printable(t.name)[:28]:28} {t.state:10} {printable(t.device) or '-':10} {t.steps:>8} "
+            f"{t.task_id:>4} {name[:28]:28} {t.state:10} {printable(t.device) or '-':10} {t.steps:>8} "
             f"{format_ns(t.busy_ns):>10} {format_ns(t.interference_ns):>13} {_sm_shown(t.sm_share):>4}  {metrics}"
             f"{('  error: ' + printable(t.error)) if t.error else ''}"
         )
@@ -532,6 +534,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PCT",
         help="percent of the GPU's SMs the task may occupy under MPS (default 75: the rest stays free for "
         "the trainer's NCCL kernels)",
+    )
+    s.add_argument(
+        "--fill",
+        action="store_true",
+        help="fill the ends of bubbles: the task gets a bubble only once its device's other tasks gave it back "
+        "(e.g. PageRank beside ResNet-50 training)",
     )
     s.add_argument("--imperative", action="store_true", help="run an unmodified program (give it after --)")
     s.add_argument("--timeout", type=float, default=5.0, help=argparse.SUPPRESS)

@@ -246,6 +246,9 @@ class TaskSpec(_Msg, frozen=True, tag="task_spec"):
     sm_share: Annotated[int, msgspec.Meta(ge=-1, le=100)] = -1
     """Percent of the GPU's SMs the task's process may occupy (MPS active thread
     percentage; 0 and -1: the manager's default, which leaves SMs for the trainer's NCCL kernels)."""
+    fill: bool = False
+    """A filler: it takes a bubble only once the device's other tasks have given it back, so that a task
+    of short steps fills the ends of bubbles that a task of long steps leaves (a mix per device)."""
 
 
 # --------------------------------------------------------------------------
@@ -495,6 +498,8 @@ class TaskStatus(_Msg, frozen=True, tag="task_status"):
     """What enforces ``memory_cap``: cgroup2, cgroup1, rlimit_as, mps, torch_fraction."""
     sm_share: int = -1
     """Percent of the GPU's SMs the task's process may occupy under MPS (-1: not capped)."""
+    fill: bool = False
+    """The task fills the ends of bubbles its device's other tasks give back (``TaskSpec.fill``)."""
 
 
 class LatencySummary(_Msg, frozen=True, tag="latency"):

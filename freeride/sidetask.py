@@ -142,6 +142,23 @@ class IterativeTask(abc.ABC):
         """
         return ""
 
+    def fit_piece(self, room_ns: int, estimate_ns: Callable[[str], int]) -> str | None:
+        """Packing: choose the piece of pending work the next step runs (default: no choice).
+
+        A task whose pending work can be split (fewer items in the next step)
+        or reordered (another independent piece first) overrides this. Before
+        each step inside a grant, the runtime passes the time left before the
+        bubble's expected end minus the safety margin (``room_ns``, > 0) and
+        the running estimate of each step kind (``estimate_ns(kind)``, -1 if
+        not measured yet). The task returns the kind of the largest piece
+        that fits (it may be the pending one), and from then on its
+        :meth:`step_kind` returns that kind and its next :meth:`step` runs that
+        piece, whether it runs in this bubble or, if the runtime finds that
+        it does not fit after all, in a later one. ``None`` leaves the pending
+        step as it is. Called often: keep it cheap (no device work).
+        """
+        return None
+
     def step_cost(self, kind: str) -> float | None:
         """Relative work of a step of ``kind`` (FLOPs, multiply-adds, elements...), or None if unknown.
 

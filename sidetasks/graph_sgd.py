@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,10 @@ __all__ = ["GraphSGD", "planted_ratings", "read_ratings"]
 logger = logging.getLogger(__name__)
 
 _EMA = 0.9
+_MIN_PIECE = 64
+"""The fewest edges a split step processes: below this its fixed cost dominates."""
+_UNSEEN_PIECE = 1.5
+"""A piece size not measured yet is estimated at this many times its share of a whole step."""
 
 
 def planted_ratings(
@@ -98,6 +103,11 @@ class GraphSGD(DeviceTask):
     each evaluation a task step of its own (kind ``"eval"``); ``steps`` counts
     training steps.
 
+    Packing: where a whole mini-batch does not fit in what is left of a
+    bubble, the next step takes the largest power-of-two share of it that
+    does (kind ``"e<edges>"``, at least 64 edges); training steps count
+    mini-batches' worth of edges.
+
     Metrics: ``train_rmse`` (smoothed, on batches before their update),
     ``test_rmse`` (held-out edges), ``baseline_rmse`` (predicting the mean
     training rating for the held-out edges), ``epoch``, ``steps``.
@@ -161,6 +171,10 @@ class GraphSGD(DeviceTask):
         self.baseline_rmse = float((values[test] - self.mu).square().mean().sqrt())
         self.cursor = ShuffledCursor(len(train), seed=seed)
         self.done_steps = 0
+        self.edges_done = 0
+        """Training edges processed: ``done_steps`` is this in whole mini-batches."""
+        self._piece = 0
+        """Edges of the next step when it is a piece of a mini-batch (0: a whole one)."""
         self.train_rmse = math.nan
         self.test_rmse = math.nan
         self._eval_due = False
@@ -190,15 +204,48 @@ class GraphSGD(DeviceTask):
         return err.square().mean().sqrt()
 
     def step_kind(self) -> str:
-        return "eval" if self._eval_due else ""
+        if self._eval_due:
+            return "eval"
+        return f"e{self._piece}" if self._piece else ""
+
+    def step_cost(self, kind: str) -> float | None:
+        """Edges a step of ``kind`` touches (the evaluation: the held-out ones)."""
+        if kind == "eval":
+            return float(len(self.test_idx))
+        if kind.startswith("e") and kind[1:].isdigit():
+            return float(int(kind[1:]))
+        return float(self.batch_edges) if kind == "" else None
+
+    def fit_piece(self, room_ns: int, estimate_ns: Callable[[str], int]) -> str | None:
+        """The whole mini-batch if it fits in ``room_ns``, else the largest power-of-two share that does."""
+        if self._eval_due:
+            return None
+        whole = estimate_ns("")
+        if whole < 0 or whole <= room_ns:
+            self._piece = 0
+            return ""
+        n = self.batch_edges // 2
+        while n >= _MIN_PIECE:
+            need = estimate_ns(f"e{n}")
+            if need < 0:
+                need = int(_UNSEEN_PIECE * whole * n / self.batch_edges)
+            if need <= room_ns:
+                self._piece = n
+                return f"e{n}"
+            n //= 2
+        return None
 
     def step(self) -> None:
         if self._eval_due:  # a step of its own: it takes many training steps' time
             self.test_rmse = float(self._rmse(self.test_idx))
             self._eval_due = False
             return
-        epoch = self.cursor.epoch
-        batch = torch.tensor(self.cursor.take(self.batch_edges), device=self.device)
+        n = self._piece or self.batch_edges
+        self._piece = 0
+        if self.steps > 0:  # the last piece stops at the requested steps' worth of edges
+            n = max(1, min(n, self.steps * self.batch_edges - self.edges_done))
+        epoch, before = self.cursor.epoch, self.done_steps
+        batch = torch.tensor(self.cursor.take(n), device=self.device)
         idx = self.train_idx[batch]
         u, i = self.edges[idx, 0], self.edges[idx, 1]
         pu, qi = self.p[u], self.q[i]
@@ -206,9 +253,14 @@ class GraphSGD(DeviceTask):
         self.p.index_add_(0, u, self.lr * (err[:, None] * qi - self.l2 * pu))
         self.q.index_add_(0, i, self.lr * (err[:, None] * pu - self.l2 * qi))
         rmse = float(err.square().mean().sqrt())  # also waits for the step's kernels
-        self.train_rmse = rmse if math.isnan(self.train_rmse) else _EMA * self.train_rmse + (1 - _EMA) * rmse
-        self.done_steps += 1
-        due = self.done_steps % self.eval_every == 0 if self.eval_every else self.cursor.epoch != epoch
+        weight = (1 - _EMA) * n / self.batch_edges
+        self.train_rmse = rmse if math.isnan(self.train_rmse) else (1 - weight) * self.train_rmse + weight * rmse
+        self.edges_done += n
+        self.done_steps = self.edges_done // self.batch_edges
+        if self.eval_every:
+            due = self.done_steps // self.eval_every != before // self.eval_every
+        else:
+            due = self.cursor.epoch != epoch
         self._eval_due = due or (self.steps > 0 and self.done_steps >= self.steps)
 
     def done(self) -> bool:
@@ -237,6 +289,7 @@ class GraphSGD(DeviceTask):
             "q": self.q,
             "position": self.cursor.position,
             "steps": self.done_steps,
+            "edges_done": self.edges_done,
             "train_rmse": self.train_rmse,
             "test_rmse": self.test_rmse,
             "eval_due": self._eval_due,
@@ -248,6 +301,7 @@ class GraphSGD(DeviceTask):
         self.q = state["q"].to(self.device, torch.float32).clone()
         self.cursor.position = int(state["position"])
         self.done_steps = int(state["steps"])
+        self.edges_done = int(state.get("edges_done", self.done_steps * self.batch_edges))
         self.train_rmse = float(state["train_rmse"])
         self.test_rmse = float(state["test_rmse"])
         self._eval_due = bool(state.get("eval_due", False))

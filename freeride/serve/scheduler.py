@@ -9,8 +9,11 @@ Side tasks of a device take turns, as kernels of several processes would on
 one GPU. When a bubble starts, the scheduler grants it to the next task (round
 robin) whose estimated step fits in the bubble; a task that gives the grant
 back early (its next step no longer fits, or it finished) passes the rest of
-the bubble on to another task whose step does fit. When the bubble ends the
-grant is revoked. All accounting of bubble time and its use lives here.
+the bubble on to another task whose step does fit. Fillers (``TaskSpec.fill``)
+come after every other task: they take what is left of a bubble once the
+others gave it back, so short steps fill the ends that long ones cannot. When
+the bubble ends the grant is revoked. All accounting of bubble time and its
+use lives here.
 
 Each event costs O(1) in the number of events seen: the grants in flight are at
 most one per task still placed here (those of a task that leaves go with it),
@@ -343,7 +346,9 @@ class DeviceScheduler:
             if not st.returned and (st.bubble_end_ns or st.deadline_ns) + max(st.task.estimate_ns, 0) < now
         }
         n = len(self.tasks)
-        for k in range(n):
+        # round robin from the last task served, fillers after every other task
+        order = sorted(range(n), key=lambda k: self.tasks[(self._rr + k) % n].spec.fill)
+        for k in order:
             task = self.tasks[(self._rr + k) % n]
             if not task.runnable or task.task_id in self._tried or task.task_id in stuck:
                 continue

@@ -150,6 +150,7 @@ class TaskRecord:
             memory_cap=self.memory_cap,
             memory_cap_by=self.memory_cap_by,
             sm_share=self.sm_share,
+            fill=self.spec.fill,
         )
 
     # -- transitions (the supervisor's) -------------------------------------------

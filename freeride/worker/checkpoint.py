@@ -14,7 +14,7 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-__all__ = ["UnsafeCheckpoint", "load_checkpoint", "safe_types"]
+__all__ = ["UnsafeCheckpoint", "load_checkpoint", "safe_types", "state_bytes"]
 
 
 class UnsafeCheckpoint(RuntimeError):
@@ -60,3 +60,26 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict) and isinstance(saved.get("steps"), int)):
         raise UnsafeCheckpoint(f"checkpoint {path} is not a FreeRide worker checkpoint; remove it")
     return saved
+
+
+def state_bytes(state: object) -> int:
+    """Bytes of tensor and array data in a task's state (nested dicts, lists and tuples): what a save writes.
+
+    Cheap: it reads sizes, never data. A checkpoint's cost grows with it, so the
+    duration of the last save is scaled by it before the next one is fitted into
+    a bubble: a task's state often grows after its first save (an optimizer's
+    momentum buffers appear at its first update).
+    """
+    total = 0
+    stack: list[object] = [state]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+        else:
+            nbytes = getattr(item, "nbytes", None)  # torch tensors and numpy arrays
+            if isinstance(nbytes, int):
+                total += nbytes
+    return total

@@ -26,6 +26,7 @@ from freeride.admission import fits, room_ns
 from freeride.clock import MONOTONIC, Clock
 from freeride.sidetask import IterativeTask, StepEstimates, TaskStopped
 from freeride.transport import BadFrame
+from freeride.worker.checkpoint import state_bytes as state_bytes_of
 
 __all__ = ["GateLink", "GrantGate", "RunDelay", "SaveCheckpoint"]
 
@@ -134,6 +135,7 @@ class GrantGate:
         cpu_clock: Callable[[], int] = _process_cpu_ns,
         run_delay: RunDelay | None = None,
         device_sync: Callable[[], None] | None = None,
+        state_bytes: Callable[[IterativeTask], int] = lambda task: state_bytes_of(task.state_dict()),
         idle: Callable[[], None] | None = None,
     ) -> None:
         self._link = link
@@ -153,6 +155,8 @@ class GrantGate:
         self._run_delay: RunDelay = _RunDelay() if run_delay is None else run_delay
         self._kind = task.step_kind()
         """The kind of the step waiting to start (or of the next one)."""
+        self._packs = type(task).fit_piece is not IterativeTask.fit_piece
+        """The task chooses its pieces by the room left (packing)."""
         self._grant: p.Grant | None = None
         self._revoked = False
         self._stop: str | None = None
@@ -165,6 +169,11 @@ class GrantGate:
         self._last_progress = 0
         self._last_checkpoint = clock.now_ns()
         self._checkpoint_ns = -1
+        self._state_bytes = state_bytes
+        self._checkpoint_bytes = 0
+        """Size of the state the last checkpoint saved (0: unknown)."""
+        self._sized = (-1, 0)
+        """(steps, bytes): the state's size when last read, at that step count."""
         self._saved_steps = steps
         self._unsaved_ns = 0
         """Step time since the last checkpoint: what a crash now would lose."""
@@ -265,6 +274,7 @@ class GrantGate:
         ``RuntimeError: basic_ios::clear``) must not end the task: it keeps its
         previous checkpoint and tries again.
         """
+        size = self._size_now()
         t0 = self._clock.now_ns()
         path = Path(self._assign.checkpoint_path)
         try:
@@ -281,8 +291,33 @@ class GrantGate:
             self._link.send_nowait(p.Checkpointed(task_id=self._assign.task_id, steps=self._steps, path=str(path)))
         self._last_checkpoint = self._clock.now_ns()
         self._checkpoint_ns = self._last_checkpoint - t0
+        self._checkpoint_bytes = size
         self._saved_steps, self._unsaved_ns, self._failed_ns = self._steps, 0, -1
         return True
+
+    def _size_now(self) -> int:
+        """The task's state size now (read at most once per step; 0 if it cannot be read)."""
+        if self._sized[0] != self._steps:
+            try:
+                size = self._state_bytes(self._task)
+            except Exception as exc:  # a task's state_dict failing here shows up at the save itself
+                logger.debug("[worker] state size unreadable: %s", exc)
+                size = 0
+            self._sized = (self._steps, size)
+        return self._sized[1]
+
+    def checkpoint_estimate_ns(self) -> int:
+        """What the next checkpoint is expected to take: the last one's time, scaled by how the state grew.
+
+        -1 before the first checkpoint. A state that grew since (say from a
+        model alone to a model with its optimizer's buffers) would otherwise be
+        fitted into a bubble on the smaller state's time and overrun its end.
+        """
+        if self._checkpoint_ns < 0:
+            return -1
+        if self._checkpoint_bytes <= 0:
+            return self._checkpoint_ns
+        return max(self._checkpoint_ns, self._checkpoint_ns * self._size_now() // self._checkpoint_bytes)
 
     def _retry_allowed(self, now: int) -> bool:
         if self._failed_ns < 0:
@@ -314,7 +349,8 @@ class GrantGate:
             retry = self._retry_allowed(now)
             due = retry and now - self._last_checkpoint >= self._assign.checkpoint_every_ns
             bound = retry and self._loss_bound_reached()
-            if (due or bound) and self._checkpoint_ns >= 0 and self._fits(now, self._checkpoint_ns):
+            need = self.checkpoint_estimate_ns() if due or bound else -1
+            if need >= 0 and self._fits(now, need):
                 self._g_busy += self._timed(self.checkpoint)
                 continue
             if bound and self._at_grant_start(now):
@@ -323,14 +359,31 @@ class GrantGate:
                 logger.info("[worker] checkpoint forced at step %d (loss bound reached)", self._steps)
                 self._g_busy += self._timed(self.checkpoint)
                 continue
-            if not bound and self._step_fits(now):
-                return
+            if not bound:
+                self._pack(now)
+                if self._step_fits(now):
+                    return
             if self._grant is not None:
                 self._give_back("revoked" if self._revoked else "no_fit")
             self._progress(now)
             if self._idle is not None and self._grant is None:
                 self._idle()
             self._handle(await self._link.recv())
+
+    def _pack(self, now: int) -> None:
+        """Let a packing task choose its next piece for the room left (see ``IterativeTask.fit_piece``).
+
+        It only changes which kind is pending; whether that fits is then
+        checked as for any step.
+        """
+        grant = self._grant
+        if not self._packs or grant is None or self._revoked or grant.probe:
+            return
+        room = room_ns(now, grant.deadline_ns, self._assign.margin_ns)
+        if room > 0:
+            kind = self._task.fit_piece(room, self.estimates.estimate_ns)
+            if kind is not None:
+                self._kind = kind
 
     def _timed(self, fn: Callable[[], object]) -> int:
         t0 = self._clock.now_ns()
@@ -373,7 +426,8 @@ class GrantGate:
         if self._device_sync is not None:
             self._device_sync()  # the step's kernels, not just their launches
         t1 = self._clock.now_ns()
-        self.estimates.observe(kind, max(1, t1 - t0 - (self._run_delay.ns() - delay0)))
+        # the kind that ran: a packing task may have chosen another piece than the one asked for
+        self.estimates.observe(self._kind, max(1, t1 - t0 - (self._run_delay.ns() - delay0)))
         self._kind = self._task.step_kind()
         self._steps += 1
         self._g_steps += 1

@@ -141,6 +141,14 @@ def test_cli_against_a_running_manager(served: subprocess.Popen[bytes], runtime_
     assert doc["tasks"][0]["state"] == "pending" and doc["devices"] == []
     human = subprocess.run([*freeride_cmd("status"), *rd], capture_output=True, text=True, check=True).stdout
     assert "SpinSteps" in human and "pending" in human
+    filler = subprocess.run(
+        [*freeride_cmd("submit"), *rd, "_tasks:SpinSteps", "--name", "filler", "--fill"], capture_output=True, text=True
+    )
+    assert filler.returncode == 0, filler.stderr
+    out = subprocess.run([*freeride_cmd("status"), *rd, "--json"], capture_output=True, text=True, check=True).stdout
+    assert [t["fill"] for t in json.loads(out)["tasks"]] == [False, True]
+    human = subprocess.run([*freeride_cmd("status"), *rd], capture_output=True, text=True, check=True).stdout
+    assert "filler (fill)" in human
     cancel = subprocess.run([*freeride_cmd("cancel"), *rd, "1"], capture_output=True, text=True)
     assert cancel.returncode == 0 and "cancelled" in cancel.stdout
     again = subprocess.run([*freeride_cmd("cancel"), *rd, "1"], capture_output=True, text=True)

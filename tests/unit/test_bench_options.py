@@ -88,5 +88,31 @@ def test_scripts_submit_the_task_they_were_given(
     monkeypatch.setattr(module, "bench", fake_bench)
     assert module.main(argv) == 0
     assert seen, "the script ran no benchmark"
-    assert {(t.target, t.options, t.step_time) for t in seen} == {(target, options, "2ms")}
+    assert {(t.target, t.options, t.step_time, t.fill) for ts in seen for t in ts} == {(target, options, "2ms", False)}
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("script", ["deepspeed_overhead", "megatron_overhead", "sim_overhead"])
+def test_scripts_submit_a_filler_beside_the_task_with_fill(
+    bench_module: Callable[[str], ModuleType],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    script: str,
+) -> None:
+    module = bench_module(script)
+    seen: list[Any] = []
+    monkeypatch.setattr(module, "bench", lambda job, task, options, **kw: seen.append(task) or "## s\n\nbody")
+    argv = ["--task", "resnet50-train", "--fill", "pagerank", "--fill-opt", "nodes=20000"]
+    assert module.main(argv) == 0
+    tasks = seen[0]
+    assert [(t.target, t.options, t.fill) for t in tasks] == [
+        ("sidetasks.vision:ResNet50Training", (), False),
+        ("sidetasks.pagerank:PageRank", ("nodes=20000",), True),
+    ]
+    assert tasks[1].step_time == "1ms"
+    capsys.readouterr()
+
+
+def test_fill_options_without_a_filler_are_refused(bench_module: Callable[[str], ModuleType]) -> None:
+    with pytest.raises(SystemExit):
+        bench_module("deepspeed_overhead").main(["--fill-opt", "nodes=1"])

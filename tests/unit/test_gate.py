@@ -8,6 +8,7 @@ a step "takes" exactly as long as the test advances the clock inside it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,7 +141,13 @@ async def cancel(task: asyncio.Task[None]) -> None:
 
 
 def make_rig(
-    tmp_path: Path, *, hint_ns: int = STEP, steps: int = 0, checkpoint_every_ns: int = 10**15, save_ns: int = 0
+    tmp_path: Path,
+    *,
+    hint_ns: int = STEP,
+    steps: int = 0,
+    checkpoint_every_ns: int = 10**15,
+    save_ns: int = 0,
+    task: IterativeTask | None = None,
 ) -> Rig:
     clock = ManualClock()
     link = FakeLink()
@@ -155,7 +162,9 @@ def make_rig(
         checkpoint_every_ns=checkpoint_every_ns,
     )
     # the process's CPU clock runs with the wall clock here: nothing else takes the core
-    gate = GrantGate(link, assign, Task(), steps, save=saver, clock=clock, cpu_clock=clock.now_ns, run_delay=delay)
+    gate = GrantGate(
+        link, assign, task or Task(), steps, save=saver, clock=clock, cpu_clock=clock.now_ns, run_delay=delay
+    )
     return Rig(gate, link, clock, delay, saver)
 
 
@@ -333,6 +342,46 @@ async def test_a_periodic_checkpoint_runs_only_when_its_last_duration_fits(tmp_p
     assert [m.steps for m in rig.link.sent if isinstance(m, p.Checkpointed)] == [0, 1]
 
 
+class Growing(IterativeTask):
+    """A task whose state grows tenfold at its first step, as an optimizer's buffers appear at its first update."""
+
+    def __init__(self) -> None:
+        self.state = {"weights": bytearray(1000)}
+
+    def step(self) -> None:
+        self.state["momentum"] = bytearray(9000)
+
+    def state_dict(self) -> dict[str, object]:
+        return dict(self.state)
+
+
+async def test_a_checkpoint_is_fitted_on_its_last_time_scaled_by_how_the_state_grew(tmp_path: Path) -> None:
+    task = Growing()
+    rig = make_rig(tmp_path, checkpoint_every_ns=100 * MS, save_ns=2 * MS, task=task)
+    # the default reads tensors' nbytes; bytearrays stand in for tensors here
+    rig.gate._state_bytes = lambda t: sum(len(v) for v in t.state_dict().values())
+    rig.gate.checkpoint()  # before any bubble: 2 ms for 1000 bytes
+    rig.link.push(rig.grant(1, STEP + MARGIN))
+    await run_task_step(rig, task, STEP)  # the state is ten times larger now: a save takes ~20 ms
+    rig.clock.advance(200 * MS)  # a checkpoint is due
+    assert rig.gate.checkpoint_estimate_ns() == 20 * MS
+    rig.link.push(rig.grant(2, 2 * MS + STEP + MARGIN))  # room for the old 2 ms save and a step, not a 20 ms save
+    await run_task_step(rig, task, STEP)
+    assert rig.saver.saved_at_steps == [0]  # no save squeezed in on the stale time
+    assert rig.link.done_brief() == [(1, "expired", 1)]
+
+
+def test_state_bytes_counts_tensor_data_in_nested_state() -> None:
+    import numpy as np
+    import torch
+
+    from freeride.worker.checkpoint import state_bytes
+
+    state = {"model": {"w": torch.zeros(10, 10)}, "opt": [torch.zeros(5, dtype=torch.float64)], "step": 3}
+    assert state_bytes(state) == 400 + 40
+    assert state_bytes((np.zeros(4, dtype=np.int16), "text", None)) == 8
+
+
 # Race: the worker runs at the lowest CPU priority, so it can be preempted between
 # deciding that a step fits and starting it. A step that would start after its
 # latest start time must wait for the next grant rather than start late.
@@ -400,3 +449,80 @@ async def test_a_grant_without_a_step_reports_no_cpu_clock(tmp_path: Path) -> No
     await rig.link.parked()
     assert rig.link.done_brief() == [(1, "no_fit", 0)] and rig.link.done()[0].cpu_ns == -1
     await cancel(stepping)
+
+
+class Halving(IterativeTask):
+    """A packing task: its pending work runs whole, or as a half or a quarter where the whole does not fit."""
+
+    def __init__(self) -> None:
+        self.piece = ""
+        self.ran: list[str] = []
+        self.rooms: list[int] = []
+
+    def step_kind(self) -> str:
+        return self.piece
+
+    def fit_piece(self, room_ns: int, estimate_ns: Callable[[str], int]) -> str | None:
+        self.rooms.append(room_ns)
+        for kind in ("", "half", "quarter"):
+            if 0 <= estimate_ns(kind) <= room_ns:
+                self.piece = kind
+                return kind
+        return None
+
+    def step(self) -> None:
+        self.ran.append(self.piece)
+        self.piece = ""
+
+
+async def run_task_step(rig: Rig, task: IterativeTask, took_ns: int) -> None:
+    """One step of ``task`` as its own run loop would take it; it "takes" ``took_ns``."""
+    async with asyncio.timeout(5), rig.gate.step(task.step_kind()):
+        task.step()
+        rig.clock.advance(took_ns)
+
+
+async def test_a_packing_task_fills_the_end_of_a_grant_with_the_largest_piece_that_fits(tmp_path: Path) -> None:
+    task = Halving()
+    rig = make_rig(tmp_path, task=task)
+    rig.gate.estimates.observe("half", 5 * MS)
+    rig.gate.estimates.observe("quarter", 2 * MS)
+    rig.link.push(rig.grant(1, 8 * MS + MARGIN))  # the whole step (10 ms) does not fit; a half does
+    await run_task_step(rig, task, 5 * MS)
+    await run_task_step(rig, task, 2 * MS)  # 3 ms left: a quarter
+    step = asyncio.create_task(run_task_step(rig, task, STEP))  # 1 ms left: nothing fits
+    await rig.link.parked()
+    assert task.ran == ["half", "quarter"]
+    assert task.rooms[:2] == [8 * MS, 3 * MS]  # what was left before the margin, as the task was told
+    assert rig.link.done_brief() == [(1, "no_fit", 2)]
+    rig.link.push(rig.grant(2, STEP + MARGIN))  # a whole step fits the next grant
+    await step
+    assert task.ran == ["half", "quarter", ""]
+    await cancel(asyncio.create_task(run_task_step(rig, task, STEP)))
+
+
+async def test_a_piece_s_time_is_learned_under_the_kind_that_ran(tmp_path: Path) -> None:
+    task = Halving()
+    rig = make_rig(tmp_path, task=task)
+    rig.gate.estimates.observe("half", 5 * MS)
+    rig.link.push(rig.grant(1, 6 * MS + MARGIN))
+    await run_task_step(rig, task, 4 * MS)
+    assert task.ran == ["half"]
+    assert rig.gate.estimates.estimate_ns("half") == 4 * MS  # the p90 of 5 ms and 4 ms (nearest rank)
+    assert rig.gate.estimates.estimate_ns("") == STEP  # the kind asked for is untouched
+
+
+async def test_a_task_that_chooses_no_piece_keeps_its_pending_step(tmp_path: Path) -> None:
+    class Counting(Task):
+        asked = 0
+
+        def fit_piece(self, room_ns: int, estimate_ns: Callable[[str], int]) -> str | None:
+            Counting.asked += 1
+            return None
+
+    rig = make_rig(tmp_path, task=Counting())
+    rig.link.push(rig.grant(1, 8 * MS + MARGIN))
+    step = asyncio.create_task(rig.step())
+    await rig.link.parked()
+    assert Counting.asked >= 1 and rig.link.done_brief() == [(1, "no_fit", 0)]  # None keeps the pending step
+    await cancel(step)

@@ -56,10 +56,10 @@ class Harness:
     def grants(self) -> list[tuple[int, p.Grant]]:
         return [(t, m) for t, m in self.sent if isinstance(m, p.Grant)]
 
-    def task(self, task_id: int, estimate_ns: int, *, kind: p.TaskKind = "iterative") -> TaskRecord:
+    def task(self, task_id: int, estimate_ns: int, *, kind: p.TaskKind = "iterative", fill: bool = False) -> TaskRecord:
         t = TaskRecord(
             task_id=task_id,
-            spec=p.TaskSpec(kind=kind, target="m:C", argv=["prog"]),
+            spec=p.TaskSpec(kind=kind, target="m:C", argv=["prog"], fill=fill),
             name=f"t{task_id}",
             checkpoint_path=Path("/x"),
         )
@@ -390,3 +390,26 @@ def test_train_time_adds_up_each_launch_not_the_time_between() -> None:
     assert h.sched.train_ns(alive=False) == 20 * MS
     h.clock.advance(5 * MS)
     assert h.sched.train_ns(alive=True) == 30 * MS
+
+
+def test_a_filler_takes_a_bubble_only_after_the_other_tasks_gave_it_back() -> None:
+    h = Harness()
+    filler = h.task(1, 1 * MS, fill=True)  # placed first, and its short steps fit any bubble
+    big = h.task(2, 8 * MS)
+    for bubble in range(3):  # every bubble, whoever was served last: the long-step task first
+        ev = h.started(20 * MS, step=bubble)
+        assert h.grants()[-1][0] == big.task_id
+        h.clock.advance(16 * MS)  # two of its steps; a third does not fit in the 4 ms left
+        h.report(big, done(big, h.grants()[-1][1], busy=16 * MS))
+        assert h.grants()[-1][0] == filler.task_id  # the end of the bubble goes to the filler
+        h.clock.advance(3 * MS)
+        h.report(filler, done(filler, h.grants()[-1][1], busy=3 * MS))
+        h.ended(ev, 20 * MS)
+    assert len(h.grants()) == 6
+
+
+def test_a_filler_alone_on_its_device_takes_whole_bubbles() -> None:
+    h = Harness()
+    filler = h.task(1, 1 * MS, fill=True)
+    h.started(20 * MS)
+    assert h.grants()[-1][0] == filler.task_id

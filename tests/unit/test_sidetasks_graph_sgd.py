@@ -117,3 +117,49 @@ def test_bad_options_name_the_field(option: str, value: Any) -> None:
     kwargs: dict[str, Any] = {option: value}
     with pytest.raises(ValueError, match=option):
         GraphSGD(**kwargs)
+
+
+def _estimates(known: dict[str, int]) -> Any:
+    return lambda kind: known.get(kind, -1)
+
+
+def test_packing_takes_the_whole_mini_batch_if_it_fits_else_the_largest_share_that_does() -> None:
+    task = GraphSGD(**SMALL)  # 1024 edges a mini-batch
+    est = _estimates({"": 1000, "e512": 520, "e256": 270})
+    assert task.fit_piece(1000, est) == "" and task.step_kind() == ""
+    assert task.fit_piece(600, est) == "e512" and task.step_kind() == "e512"
+    assert task.fit_piece(300, est) == "e256"
+    # a share not measured yet: estimated at 1.5x its part of a whole step (128 edges: 188 units)
+    assert task.fit_piece(200, est) == "e128"
+    assert task.fit_piece(80, est) is None  # 64 edges, the smallest share, need ~94
+    assert task.fit_piece(300, _estimates({})) == ""  # nothing measured: the whole step, to learn it
+
+
+async def test_pieces_add_up_to_mini_batches_and_resume_exactly(tmp_path: Path) -> None:
+    whole = GraphSGD(**SMALL, steps=3)
+    await run_alone(whole, steps=10, ctx=cpu_context(tmp_path))
+    split = GraphSGD(**SMALL, steps=3)
+    await split.setup(cpu_context(tmp_path))
+    halves = _estimates({"": 1000, "e512": 500})
+    for _ in range(3):  # one and a half mini-batches, in halves
+        assert split.fit_piece(600, halves) == "e512"
+        split.step()
+    assert (split.edges_done, split.done_steps) == (1536, 1)
+    state = split.state_dict()
+    resumed = GraphSGD(**SMALL, steps=3)
+    await resumed.setup(cpu_context(tmp_path))
+    resumed.load_state_dict(state)
+    assert (resumed.edges_done, resumed.done_steps) == (1536, 1)
+    while not resumed.done():
+        resumed.step()
+    # exactly the requested steps' worth of edges, the same edges as whole steps, in the same order
+    assert resumed.edges_done == 3 * 1024 and resumed.cursor.position == whole.cursor.position
+    assert resumed.done_steps == whole.done_steps == 3
+    assert math.isfinite(resumed.metrics()["test_rmse"])
+
+
+def test_step_cost_is_the_edges_a_step_touches() -> None:
+    task = GraphSGD(**SMALL)
+    assert task.step_cost("") == 1024 and task.step_cost("e256") == 256
+    assert task.step_cost("eval") == len(task.test_idx)
+    assert task.step_cost("other") is None

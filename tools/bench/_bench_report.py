@@ -71,6 +71,9 @@ class Section:
     """The training command of one run."""
     task_target: str
     task_options: tuple[str, ...]
+    fill_target: str = ""
+    """The side task filling the ends of bubbles beside it ("" none)."""
+    fill_options: tuple[str, ...] = ()
     side_priority: Literal["same", "low"]
     """The priority the side tasks actually ran at."""
     priority_note: str = ""
@@ -237,7 +240,14 @@ def render(section: Section) -> str:
         f"Command: `{section.command}` ({section.date}; load average {section.load}).",
         "",
         f"Training: `{section.training}`; side task `{section.task_target}` "
-        f"({', '.join(section.task_options) or 'defaults'}) pinned to each stage's device. " + _priority_text(section),
+        f"({', '.join(section.task_options) or 'defaults'}) pinned to each stage's device"
+        + (
+            f", with `{section.fill_target}` ({', '.join(section.fill_options) or 'defaults'}) filling the ends"
+            " of its bubbles (`--fill`). "
+            if section.fill_target
+            else ". "
+        )
+        + _priority_text(section),
         "",
         "| stage | device | step (profile) | bubbles/step | bubble share |",
         "| --- | --- | --- | --- | --- |",

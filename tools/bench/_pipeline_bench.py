@@ -54,6 +54,7 @@ __all__ = [
     "StepFigures",
     "add_bench_args",
     "add_side_task_args",
+    "side_tasks",
     "bench",
     "bench_options",
     "parse_steps",
@@ -97,6 +98,8 @@ class SideTask:
     options: tuple[str, ...]
     step_time: str
     """Expected step time until measured."""
+    fill: bool = False
+    """Submitted as a filler of the ends of bubbles (``freeride submit --fill``)."""
 
 
 TASK_DEFAULTS: dict[str, tuple[str, ...]] = {
@@ -117,6 +120,31 @@ def add_side_task_args(ap: argparse.ArgumentParser) -> None:
         help="side-task option (repeatable); graph-sgd defaults to batch_edges=2048",
     )
     ap.add_argument("--step-time", default="2ms", help="the side task's expected step time, until measured")
+    ap.add_argument(
+        "--fill",
+        metavar="TASK",
+        default="",
+        help="a second side task per device that fills the ends of bubbles the first leaves (a mix)",
+    )
+    ap.add_argument(
+        "--fill-opt", action="append", default=[], metavar="KEY=VALUE", help="option of the --fill task (repeatable)"
+    )
+    ap.add_argument("--fill-step-time", default="1ms", help="the --fill task's expected step time, until measured")
+
+
+def side_tasks(ns: argparse.Namespace) -> list[SideTask]:
+    """The side tasks :func:`add_side_task_args`' flags name: the task, and its filler if ``--fill`` is given.
+
+    Raises:
+        ValueError: as :func:`side_task`.
+    """
+    tasks = [side_task(ns.task, ns.opt, ns.step_time)]
+    if ns.fill:
+        fill = side_task(ns.fill, ns.fill_opt, ns.fill_step_time)
+        tasks.append(SideTask(target=fill.target, options=fill.options, step_time=fill.step_time, fill=True))
+    elif ns.fill_opt:
+        raise ValueError("--fill-opt without --fill")
+    return tasks
 
 
 def side_task(task: str, opts: Sequence[str], step_time: str) -> SideTask:
@@ -406,7 +434,7 @@ def _profile(job: Job, runtime: Path) -> Path:
 
 def bench(
     job: Job,
-    task: SideTask,
+    task: SideTask | Sequence[SideTask],
     options: BenchOptions,
     *,
     command: str = "",
@@ -418,8 +446,10 @@ def bench(
 
     ``command`` is the benchmark's own command line, shown in the section; ``cpu_note`` says why the
     job reports no CPU time per step, if it does not. ``serve_args`` and ``submit_args`` are added to
-    ``freeride serve`` and each ``freeride submit`` (``--mps``, ``--sm-share 50``).
+    ``freeride serve`` and each ``freeride submit`` (``--mps``, ``--sm-share 50``). Each side task
+    of ``task`` (one, or a task and its filler) is submitted pinned to every stage's device.
     """
+    tasks = [task] if isinstance(task, SideTask) else list(task)
     load_before, started = os.getloadavg()[0], time.strftime("%Y-%m-%d %H:%M %Z")
     runtime = Path(tempfile.mkdtemp(prefix="frbench-", dir="/tmp"))
     endpoints = Endpoints.ipc(runtime)
@@ -437,11 +467,14 @@ def bench(
                 start_new_session=True,
             )
         _wait_for("the manager", 60, lambda: bool(_status(endpoints)))
-        opts = [x for opt in task.options for x in ("--opt", opt)]
-        for device in profile.devices:
-            submit = _freeride("submit", "--runtime-dir", str(runtime), task.target, *opts)
-            _run([*submit, "--step-time", task.step_time, "--device", device, *submit_args])
-        _wait_for("side tasks to start", 120, lambda: _tasks_running(endpoints, len(profile.devices)))
+        for side in tasks:
+            opts = [x for opt in side.options for x in ("--opt", opt)]
+            role = ["--fill"] if side.fill else []
+            for device in profile.devices:
+                submit = _freeride("submit", "--runtime-dir", str(runtime), side.target, *opts, *role)
+                _run([*submit, "--step-time", side.step_time, "--device", device, *submit_args])
+        count = len(tasks) * len(profile.devices)
+        _wait_for("side tasks to start", 120, lambda: _tasks_running(endpoints, count))
         runs: list[RunResult] = []
         for planned in plan(options):
             result = _one_run(job, planned, options.steps, runtime, endpoints)
@@ -456,8 +489,10 @@ def bench(
             date=f"started {started}",
             load=f"{load_before:.2f} -> {os.getloadavg()[0]:.2f}",
             training=job.shown(options.steps),
-            task_target=task.target,
-            task_options=task.options,
+            task_target=tasks[0].target,
+            task_options=tasks[0].options,
+            fill_target=tasks[1].target if len(tasks) > 1 else "",
+            fill_options=tasks[1].options if len(tasks) > 1 else (),
             side_priority=options.side_priority if supported else "low",
             priority_note="" if supported else _NO_SIDE_PRIORITY,
             profile=profile,

@@ -36,7 +36,7 @@ from _pipeline_bench import (  # tools/bench is the script's directory
     add_side_task_args,
     bench,
     bench_options,
-    side_task,
+    side_tasks,
 )
 
 __all__ = ["main"]
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"schedules must be among {sorted(SCHEDULE_ARGS)}, got {schedules}")
     command = shlex.join(["python", "tools/bench/megatron_overhead.py", *argv])
     try:
-        task = side_task(ns.task, ns.opt, ns.step_time)
+        task = side_tasks(ns)
         options = bench_options(ns)
     except ValueError as exc:
         ap.error(str(exc))

@@ -34,7 +34,7 @@ from _pipeline_bench import (  # tools/bench is the script's directory
     add_side_task_args,
     bench,
     bench_options,
-    side_task,
+    side_tasks,
 )
 
 __all__ = ["main", "sim_job_args"]
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     command = shlex.join(["python", "tools/bench/sim_overhead.py", *argv])
     try:
-        task = side_task(ns.task, ns.opt, ns.step_time)
+        task = side_tasks(ns)
         options = bench_options(ns)
     except ValueError as exc:
         ap.error(str(exc))
