@@ -228,6 +228,9 @@ class StepEstimator:
         return ordered[int(0.9 * (len(ordered) - 1))]
 
 
+_NEAR = 16
+"""Measured kinds within this factor of an unmeasured kind's cost estimate it (see :class:`StepEstimates`)."""
+
 StepCost = Callable[[str], float | None]
 """Relative work of a step of a kind, or None (see :meth:`IterativeTask.step_cost`)."""
 
@@ -236,14 +239,18 @@ class StepEstimates:
     """One :class:`StepEstimator` per step kind; the hint applies to the default kind ``""``.
 
     A kind with no measurement (and no hint) is estimated from its ``cost``, if
-    the task gives one: its cost times the 90th percentile (rounded up: the
-    largest of up to ten) of time per unit of cost over the measured kinds, and
-    at least the shortest step measured (what any step pays: launches, Python).
-    Only kinds of at least 1/16 of its cost count (unless none does): a tiny
-    step is mostly that fixed part, and its time per cost would inflate the
-    estimate of every large one. Per unit of cost a smaller step takes longer
-    than a larger one, which makes the estimate err high; erring low would run
-    a step past a bubble's end, into training.
+    the task gives one, and the measured kinds nearest in cost (within 16x):
+
+    * from smaller kinds, in proportion to cost. Steps pay a fixed part
+      (launches, Python) besides their work, so this errs high;
+    * from larger kinds only where there is no smaller one, in proportion to the
+      square root of the cost ratio: half the work takes 71 % of the time, a
+      quarter 50 %, which errs high unless the fixed part dominates;
+
+    the 90th percentile of those (rounded up: the largest of up to ten), and no
+    less than any smaller kind measured. A tiny kind, mostly fixed part, never
+    scales a large one. Erring high keeps a kind out of a few bubbles it would
+    have fit; erring low would run a step past a bubble's end, into training.
     """
 
     def __init__(self, hint_ns: int = -1, *, window: int = 16, cost: StepCost | None = None) -> None:
@@ -331,10 +338,16 @@ class StepEstimates:
         points = list(self._points.values())
         if not points:
             return -1
-        near = [(t, c) for t, c in points if c * 16 >= cost] or points
-        ratios = sorted(t / c for t, c in near)
-        ratio = ratios[math.ceil(0.9 * (len(ratios) - 1))]
-        return max(min(t for t, _ in points), math.ceil(ratio * cost))
+        smaller = [(t, c) for t, c in points if c <= cost]
+        larger = [(t, c) for t, c in points if c > cost]
+        near = [(t, c) for t, c in smaller if c * _NEAR >= cost]
+        if near or not larger:
+            scaled = [t * cost / c for t, c in near or smaller]
+        else:
+            scaled = [t * math.sqrt(cost / c) for t, c in [(t, c) for t, c in larger if c <= cost * _NEAR] or larger]
+        scaled.sort()
+        estimate = scaled[math.ceil(0.9 * (len(scaled) - 1))]
+        return math.ceil(max([estimate, *(t for t, _ in smaller)]))
 
     def estimate_ns(self, kind: str = "") -> int:
         """The estimate for a step of ``kind``, or -1 if nothing is known yet."""

@@ -41,6 +41,18 @@ def test_a_tiny_kind_dominated_by_its_fixed_part_does_not_blow_up_a_large_one() 
     assert 8_000_000 <= estimates.estimate_ns("big") <= 12_000_000  # not 40e6 * 30 ns = 1.2 s
 
 
+def test_a_piece_smaller_than_every_measured_kind_is_estimated_below_them_but_high() -> None:
+    # Packing (fit_piece) asks for pieces of a step none of which ran yet: half a
+    # mini-batch must look as if it fits where the whole did not, yet not err low.
+    estimates = StepEstimates(cost=lambda kind: float(kind[1:]))
+    whole = 100_000 + 4096 * 1000  # a fixed part and 1 us per edge
+    estimates.observe("e4096", whole)
+    for n in (2048, 1024, 256, 64):
+        assert 100_000 + n * 1000 <= estimates.estimate_ns(f"e{n}") < whole, n
+    estimates.observe("e64", 164_000)
+    assert 100_000 + 128 * 1000 <= estimates.estimate_ns("e128") <= 2 * 164_000  # from the nearest smaller kind
+
+
 def test_without_a_cost_or_a_measured_kind_the_estimate_stays_unknown() -> None:
     assert StepEstimates(cost=COSTS.get).estimate_ns("k1") == -1  # nothing measured yet
     no_cost = StepEstimates()
