@@ -349,6 +349,11 @@ class StepEstimates:
         estimate = scaled[math.ceil(0.9 * (len(scaled) - 1))]
         return math.ceil(max([estimate, *(t for t, _ in smaller)]))
 
+    def known_ns(self, kind: str = "") -> int:
+        """The estimate for a step of ``kind`` from its measurements or the hint; -1 without (cost ignored)."""
+        estimator = self._by_kind.get(kind)
+        return -1 if estimator is None else estimator.estimate_ns
+
     def estimate_ns(self, kind: str = "") -> int:
         """The estimate for a step of ``kind``, or -1 if nothing is known yet."""
         estimator = self._by_kind.get(kind)

@@ -239,15 +239,21 @@ class GrantGate:
     def _step_fits(self, now: int) -> bool:
         """Whether the pending step may start now.
 
+        A kind not measured yet starts mid-grant where its cost-scaled estimate
+        fits, and at a grant's start in any case (a probe: its estimate errs
+        high, and one long enough to fit no bubble would keep it out of all).
         A kind measured only in an earlier run pays its warm-up again in this
         process: where that first step's time there does not fit, it starts only
         at the start of a grant, as an unmeasured kind would, rather than wait
         for a bubble that long.
         """
-        if not self._fits(now, self.estimate_ns):
+        need = self.estimates.estimate_ns(self._kind)
+        if self.estimate_ns < 0 and self._at_grant_start(now):
+            return True  # unmeasured: a probe, as ever, however long its cost makes it look
+        if not self._fits(now, need):
             return False
         cold = self.estimates.cold_ns(self._kind)
-        return cold <= self.estimate_ns or self._fits(now, cold) or self._at_grant_start(now)
+        return cold <= need or self._fits(now, cold) or self._at_grant_start(now)
 
     def _at_grant_start(self, now: int) -> bool:
         grant = self._grant
@@ -401,8 +407,12 @@ class GrantGate:
 
     @property
     def estimate_ns(self) -> int:
-        """The running estimate of the pending step's kind (what the manager must fit)."""
-        return self.estimates.estimate_ns(self._kind)
+        """The running estimate of the pending step's kind (what the manager must fit).
+
+        -1 for a kind not measured yet even where its cost gives an estimate: the
+        manager then grants it a bubble's start, where it runs as a probe.
+        """
+        return self.estimates.known_ns(self._kind)
 
     @asynccontextmanager
     async def step(self, kind: str = "") -> AsyncIterator[None]:

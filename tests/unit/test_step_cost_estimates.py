@@ -132,7 +132,8 @@ async def test_the_gate_starts_an_unmeasured_kind_mid_grant_when_its_cost_scaled
     async with gate.step("small"):
         clock.advance(1_000_000)
         task.kind = "large"
-    assert 4_000_000 <= gate.estimate_ns < 100_000_000
+    assert 4_000_000 <= gate.estimates.estimate_ns("large") < 100_000_000
+    assert gate.estimate_ns == -1  # what the manager is told: unmeasured, grant it a bubble's start
     async with gate.step("large"):  # without a cost: unknown, so it would wait for the next grant's start
         clock.advance(4_000_000)
     assert gate.steps == 2
@@ -176,3 +177,24 @@ async def test_a_kind_measured_in_an_earlier_run_takes_its_warm_up_at_a_grant_st
     (done,) = [m for m in link.sent if isinstance(m, p.GrantDone)]
     assert done.grant_id == 1 and done.steps == 1 and done.reason == "no_fit"  # 3 ms left: not for the warm-up
     assert gate.steps == 2 and gate.estimates.cold_ns("large") == -1
+
+
+async def test_an_unmeasured_kind_too_long_by_its_cost_still_probes_at_a_grant_start() -> None:
+    # The cost-scaled estimate errs high: one longer than every bubble must not keep the kind
+    # out of all of them (the manager would probe it only after many), so it runs as a probe.
+    clock = ManualClock()
+    link = _Link()
+    spec = p.TaskSpec(kind="iterative", target="x:Y")
+    assign = p.Assign(
+        task_id=1, spec=spec, device="cpu:0", checkpoint_path="", margin_ns=0, checkpoint_every_ns=1 << 62
+    )
+    task = _Costed()
+    gate = GrantGate(link, assign, task, 0, save=lambda *_: False, clock=clock, run_delay=_NoDelay())
+    gate.estimates.seed("small", [2_000_000])
+    task.kind = "large"
+    now = clock.now_ns()
+    link.inbox.append(p.Grant(grant_id=1, bubble_t_ns=now, deadline_ns=now + 3_000_000))
+    assert gate.estimates.estimate_ns("large") > 3_000_000
+    async with gate.step("large"):
+        clock.advance(2_500_000)
+    assert gate.steps == 1
