@@ -19,6 +19,7 @@ import msgspec
 
 from freeride import auth
 from freeride import protocol as p
+from freeride.profile_task import DEFAULT_SAMPLES, DEFAULT_STEPS
 from freeride.serve.config import ServeConfig
 from freeride.submission import await_start, check_submission, report_start, task_details
 from freeride.transport import ControlClient, Endpoints, ManagerUnreachable, curve_keypair, default_runtime_dir
@@ -412,6 +413,41 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cores(text: str) -> tuple[int, ...]:
+    """``0-3,8`` as (0, 1, 2, 3, 8)."""
+    cores: list[int] = []
+    try:
+        for part in filter(None, text.split(",")):
+            lo, _, hi = part.partition("-")
+            cores += range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        raise SystemExit(f"freeride: --cores expects a list like 0-3,8, got {text!r}") from None
+    return tuple(cores)
+
+
+def cmd_profile_task(args: argparse.Namespace) -> int:
+    from freeride.auth import ensure_private_dir
+    from freeride.profile_task import ProfileTaskOptions, profile_task  # imports torch only to run the task
+
+    # by default where `freeride serve` keeps its state
+    state_dir = Path(args.state_dir) if args.state_dir else ensure_private_dir(_runtime_dir(args)) / "state"
+    options = ProfileTaskOptions(
+        target=args.target,
+        options=_parse_opts(args.opt),
+        state_dir=state_dir,
+        device=args.device,
+        cores=_cores(args.cores),
+        samples=args.samples,
+        steps=args.steps,
+    )
+    ensure_private_dir(state_dir, what="state dir", strict=False)
+    result = profile_task(options)
+    print(result.table())
+    if result.finished:
+        print("freeride: the task finished before every step kind was measured enough", file=sys.stderr)
+    return 0
+
+
 def _sim_config(args: argparse.Namespace, endpoint: str) -> SimConfig:
     """The simulated job of ``freeride sim`` and ``freeride demo``, from their shared flags."""
     from backends.sim import SimConfig
@@ -620,6 +656,38 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime(s)
     s.add_argument("--out", required=True, metavar="FILE")
     s.set_defaults(fn=cmd_profile)
+
+    s = subs.add_parser(
+        "profile-task",
+        help="measure a side task's step kinds alone, so that its first run under serve knows them",
+        description="Run a side task alone and keep the measured time of each of its step kinds where"
+        " `freeride serve` reads them (STATE_DIR/estimates); submit it later with the same options.",
+    )
+    s.add_argument("target", help="module:Class of an iterative task, or a name from `freeride submit --list`")
+    s.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="task option (repeatable)")
+    s.add_argument("--device", default="cpu:0", help="cpu:N or cuda:N (default cpu:0)")
+    s.add_argument(
+        "--cores",
+        default="",
+        metavar="LIST",
+        help="CPU cores of the stage the task will share, e.g. 0-3 (default: none named, one thread)",
+    )
+    s.add_argument(
+        "--samples",
+        type=int,
+        default=DEFAULT_SAMPLES,
+        help=f"stop once every step kind ran this many times (default {DEFAULT_SAMPLES})",
+    )
+    s.add_argument(
+        "--steps", type=int, default=DEFAULT_STEPS, help=f"stop after this many steps in any case ({DEFAULT_STEPS})"
+    )
+    s.add_argument("--state-dir", metavar="DIR", help="the state dir of `freeride serve` (default RUNTIME_DIR/state)")
+    s.add_argument(
+        "--runtime-dir",
+        metavar="DIR",
+        help=f"the runtime dir of `freeride serve` (default {default_runtime_dir()}), if --state-dir is not given",
+    )
+    s.set_defaults(fn=cmd_profile_task)
 
     for name, helptext in (
         ("sim", "run a simulated pipeline job against a running manager"),

@@ -300,6 +300,8 @@ class Assign(_Msg, frozen=True, tag="assign"):
     """Steps the task may lose to a crash, likewise (0: no bound)."""
     warm_up: bool = False
     """No training runs on the device yet: rehearse each step kind before the first bubble, then undo it."""
+    estimates_dir: str = ""
+    """Directory of the step-time estimates kept across runs (see :mod:`freeride.estimates`); empty: none kept."""
 
 
 class Grant(_Msg, frozen=True, tag="grant"):

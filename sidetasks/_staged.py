@@ -24,7 +24,7 @@ state at its start, and a restore recomputes it, arriving at the same numbers.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sidetasks._common import capture_rng
+from sidetasks._cost import UPDATE_COST_PER_ELEMENT, backward_cost
 
 __all__ = ["BatchResult", "StagedSGD"]
 
@@ -127,6 +128,30 @@ class StagedSGD:
         if self._rows[self._segment]:
             return f"{self._phase}{self._segment}.{self._piece}"
         return f"{self._phase}{self._segment}"
+
+    def step_costs(self, forward: Sequence[float]) -> dict[str, float]:
+        """Relative work of every step kind :meth:`next_kind` names, from each segment's forward work.
+
+        Args:
+            forward: The forward work of each segment for one micro-batch (see
+                :func:`sidetasks._cost.segment_costs`).
+        """
+        if len(forward) != len(self.segments):
+            raise ValueError(f"forward: {len(forward)} costs for {len(self.segments)} segments")
+        backward = [backward_cost(cost, first=k == 0) for k, cost in enumerate(forward)]
+        elems = [sum(hi - lo for _, lo, hi in chunk) * UPDATE_COST_PER_ELEMENT for chunk in self._chunks]
+        if not self.layer_steps:
+            return {"micro": sum(forward) + sum(backward), "update": sum(elems)}
+        costs = {f"update{i}": cost for i, cost in enumerate(elems)}
+        for k, rows in enumerate(self._rows):
+            if not rows:
+                costs[f"forward{k}"], costs[f"backward{k}"] = forward[k], backward[k]
+                continue
+            width = rows[-1][1]
+            for j, (lo, hi) in enumerate(rows):
+                costs[f"forward{k}.{j}"] = forward[k] * (hi - lo) / width
+                costs[f"backward{k}.{j}"] = backward[k] * (hi - lo) / width
+        return costs
 
     def advance(self, fetch: Callable[[], Batch]) -> BatchResult | None:
         """Do the next piece of work; returns the batch's loss and accuracy when its update is applied."""

@@ -40,6 +40,7 @@ from sidetasks._common import (
     restore_rng,
     synchronize,
 )
+from sidetasks._cost import UPDATE_COST_PER_ELEMENT, backward_cost, segment_costs
 from sidetasks._data import ImageFolder, LabelledImages, SyntheticImages
 from sidetasks._models import build_model
 from sidetasks._staged import StagedSGD
@@ -151,6 +152,8 @@ class _VisionTask(DeviceTask):
         self.batch_acc = math.nan
         self.model: nn.Module = nn.Identity()
         self.optimizer: torch.optim.Optimizer | None = None
+        self._costs: dict[str, float] = {}
+        """Relative work of each step kind (see :meth:`step_cost`), counted at setup."""
 
     def _fingerprint(self) -> dict[str, Any]:
         return {"task": type(self).__name__, "num_classes": self.num_classes, "image_size": self.image_size}
@@ -179,7 +182,24 @@ class _VisionTask(DeviceTask):
                 layer_steps=self.layer_steps,
             )
             self.optimizer = None
+        self._costs = self._fit_costs()
         logger.info("[setup] %s: %s on %s, batch %d", type(self).__name__, self.arch, self.device, self.batch_size)
+
+    def _segment_costs(self, batch: int) -> list[float]:
+        return segment_costs(self.arch, num_classes=self.num_classes, batch=batch, image_size=self.image_size)
+
+    def _fit_costs(self) -> dict[str, float]:
+        """Relative work of the training step kinds: multiply-adds of the passes, elements of the update."""
+        if self.staged is not None:
+            return self.staged.step_costs(self._segment_costs(self.micro_batch_size))
+        forward = self._segment_costs(self.batch_size)
+        backward = sum(backward_cost(cost, first=k == 0) for k, cost in enumerate(forward))
+        params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        return {"": sum(forward) + backward + params * UPDATE_COST_PER_ELEMENT}
+
+    def step_cost(self, kind: str) -> float | None:
+        """Multiply-adds of the step's layers for its (micro-)batch; None for a kind this task never runs."""
+        return self._costs.get(kind)
 
     def _fit_kind(self) -> str:
         return "" if self.staged is None else self.staged.next_kind()
@@ -386,6 +406,11 @@ class _Inference(_VisionTask):
         if self.fit_steps == 0:
             self.optimizer = self.staged = None
         self._segments = self.model.segments() if self.layer_steps else []  # type: ignore[operator]
+        forward = self._segment_costs(self.batch_size)
+        if self._segments:
+            self._costs.update({f"infer{k}": cost for k, cost in enumerate(forward)})
+        else:
+            self._costs["infer"] = sum(forward)
 
     def step_kind(self) -> str:
         if self.done_steps < self.fit_steps:

@@ -20,7 +20,7 @@ class ServeConfig:
     endpoints: Endpoints
     """Where backends, control clients and side-task workers connect."""
     state_dir: Path
-    """Logs and checkpoints of side tasks live here."""
+    """Logs, checkpoints and step-time estimates of side tasks live here."""
     margin_ns: int = 300_000
     """Time kept free before a bubble's expected end, to start with: each device's interference guard adapts it."""
     checkpoint_every_s: float = 30.0
@@ -113,3 +113,8 @@ class ServeConfig:
     @property
     def checkpoint_dir(self) -> Path:
         return self.state_dir / "checkpoints"
+
+    @property
+    def estimates_dir(self) -> Path:
+        """Step-time estimates of side tasks, kept across runs (``freeride profile-task`` writes them too)."""
+        return self.state_dir / "estimates"

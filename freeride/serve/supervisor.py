@@ -203,6 +203,7 @@ class Supervisor:
             max_loss_steps=task.max_loss_steps,
             # rehearsing steps outside bubbles is free only while no rank trains on the device
             warm_up=not self.devices[task.device].alive,
+            estimates_dir=str(self.config.estimates_dir.absolute()),  # the worker runs in its workdir
         )
 
     # -- submit and place ---------------------------------------------------------------

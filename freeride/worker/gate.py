@@ -126,6 +126,8 @@ class GrantGate:
             times (and so the estimates that must fit a bubble) are the device's.
         feed: The rank's bubble starts, for armed grants (see :mod:`freeride.worker.armed`);
             without one, an :class:`~freeride.protocol.Arm` is ignored and Grants alone start steps.
+        idle: Called each time the gate parks the task between grants, for
+            housekeeping that must not run inside a bubble (keeping estimates).
     """
 
     def __init__(
@@ -142,8 +144,10 @@ class GrantGate:
         device_sync: Callable[[], None] | None = None,
         state_bytes: Callable[[IterativeTask], int] = lambda task: state_bytes_of(task.state_dict()),
         feed: BubbleFeed | None = None,
+        idle: Callable[[], None] | None = None,
     ) -> None:
         self._link = link
+        self._idle = idle
         self._feed = feed
         self._arming = Arming()
         self._g_armed = False
@@ -159,7 +163,7 @@ class GrantGate:
         hint = assign.spec.step_time_ns
         if hint < 0 and task.step_time > 0:
             hint = int(task.step_time * 1e9)
-        self.estimates = StepEstimates(hint)
+        self.estimates = StepEstimates(hint, cost=task.step_cost)
         self._run_delay: RunDelay = ThreadRunDelay() if run_delay is None else run_delay
         self._kind = task.step_kind()
         """The kind of the step waiting to start (or of the next one)."""
@@ -303,6 +307,25 @@ class GrantGate:
         if need_ns < 0 or grant.probe:  # unknown or stale: one step, at the start of a grant still open
             return self._g_steps == 0 and room_ns(now, grant.deadline_ns, margin) > 0
         return fits(now, need_ns, grant.deadline_ns, margin)
+
+    def _step_fits(self, now: int) -> bool:
+        """Whether the pending step may start now.
+
+        A kind not measured yet starts mid-grant where its cost-scaled estimate
+        fits, and at a grant's start in any case (a probe: its estimate errs
+        high, and one long enough to fit no bubble would keep it out of all).
+        A kind measured only in an earlier run pays its warm-up again in this
+        process: where that first step's time there does not fit, it starts only
+        at the start of a grant, as an unmeasured kind would, rather than wait
+        for a bubble that long.
+        """
+        need = self.estimates.estimate_ns(self._kind)
+        if self.estimate_ns < 0 and self._at_grant_start(now):
+            return True  # unmeasured: a probe, as ever, however long its cost makes it look
+        if not self._fits(now, need):
+            return False
+        cold = self.estimates.cold_ns(self._kind)
+        return cold <= need or self._fits(now, cold) or self._at_grant_start(now)
 
     def _at_grant_start(self, now: int) -> bool:
         grant = self._grant
@@ -492,11 +515,13 @@ class GrantGate:
                 continue
             if not bound:
                 self._pack(now)
-                if self._fits(now, self.estimate_ns):
+                if self._step_fits(now):
                     return
             if self._grant is not None:
                 self._give_back("revoked" if self._revoked else "no_fit")
             self._progress(now)
+            if self._idle is not None and self._grant is None:
+                self._idle()
             if self._feed is not None and self._arming.arm is not None:
                 await self._feed.wait()  # a Grant or the armed bubble's start, whichever comes first
             else:
@@ -533,8 +558,12 @@ class GrantGate:
 
     @property
     def estimate_ns(self) -> int:
-        """The running estimate of the pending step's kind (what the manager must fit)."""
-        return self.estimates.estimate_ns(self._kind)
+        """The running estimate of the pending step's kind (what the manager must fit).
+
+        -1 for a kind not measured yet even where its cost gives an estimate: the
+        manager then grants it a bubble's start, where it runs as a probe.
+        """
+        return self.estimates.known_ns(self._kind)
 
     @asynccontextmanager
     async def step(self, kind: str = "") -> AsyncIterator[None]:
@@ -550,7 +579,7 @@ class GrantGate:
             t0 = self._clock.now_ns()
             # checked again with the step's own start time: the worker runs at the lowest
             # priority and may have been preempted since the fit was decided
-            if self._fits(t0, self.estimate_ns):
+            if self._step_fits(t0):
                 break
         if self._g_steps == 0 and self._grant is not None:
             self._g_first = t0 - self._grant.bubble_t_ns

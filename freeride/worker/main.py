@@ -22,6 +22,7 @@ from pathlib import Path
 from freeride import protocol as p
 from freeride._procutil import bind_to_parent
 from freeride.declared import declared, validate_options
+from freeride.estimates import EstimatesStore
 from freeride.gpu.streams import step_end_sync, use_side_stream
 from freeride.sidetask import IterativeTask, TaskContext, TaskStopped
 from freeride.transport import BubbleListener, WorkerLink, new_async_context
@@ -65,6 +66,23 @@ def _load_checkpoint(task: IterativeTask, path: Path) -> int:
     saved = load_checkpoint(path)  # weights only: a planted pickle must not run code here
     task.load_state_dict(saved["state"])
     return int(saved["steps"])
+
+
+def _estimates_store(assign: p.Assign, cls: type[IterativeTask]) -> EstimatesStore | None:
+    """Where this task's step-time estimates are kept across runs (None: the manager keeps none)."""
+    if not assign.estimates_dir:
+        return None
+    try:
+        return EstimatesStore.for_task(
+            Path(assign.estimates_dir),
+            assign.spec.target,
+            cls,
+            dict(assign.spec.options),
+            torch_device=_torch_device(assign.device),
+        )
+    except Exception as exc:  # an optimisation: never a reason to fail the task
+        logger.warning("[estimates] not kept for task %d: %s: %s", assign.task_id, type(exc).__name__, exc)
+        return None
 
 
 def _lower_cpu_priority() -> None:
@@ -170,6 +188,8 @@ async def _serve(link: WorkerLink, assign: p.Assign, feed: RankFeed) -> int:
     stream = use_side_stream(_torch_device(assign.device))
     task: IterativeTask | None = None
     set_up = False
+    store: EstimatesStore | None = None
+    gate: GrantGate | None = None
     try:
         cls = load_target(assign.spec.target)
         task = cls(**validate_options(declared(cls), assign.spec.options))
@@ -183,14 +203,27 @@ async def _serve(link: WorkerLink, assign: p.Assign, feed: RankFeed) -> int:
         await task.setup(tctx)  # first: the state a checkpoint restores needs the model it belongs to
         steps = _load_checkpoint(task, Path(assign.checkpoint_path))
         set_up = True
+        store = _estimates_store(assign, cls)
         # also under the manager's cgroup cap (tighter): a huge allocation fails here as a MemoryError
         if assign.memory_limit > 0 and assign.device.startswith("cpu"):
             _cap_address_space(assign.memory_limit)
-        gate = GrantGate(link, assign, task, steps, save=_save_checkpoint, device_sync=step_end_sync(stream), feed=feed)
+        gate = running = GrantGate(
+            link,
+            assign,
+            task,
+            steps,
+            save=_save_checkpoint,
+            device_sync=step_end_sync(stream),
+            feed=feed,
+            idle=None if store is None else lambda: store.save_if_due(running.estimates),
+        )
+        if store is not None:
+            store.seed(gate.estimates)
         if assign.warm_up:
             rehearsal = await warm_up(task)
             for kind, took_ns in rehearsal.slowest().items() if rehearsal is not None else ():
-                gate.estimates.observe(kind, took_ns)  # one sample each: the first bubble steps soon displace it
+                # one sample each, the newest: this run's first-step costs are paid (nothing is cold)
+                gate.estimates.observe(kind, took_ns)
         if task.state_dict():
             import torch  # noqa: F401 - load the serializer before timing a checkpoint
         gate.checkpoint()  # before any bubble: measures what a checkpoint costs
@@ -226,6 +259,8 @@ async def _serve(link: WorkerLink, assign: p.Assign, feed: RankFeed) -> int:
         )
         return 1
     finally:
+        if store is not None and gate is not None:
+            store.save(gate.estimates)  # also after a failure: what was measured holds
         if task is not None:
             await task.teardown()
 

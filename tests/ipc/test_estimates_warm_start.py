@@ -1,0 +1,117 @@
+"""Step-time estimates outlive a task's run: the next run of the same task starts with them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import HERE, freeride_cmd, wait_until
+
+from backends.sim import SimConfig, SimPipeline
+from freeride import protocol as p
+from freeride.serve.manager import Manager
+
+REPO = HERE.parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _this_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers import this checkout's freeride (an installed one may be another's)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), str(REPO)]))
+
+
+async def _run_sim(config: SimConfig) -> None:
+    sim = SimPipeline(config).start()
+    try:
+        await asyncio.to_thread(sim.join, 120)
+    finally:
+        sim.terminate()
+
+
+async def test_a_task_run_again_knows_its_step_times_before_its_first_bubble(manager: Manager) -> None:
+    config = SimConfig(endpoint=manager.config.endpoints.events, steps=40, forward_s=0.005, backward_s=0.010)
+    device = config.device(0)
+    manager.declare_device(device, stage=0, spare_memory=1 << 30, cpu_affinity=[0])
+    spec = p.TaskSpec(
+        kind="iterative", target="_kind_tasks:TwoKinds", device=device, name="warm", options={"step_ms": 1.0}
+    )
+    first = manager.submit(spec)
+    assert isinstance(first, p.Submitted)
+    task = manager.tasks[first.task_id]
+    await wait_until(lambda: task.state == "running", 60, "setup")
+    assert task.estimate_ns == -1  # no hint, nothing measured: its first step would be a probe
+    sim = asyncio.create_task(_run_sim(config))
+    try:
+        await wait_until(lambda: task.steps >= 10, 60, "steps of both kinds")
+        assert isinstance(await manager.cancel(first.task_id), p.Cancelled)
+    finally:
+        await sim
+    (kept,) = manager.config.estimates_dir.glob("*.json")
+    doc = json.loads(kept.read_text())
+    assert doc["key"]["target"] == "_kind_tasks:TwoKinds" and doc["key"]["options"] == {"step_ms": 1.0}
+    assert set(doc["kinds"]) == {"a", "b"}
+
+    second = manager.submit(spec)
+    assert isinstance(second, p.Submitted)
+    again = manager.tasks[second.task_id]
+    await wait_until(lambda: again.state == "running", 60, "setup again")
+    assert again.estimate_ns >= 1_000_000  # known before any bubble (from the first run): no probe
+    log = manager.config.log_dir / f"task-{second.task_id}-warm.log"
+    await wait_until(lambda: "measured before" in log.read_text(), 10, "the worker's word on its estimates")
+
+
+def test_profile_task_writes_what_serve_reads_and_prints_a_table(runtime_dir: Path) -> None:
+    out = subprocess.run(
+        [*freeride_cmd("profile-task"), "_kind_tasks:TwoKinds", "--opt", "step_ms=0.5", "--samples", "3"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "XDG_RUNTIME_DIR": str(runtime_dir)},  # serve's default state dir, here
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["kind", "steps", "median", "p90", "max"]
+    rows = {line.split()[0]: line.split() for line in lines[1:3]}
+    assert set(rows) == {"a", "b"} and rows["a"][1] == rows["b"][1] == "3"
+    (kept,) = (runtime_dir / "freeride" / "state" / "estimates").glob("*.json")
+    doc = json.loads(kept.read_text())
+    assert doc["key"]["target"] == "_kind_tasks:TwoKinds" and {len(t["recent"]) for t in doc["kinds"].values()} == {3}
+    assert str(kept) in out.stdout
+
+
+def test_profile_task_refuses_a_bad_option_before_running_anything(runtime_dir: Path) -> None:
+    out = subprocess.run(
+        [*freeride_cmd("profile-task"), "_kind_tasks:TwoKinds", "--opt", "step_sm=1", "--state-dir", str(runtime_dir)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert out.returncode == 2 and "step_sm" in out.stderr and "its options are: step_ms" in out.stderr
+    assert not (runtime_dir / "estimates").exists()
+
+
+async def test_serve_starts_a_task_with_what_profile_task_measured(manager: Manager) -> None:
+    profiled = await asyncio.create_subprocess_exec(
+        *freeride_cmd("profile-task"),
+        "_kind_tasks:TwoKinds",
+        "--opt",
+        "step_ms=0.5",
+        "--cores",
+        "0",
+        "--state-dir",
+        str(manager.config.state_dir),
+        cwd=REPO,
+    )
+    assert await profiled.wait() == 0
+    device = "cpu:0"
+    manager.declare_device(device, stage=0, spare_memory=1 << 30, cpu_affinity=[0])
+    spec = p.TaskSpec(kind="iterative", target="_kind_tasks:TwoKinds", device=device, options={"step_ms": 0.5})
+    reply = manager.submit(spec)
+    assert isinstance(reply, p.Submitted)
+    task = manager.tasks[reply.task_id]
+    await wait_until(lambda: task.state == "running", 60, "setup")
+    assert task.estimate_ns >= 500_000  # the same key: no bubble has run, no probe is needed
