@@ -9,7 +9,7 @@ manager may run under another shell, with other credentials, long before the
 program is submitted. It gets a small base taken from the manager
 (:data:`BASE_ENV_KEYS`: ``PATH``, ``HOME``, the locale, ...), then the
 variables the submission carries (``TaskSpec.env``), then FreeRide's own
-(thread counts, memory caps, ``sync_every``). The CLI sends the submitting
+(its device's GPU alone, thread counts, memory caps, ``sync_every``). The CLI sends the submitting
 shell's environment by default, as a program started from that shell would see
 it, with ``--env K=V`` over it; ``--clean-env`` sends only the ``--env``
 variables, for a shell that holds secrets the program need not see. What is sent
@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 from freeride import protocol as p
 
-__all__ = ["BASE_ENV_KEYS", "MAX_SYNC_EVERY", "parse_env", "program_env", "spec_problem"]
+__all__ = ["BASE_ENV_KEYS", "MAX_SYNC_EVERY", "device_env", "parse_env", "program_env", "spec_problem"]
 
 BASE_ENV_KEYS = (
     "PATH",
@@ -70,6 +70,16 @@ def program_env(spec_env: Mapping[str, str], environ: Mapping[str, str]) -> dict
     base = {k: environ[k] for k in BASE_ENV_KEYS if k in environ}
     base.setdefault("PATH", os.defpath)
     return {**base, **spec_env}
+
+
+def device_env(device: str) -> dict[str, str]:
+    """The GPU a program on ``device`` sees, as the task's worker would: ``cuda:N`` alone, none on a CPU device.
+
+    Set over the submitted environment: a ``CUDA_VISIBLE_DEVICES`` from the submitting shell
+    names the shell's GPUs, not the one placement chose.
+    """
+    kind, _, index = device.partition(":")
+    return {"CUDA_VISIBLE_DEVICES": index if kind == "cuda" and index.isdigit() else ""}
 
 
 def _env_problem(env: Mapping[str, str]) -> str:

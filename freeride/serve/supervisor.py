@@ -29,7 +29,7 @@ from freeride.clock import MONOTONIC, Clock
 from freeride.gpu.memcap import MemoryCap, plan_memory_cap
 from freeride.gpu.smshare import plan_sm_share
 from freeride.observe.base import Observers
-from freeride.programs import program_env, spec_problem
+from freeride.programs import device_env, program_env, spec_problem
 from freeride.serve.capacity import Settling, bubble_share, plan_moves
 from freeride.serve.config import ServeConfig
 from freeride.serve.cores import side_task_cores, stage_position, thread_env
@@ -512,7 +512,7 @@ class Supervisor:
         cwd = Path(spec.cwd) if spec.cwd else self._workdir(task)
         program = ImperativeProcess(
             spec.argv,
-            env={**program_env(spec.env, os.environ), **thread_env(cores), **cap.env},
+            env={**program_env(spec.env, os.environ), **device_env(task.device), **thread_env(cores), **cap.env},
             log_dir=self.config.log_dir,
             name=f"task-{task.task_id}-{task.name}",
             cpu_affinity=cores,

@@ -24,7 +24,7 @@ from freeride.serve.manager import Manager
 
 SEEN = (
     "import json, os\n"
-    "names = ('FOO', 'CLIENT_ONLY', 'MANAGER_ONLY', 'FREERIDE_SYNC_EVERY')\n"
+    "names = ('FOO', 'CLIENT_ONLY', 'MANAGER_ONLY', 'FREERIDE_SYNC_EVERY', 'CUDA_VISIBLE_DEVICES')\n"
     "seen = {'cwd': os.getcwd(), 'env': {k: os.environ.get(k) for k in names}}\n"
     "open('seen.json', 'w').write(json.dumps(seen))\n"
 )
@@ -71,7 +71,7 @@ def task_id(submitted: str) -> int:
 async def test_a_program_runs_where_and_with_what_it_was_given_and_its_progress_shows(
     manager: Manager, runtime_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    client_env = {**os.environ, "CLIENT_ONLY": "the shell's"}
+    client_env = {**os.environ, "CLIENT_ONLY": "the shell's", "CUDA_VISIBLE_DEVICES": "0,1"}
     monkeypatch.setenv("MANAGER_ONLY", "the manager's")  # this process runs the manager
     (tmp_path / "work").mkdir()
     async with pipeline(manager) as device:
@@ -114,11 +114,18 @@ async def test_a_program_runs_where_and_with_what_it_was_given_and_its_progress_
     assert seen["cwd"] == str(tmp_path / "work")
     # the submitting shell's environment, not the manager's
     assert seen["env"]["CLIENT_ONLY"] == "the shell's" and seen["env"]["MANAGER_ONLY"] is None
+    assert seen["env"]["CUDA_VISIBLE_DEVICES"] == ""  # its device's GPUs (a CPU device: none), not the shell's
     assert prints.steps == 5 and prints.metrics["loss"] == pytest.approx(0.2)
     workdir = manager.config.state_dir / "tasks" / "writes"  # its own directory, by default
     seen = json.loads((workdir / "seen.json").read_text())
     assert seen["cwd"] == str(workdir)
-    assert seen["env"] == {"FOO": "bar", "CLIENT_ONLY": None, "MANAGER_ONLY": None, "FREERIDE_SYNC_EVERY": "3"}
+    assert seen["env"] == {
+        "FOO": "bar",
+        "CLIENT_ONLY": None,
+        "MANAGER_ONLY": None,
+        "FREERIDE_SYNC_EVERY": "3",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
     assert writes.steps == 3 and writes.metrics["acc"] == pytest.approx(0.75)
     [shown] = [t for t in manager.status().tasks if t.task_id == prints.task_id]
     assert shown.steps == 5 and shown.metrics["loss"] == pytest.approx(0.2)

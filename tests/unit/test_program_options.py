@@ -13,7 +13,7 @@ import pytest
 from freeride import protocol as p
 from freeride.cli import build_parser, main
 from freeride.program_cli import cancel_outcome, program_spec
-from freeride.programs import BASE_ENV_KEYS, parse_env, program_env, spec_problem
+from freeride.programs import BASE_ENV_KEYS, device_env, parse_env, program_env, spec_problem
 from freeride.serve.progress import MAX_METRICS, ProgressReader, progress_source
 
 
@@ -71,6 +71,11 @@ def test_a_program_gets_the_base_and_its_own_variables_not_the_managers() -> Non
     env = program_env({"FOO": "bar", "PATH": "/c/bin"}, manager)
     assert env == {"PATH": "/c/bin", "HOME": "/home/m", "LANG": "C.UTF-8", "FOO": "bar"}
     assert "PATH" in BASE_ENV_KEYS and program_env({}, {})["PATH"] == os.defpath
+
+
+def test_a_program_sees_its_devices_gpu_alone() -> None:
+    assert device_env("cuda:3") == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert device_env("cpu:0") == {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def test_the_client_resolves_paths_sends_its_environment_and_checks_options(
