@@ -43,6 +43,8 @@ BASE_ENV_KEYS = (
 )
 """The manager's variables every program starts from (when the manager has them)."""
 
+_MAX_NAME, _MAX_VALUE = 256, 64 * 1024  # the wire's bounds (protocol.Name, protocol.Text)
+
 MAX_SYNC_EVERY = 1_000_000
 """Largest ``sync_every`` (the wire's bound)."""
 
@@ -84,10 +86,12 @@ def device_env(device: str) -> dict[str, str]:
 
 def _env_problem(env: Mapping[str, str]) -> str:
     for key, value in env.items():
-        if not key or "=" in key or "\0" in key:
-            return f"environment variable name {key!r} is invalid (no '=' or NUL, not empty)"
+        if not key or "=" in key or "\0" in key or len(key) > _MAX_NAME:
+            return f"environment variable name {key[:64]!r} is invalid (no '=' or NUL, not empty, {_MAX_NAME} at most)"
         if "\0" in value:
             return f"environment variable {key} holds a NUL byte"
+        if len(value) > _MAX_VALUE:
+            return f"environment variable {key} is longer than {_MAX_VALUE} characters (--clean-env leaves it out)"
     return ""
 
 

@@ -36,6 +36,7 @@ def submit_args(*args: str) -> argparse.Namespace:
         ({"env": {"A=B": "x"}}, "environment variable name 'A=B' is invalid"),
         ({"env": {"": "x"}}, "is invalid"),
         ({"env": {"A": "x\0y"}}, "holds a NUL byte"),
+        ({"env": {"BIG": "x" * (64 * 1024 + 1)}}, "BIG is longer than 65536 characters"),
         ({"progress_file": "p.json", "progress_pattern": "(?P<step>\\d+)"}, "not both"),
         ({"progress_pattern": "step (\\d+)"}, "has no named group"),
         ({"progress_pattern": "step (?P<step>\\d+"}, "is not a regular expression"),
