@@ -10,7 +10,7 @@ the outside, at most every :data:`PERIOD_S`:
   expression whose named groups are metrics, ``step`` being the step count.
 
 Reads are bounded (:data:`MAX_READ`), so a program that prints gigabytes costs
-the manager's loop a bounded slice per period; a line that does not parse is
+the manager's loop a bounded slice per period (the latest: older lines are skipped); a line that does not parse is
 skipped, never an error: the program is the user's, its output is not ours.
 """
 
@@ -35,8 +35,9 @@ logger = logging.getLogger(__name__)
 
 PERIOD_S = 0.5
 """How often the manager reads a program's progress, at most."""
-MAX_READ = 1 << 20
-"""Bytes read per period: a progress file's head, or the next slice of the program's stdout."""
+MAX_READ = 64 << 10
+"""Bytes read per period: a progress file's head, or the last of the program's new stdout (the manager's
+loop grants bubbles: a read and its regex must stay well under a millisecond or so)."""
 MAX_METRICS = 64
 """Numbers kept from one read (a JSON file could hold any number of keys)."""
 
@@ -123,6 +124,12 @@ class ProgressReader:
         assert self.pattern is not None and self.stdout is not None
         try:
             with open(self.stdout, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size - self._offset > MAX_READ:  # only the latest values count: skip to the tail
+                    self._offset, self._partial = size - MAX_READ, b""
+                    f.seek(self._offset)
+                    f.readline()  # the rest of a line begun before the tail
+                    self._offset = f.tell()
                 f.seek(self._offset)
                 chunk = f.read(MAX_READ)
         except OSError:

@@ -14,7 +14,7 @@ from freeride import protocol as p
 from freeride.cli import build_parser, main
 from freeride.program_cli import cancel_outcome, program_spec
 from freeride.programs import BASE_ENV_KEYS, device_env, parse_env, program_env, spec_problem
-from freeride.serve.progress import MAX_METRICS, ProgressReader, progress_source
+from freeride.serve.progress import MAX_METRICS, MAX_READ, ProgressReader, progress_source
 
 
 def program(**fields: object) -> p.TaskSpec:
@@ -139,6 +139,18 @@ def test_a_progress_pattern_reads_new_whole_lines_only(tmp_path: Path) -> None:
         f.write("ss 2.0\n")
     seen = reader.read()
     assert seen is not None and seen.step == 3 and seen.metrics == {"loss": 2.0}
+
+
+def test_a_program_that_prints_a_lot_is_read_from_its_latest_lines(tmp_path: Path) -> None:
+    out = tmp_path / "task.out"
+    out.touch()
+    reader = ProgressReader(pattern=r"step (?P<step>\d+)", stdout=out)
+    with open(out, "a") as f:
+        f.writelines(f"step {i} of a long run\n" for i in range(4 * MAX_READ // 20))
+        f.write("step 7 of a long run\n")
+    seen = reader.read()
+    assert seen is not None and seen.step == 7  # the last line, not the first slice's
+    assert reader.read() is None
 
 
 def test_a_relative_progress_file_is_under_the_programs_cwd(tmp_path: Path) -> None:
