@@ -20,6 +20,7 @@ import msgspec
 from freeride import auth
 from freeride import protocol as p
 from freeride.profile_task import DEFAULT_SAMPLES, DEFAULT_STEPS
+from freeride.program_cli import PROGRAM_OPTIONS, add_program_options, cancel_outcome, program_spec
 from freeride.serve.config import ServeConfig
 from freeride.submission import await_start, check_submission, report_start, task_details
 from freeride.transport import ControlClient, Endpoints, ManagerUnreachable, curve_keypair, default_runtime_dir
@@ -193,8 +194,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.imperative:
         if not args.command:
             raise SystemExit("freeride: give the program after --, e.g. freeride submit --imperative -- python x.py")
-        spec = p.TaskSpec(kind="imperative", argv=list(args.command), name=args.name or "")
+        spec = program_spec(args)
     else:
+        given = [o for o in PROGRAM_OPTIONS if getattr(args, o.lstrip("-").replace("-", "_"))]
+        if given:
+            raise SystemExit(f"freeride: {', '.join(given)} only apply to --imperative programs")
         if not args.target:
             raise SystemExit("freeride: give a side task as module:Class (see freeride submit --list)")
         try:
@@ -236,7 +240,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     with _control(args) as client:
         reply = client.request(p.Cancel(task_id=args.task_id))
     if isinstance(reply, p.Cancelled):
-        print(f"task {reply.task_id} cancelled (its checkpoint is kept; submit it again to resume)")
+        print(f"task {reply.task_id} cancelled ({cancel_outcome(reply.kind)})")
         return 0
     print(f"freeride: {getattr(reply, 'reason', reply)}", file=sys.stderr)
     return 2
@@ -584,6 +588,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(e.g. PageRank beside ResNet-50 training)",
     )
     s.add_argument("--imperative", action="store_true", help="run an unmodified program (give it after --)")
+    add_program_options(s)
     s.add_argument(
         "--wait",
         type=float,
@@ -634,7 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace existing keys (clients then need the new ones)")
     s.set_defaults(fn=cmd_keys)
 
-    s = subs.add_parser("cancel", help="cancel a side task (it checkpoints first)")
+    s = subs.add_parser("cancel", help="cancel a side task (an iterative task checkpoints first; a program is stopped)")
     _add_runtime(s)
     s.add_argument("task_id", type=int)
     s.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the manager")

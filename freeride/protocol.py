@@ -269,6 +269,17 @@ class TaskSpec(_Msg, frozen=True, tag="task_spec"):
     of short steps fills the ends of bubbles that a task of long steps leaves (a mix per device)."""
     device_kind: DeviceKind = "any"
     """The device the task needs (its class's ``device_kind``): a ``gpu`` task waits for a CUDA device."""
+    cwd: Text = ""
+    """An imperative task's working directory (absolute); empty: the task's own workdir under the state dir."""
+    env: Annotated[dict[Name, Text], msgspec.Meta(max_length=4096)] = {}
+    """An imperative task's variables, laid over the manager's small base environment
+    (see :mod:`freeride.programs`); never shown in status."""
+    sync_every: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
+    """A PyTorch program synchronizes CUDA every this many optimizer steps (0: never)."""
+    progress_file: Text = ""
+    """A file an imperative program writes its step (a number) or metrics (a JSON object) to."""
+    progress_pattern: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    """A regular expression with named groups matched against each line of the program's stdout."""
 
 
 # --------------------------------------------------------------------------
@@ -492,6 +503,8 @@ class Submitted(_Msg, frozen=True, tag="submitted"):
 
 class Cancelled(_Msg, frozen=True, tag="cancelled"):
     task_id: int
+    kind: TaskKind = "iterative"
+    """What was cancelled: an iterative task keeps its checkpoint, a program has none."""
 
 
 class Rejected(_Msg, frozen=True, tag="rejected"):

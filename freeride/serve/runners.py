@@ -126,8 +126,18 @@ class WorkerRunner:
 class ProgramRunner:
     """An imperative task's program: SIGCONT on a grant, SIGSTOP at its deadline or on revoke."""
 
-    def __init__(self, task_id: int, program: ImperativeProcess, *, report: ReportFn, clock: Clock = MONOTONIC) -> None:
+    def __init__(
+        self,
+        task_id: int,
+        program: ImperativeProcess,
+        *,
+        report: ReportFn,
+        clock: Clock = MONOTONIC,
+        total_steps: Callable[[], int] | None = None,
+    ) -> None:
         self._task_id = task_id
+        self._total_steps = total_steps
+        """The step count the program itself reports (its progress file or stdout); None counts grants."""
         self.program = program
         self._report = report
         self._clock = clock
@@ -191,6 +201,7 @@ class ProgramRunner:
                 last_step_end_ns=self._resumed_ns + busy if ran else 0,
                 first_step_ns=self._resumed_ns if ran else 0,
                 cpu_ns=cpu,
+                total_steps=self._total_steps() if self._total_steps is not None else -1,
             )
         )
 

@@ -29,12 +29,14 @@ from freeride.clock import MONOTONIC, Clock
 from freeride.gpu.memcap import MemoryCap, plan_memory_cap
 from freeride.gpu.smshare import plan_sm_share
 from freeride.observe.base import Observers
+from freeride.programs import device_env, program_env, spec_problem
 from freeride.serve.capacity import Settling, bubble_share, plan_moves
 from freeride.serve.config import ServeConfig
 from freeride.serve.cores import side_task_cores, stage_position, thread_env
 from freeride.serve.declarations import gpu_views, last_lines, pending_reason, with_declarations
 from freeride.serve.imperative import ImperativeProcess
 from freeride.serve.placement import DeviceView, NoFit, place
+from freeride.serve.progress import Progress, progress_source, watch_progress
 from freeride.serve.ranks import DeviceInfo
 from freeride.serve.runners import ProgramRunner, SendFn, WorkerRunner
 from freeride.serve.scheduler import DeviceScheduler
@@ -507,16 +509,26 @@ class Supervisor:
         group = self._cgroup(task, host + max(host // 16, 8 << 20) if host > 0 else -1)
         if group is not None and group.memory_by:
             task.memory_cap_by = group.memory_by
+        spec = task.spec
+        cwd = Path(spec.cwd) if spec.cwd else self._workdir(task)
         program = ImperativeProcess(
-            task.spec.argv,
-            env={**os.environ, **thread_env(cores), **cap.env},
+            spec.argv,
+            env={**program_env(spec.env, os.environ), **device_env(task.device), **thread_env(cores), **cap.env},
             log_dir=self.config.log_dir,
             name=f"task-{task.task_id}-{task.name}",
             cpu_affinity=cores,
             # kept under a cgroup too: a huge allocation then fails cleanly (MemoryError) instead of an OOM kill
             memory_limit=cap.rlimit_as if cap.mechanism == "rlimit_as" else -1,
             margin_ns=self.config.margin_ns,
+            sync_every=spec.sync_every,
+            cwd=cwd,
             cgroup=group,
+        )
+        reader = progress_source(
+            file=spec.progress_file,
+            pattern=spec.progress_pattern,
+            cwd=cwd,
+            stdout=self.config.log_dir / f"{program.name}.out",
         )
         try:
             await program.start()
@@ -531,11 +543,18 @@ class Supervisor:
             with contextlib.suppress(OSError):  # the same low CPU priority as iterative workers
                 os.setpriority(os.PRIO_PGRP, program.pid, 19)
         task.runner = ProgramRunner(
-            task.task_id, program, report=lambda done: self.report(task, done), clock=self._clock
+            task.task_id,
+            program,
+            report=lambda done: self.report(task, done),
+            clock=self._clock,
+            total_steps=(lambda: max(task.steps, 0)) if reader is not None else None,
         )
         task.ready()
         self._notify(task)
-        info = await program.wait()
+        if reader is None:
+            info = await program.wait()
+        else:
+            info = await watch_progress(program, reader, lambda seen: _progressed(task, seen))
         task.park()
         self._notify(task)
         task.busy_ns = program.busy_ns
@@ -569,7 +588,7 @@ class Supervisor:
         if self._spawn is None:
             return p.Rejected(reason="the manager is not running")
         self._spawn(self._stop_task(task, "cancelled"), f"cancel-task-{task_id}")
-        return p.Cancelled(task_id=task_id)
+        return p.Cancelled(task_id=task_id, kind=task.spec.kind)
 
     async def cancel(self, task_id: int) -> p.Cancelled | p.Rejected:
         """Stop a task and wait until it has; it checkpoints first, so submitting it again resumes it."""
@@ -581,7 +600,7 @@ class Supervisor:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.stop_timeout_s):
                     await task.done.wait()
-        return p.Cancelled(task_id=task_id)
+        return p.Cancelled(task_id=task_id, kind=task.spec.kind)
 
     async def _stop_task(self, task: TaskRecord, reason: str) -> None:
         task.request_stop()
@@ -660,6 +679,13 @@ class Supervisor:
         remove_own_cgroups()
 
 
+def _progressed(task: TaskRecord, seen: Progress) -> None:
+    """A program's own step count and metrics, as its progress file or stdout says them."""
+    if seen.step >= 0:
+        task.steps = max(task.steps, seen.step)
+    task.metrics.update(seen.metrics)
+
+
 def _finite(metrics: dict[str, float]) -> dict[str, float]:
     """Metrics a task reported, without NaN or infinities (JSON has no spelling for them)."""
     return {k: v for k, v in metrics.items() if math.isfinite(v)}
@@ -668,6 +694,9 @@ def _finite(metrics: dict[str, float]) -> dict[str, float]:
 def _check_spec(spec: p.TaskSpec) -> str:
     """Why ``spec`` cannot run, or an empty string."""
     if spec.kind == "iterative":
+        problem = spec_problem(spec)
+        if problem:
+            return problem
         from sidetasks import resolve
 
         try:
@@ -685,8 +714,16 @@ def _check_spec(spec: p.TaskSpec) -> str:
         if found is None:
             return f"cannot import module {module!r} (is it installed in the manager's environment?)"
         return ""
+    problem = spec_problem(spec)
+    if problem:
+        return problem
     if not spec.argv:
         return "an imperative task needs a command"
-    if shutil.which(spec.argv[0]) is None:
-        return f"command {spec.argv[0]!r} not found on PATH"
+    if spec.cwd and not os.path.isdir(spec.cwd):
+        return f"working directory {spec.cwd!r} is not a directory here"
+    program = spec.argv[0]
+    if "/" in program and not os.path.isabs(program) and spec.cwd:
+        program = os.path.join(spec.cwd, program)
+    if shutil.which(program, path=program_env(spec.env, os.environ)["PATH"]) is None:
+        return f"command {spec.argv[0]!r} not found on the program's PATH"
     return ""

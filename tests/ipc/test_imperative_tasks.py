@@ -35,7 +35,7 @@ async def test_a_cpu_bound_program_runs_only_inside_bubbles(manager: Manager) ->
     await wait_until(lambda: task.state == "running", 30, "the program to start (stopped)")
     assert await _train(manager, 40) == [40, 40]
     device = manager.schedulers["cpu:0"]
-    assert await manager.cancel(task.task_id) == p.Cancelled(task_id=task.task_id)
+    assert await manager.cancel(task.task_id) == p.Cancelled(task_id=task.task_id, kind="imperative")
     await wait_until(lambda: "user_s" in task.metrics, 10, "the exit report")
     cpu_ns = (task.metrics["user_s"] + task.metrics["system_s"]) * 1e9
     assert device.bubbles >= 70
