@@ -212,9 +212,11 @@ def make_plan(
             f"cannot partition {type(model).__name__}: torch.fx cannot trace its forward ({exc}); move the"
             " data-dependent branch into a submodule, which then runs as one piece"
         ) from None
-    for _ in range(_MAX_ROUNDS):
+    for rounds in range(_MAX_ROUNDS + 1):
         atoms = _node_atoms(graph, slices)
         fwd, bwd = _profile(graph, atoms, x, target, loss_fn, device, runs)
+        if rounds == _MAX_ROUNDS:
+            break  # deep enough: what is still slow runs as it is
         per_node: dict[int, float] = {}
         for atom, f, b in zip(atoms, fwd, bwd, strict=True):
             per_node[atom.start] = per_node.get(atom.start, 0.0) + max(f, b)

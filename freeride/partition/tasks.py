@@ -23,7 +23,9 @@ gradients and how many parameters are already updated.
 
 The data must be re-iterable (a list, a ``Dataset``-like or a class with
 ``__iter__``) and yield the same batches each time it is iterated from the
-start: a restore rebuilds it and skips the batches already used.
+start: a restore rebuilds it and skips the batches already used (replaying
+them, unless the data has ``iter_from(position)``, an iterator from batch
+``position`` of its first pass on).
 """
 
 from __future__ import annotations
@@ -125,6 +127,10 @@ class _Batches:
         raise ValueError("data yields no batches")
 
     def seek(self, position: int) -> None:
+        resume = getattr(self.data, "iter_from", None)
+        if callable(resume):  # the data can start anywhere: no need to replay it
+            self._it, self.position = iter(resume(position)), position
+            return
         self._it, self.position = None, 0
         while self.position < position:
             self.next()
@@ -361,7 +367,7 @@ class PartitionedTraining(_Partitioned):
         position, rng = self.batches.position, _capture_rng(self.device)
         if self._start is not None:
             position, rng, buffers = self._start
-            model.update(buffers)
+            model.update({name: b for name, b in buffers.items() if name in model})  # persistent ones only
         updating = self._phase == "update"
         return {
             "model": model,
