@@ -101,7 +101,7 @@ class MobileNetV2Training(PartitionedTraining):
 
     Options (keyword arguments): ``batch_size`` (8), ``image_size`` (32),
     ``num_classes`` (10), ``width`` (0.5: the channel multiplier), ``lr``
-    (0.02), ``momentum`` (0.9), ``weight_decay`` (4e-5), ``seed`` (0: weights,
+    (0.01), ``momentum`` (0.9), ``weight_decay`` (4e-5), ``seed`` (0: weights,
     data and order), ``train_size`` (8192), ``noise`` (1.0: synthetic pixel
     noise), and the partitioning options ``target_ms`` (5: the longest a step
     should take), ``steps`` (0: until stopped; else batches) and
@@ -117,7 +117,7 @@ class MobileNetV2Training(PartitionedTraining):
         image_size: int = 32,
         num_classes: int = 10,
         width: float = 0.5,
-        lr: float = 0.02,
+        lr: float = 0.01,
         momentum: float = 0.9,
         weight_decay: float = 4e-5,
         seed: int = 0,

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from freeride.partition.plan import Plan, Step, make_plan
+from freeride.partition.plan import Plan, Step, make_plan, timer
 from freeride.partition.update import ChunkedUpdate
 from freeride.sidetask import IterativeTask, TaskContext
 
@@ -153,6 +153,7 @@ class _Partitioned(IterativeTask):
         self._ready = False
         self._pending: dict[str, Any] | None = None
         self._drift = 1.0
+        self._clock = time.perf_counter
 
     # -- planning and drift
 
@@ -247,6 +248,7 @@ class PartitionedTraining(_Partitioned):
         from freeride.partition.graph import Executor
 
         self.device = torch.device(ctx.torch_device)
+        self._clock = timer(self.device)
         parts = self.build()
         self.model, self.optimizer, self.loss_fn = parts.model, parts.optimizer, parts.loss_fn
         self.batches = _Batches(parts.data)
@@ -305,7 +307,7 @@ class PartitionedTraining(_Partitioned):
     def step(self) -> None:
         if self.plan is None:
             raise RuntimeError(f"{type(self).__name__}: step() before setup()")
-        t0 = time.perf_counter()
+        t0 = self._clock()
         step = self._current()
         if self._phase == "forward":
             if self._pos == 0 and not self._in_batch:
@@ -332,7 +334,7 @@ class PartitionedTraining(_Partitioned):
                 self._end_batch()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._observe(step, time.perf_counter() - t0)
+        self._observe(step, self._clock() - t0)
 
     def _begin_batch(self) -> None:
         self._start = (self.batches.position, _capture_rng(self.device), self._buffers())
@@ -437,6 +439,7 @@ class PartitionedInference(_Partitioned):
         from freeride.partition.graph import Executor
 
         self.device = torch.device(ctx.torch_device)
+        self._clock = timer(self.device)
         parts = self.build()
         self.model = parts.model
         self.batches = _Batches(parts.data)
@@ -457,7 +460,7 @@ class PartitionedInference(_Partitioned):
     def step(self) -> None:
         if self.plan is None:
             raise RuntimeError(f"{type(self).__name__}: step() before setup()")
-        t0 = time.perf_counter()
+        t0 = self._clock()
         step = self.plan.forward[self._pos]
         with torch.no_grad():
             if self._pos == 0:
@@ -477,7 +480,7 @@ class PartitionedInference(_Partitioned):
             self._maybe_regroup()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._observe(step, time.perf_counter() - t0)
+        self._observe(step, self._clock() - t0)
 
     def metrics(self) -> dict[str, float]:
         per_batch = len(self.plan.forward) if self.plan is not None else 0
