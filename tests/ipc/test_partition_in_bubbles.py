@@ -26,7 +26,7 @@ from sidetasks import CATALOG
 
 STAGE = 1
 ROOT = HERE.parents[1]
-OPTIONS = {"batch_size": 4, "context": 32, "d_model": 32, "layers": 2, "heads": 2, "target_ms": 3.0, "profile_runs": 1}
+OPTIONS = {"batch_size": 4, "context": 32, "d_model": 32, "layers": 2, "heads": 2, "target_ms": 0.5, "profile_runs": 1}
 
 
 class _Seen(Observer):
