@@ -10,6 +10,7 @@ parameters. The arithmetic is that of one plain step; every step boundary is
 an exact checkpoint. See :class:`PartitionedTraining`.
 """
 
-from freeride.partition.tasks import InferenceParts, PartitionedInference, PartitionedTraining, TrainingParts
+from freeride.partition.inference import InferenceParts, PartitionedInference
+from freeride.partition.training import PartitionedTraining, TrainingParts
 
 __all__ = ["InferenceParts", "PartitionedInference", "PartitionedTraining", "TrainingParts"]
