@@ -486,7 +486,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     # the demo runs its own manager, which fills in the endpoint
     options = DemoOptions(sim=_sim_config(args, endpoint=""), task=args.task)
-    if args.opt:
+    if args.opt or args.task != "graph-sgd":  # the default options suit only the default task
         options = dataclasses.replace(options, task_options=_parse_opts(args.opt))
     report = run_demo(options)
     print(report.text())

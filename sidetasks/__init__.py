@@ -32,6 +32,8 @@ CATALOG: dict[str, str] = {
     "pagerank": "sidetasks.pagerank:PageRank",
     "graph-sgd": "sidetasks.graph_sgd:GraphSGD",
     "imaging": "sidetasks.imaging:ImageProcessing",
+    "transformer-lm": "sidetasks.transformer_lm:TransformerLMTraining",
+    "mobilenet-train": "sidetasks.mobilenet:MobileNetV2Training",
 }
 """Short name to ``module:Class`` of an iterative task."""
 
@@ -62,6 +64,13 @@ DESCRIPTIONS: dict[str, str] = {
     "pagerank": "PageRank by sparse power iteration on a generated or edge-list graph; reports residual.",
     "graph-sgd": "Matrix factorisation by SGD over rating-graph edges; reports train/test RMSE.",
     "imaging": "Histogram equalisation, Gaussian blur and Sobel edges over image batches.",
+    "transformer-lm": (
+        "Train a small causal transformer LM (nn.TransformerEncoder) on bytes of text with AdamW; reports loss."
+        " Split automatically into steps under target_ms."
+    ),
+    "mobilenet-train": (
+        "Train MobileNetV2 with SGD on synthetic images; reports loss. Split automatically into steps under target_ms."
+    ),
     "imaging-cli": "Plain resumable program (--out DIR --images N): edge maps of images; no FreeRide API.",
 }
 """Short name (of :data:`CATALOG` or :data:`PROGRAMS`) to a one-line description."""

@@ -139,3 +139,11 @@ def test_demo_defaults_are_a_valid_sim() -> None:
     options = freeride.demo.DemoOptions()
     assert options.sim.num_chunks == 1
     assert (options.sim.forward_s, options.sim.backward_s, options.sim.steps) == (0.010, 0.020, 40)
+
+
+@pytest.mark.usefixtures("fakes")
+def test_demo_gives_another_task_no_options_of_the_default_task() -> None:
+    # graph-sgd's default eval_every would be an unknown keyword to any other task
+    assert main(["demo", *SIM_FLAGS, "--task", "transformer-lm"]) == 1
+    (manager,) = _FakeManager.instances
+    assert [spec.options for spec in manager.specs] == [{}] * 3

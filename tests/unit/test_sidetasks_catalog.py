@@ -1,4 +1,4 @@
-"""The side-task catalog, and that the samples use only FreeRide's public task API."""
+"""The side-task catalog, and that the samples use only FreeRide's public task API (and the partitioner)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import freeride.partition
 import freeride.sidetask
 import sidetasks
 from freeride.sidetask import IterativeTask
@@ -38,7 +39,7 @@ def test_every_program_resolves_and_is_described(name: str) -> None:
 
 def test_every_iterative_task_class_is_listed() -> None:
     listed = set(CATALOG.values())
-    for module_name in ("vision", "pagerank", "graph_sgd", "imaging"):
+    for module_name in ("vision", "pagerank", "graph_sgd", "imaging", "transformer_lm", "mobilenet"):
         module = importlib.import_module(f"sidetasks.{module_name}")
         for attr in module.__all__:
             obj = getattr(module, attr)
@@ -66,7 +67,8 @@ def test_samples_use_only_the_public_task_api(path: Path) -> None:
     for module, name in _freeride_imports(path):
         if module.startswith("sidetasks"):
             continue  # the samples' own private modules
-        assert module == "freeride.sidetask" and name in freeride.sidetask.__all__, (module, name)
+        public = {"freeride.sidetask": freeride.sidetask.__all__, "freeride.partition": freeride.partition.__all__}
+        assert name in public.get(module, ()), (module, name)
 
 
 def test_the_imperative_sample_does_not_touch_freeride_at_all() -> None:

@@ -1,0 +1,16 @@
+"""Training and inference of any ``nn.Module`` as side tasks, cut automatically into bubble-sized steps.
+
+A whole training step of a real model rarely fits in a pipeline bubble. The
+tasks here trace the model with ``torch.fx``, time every piece on the device
+the task landed on, open slow modules into their children and split large
+``Linear`` and ``Conv2d`` layers by output, then group the pieces into steps
+under a target duration: the forward pass, the backward pass (autograd
+through the activations each piece kept) and the optimizer update in runs of
+parameters. The arithmetic is that of one plain step; every step boundary is
+an exact checkpoint. See :class:`PartitionedTraining`.
+"""
+
+from freeride.partition.inference import InferenceParts, PartitionedInference
+from freeride.partition.training import PartitionedTraining, TrainingParts
+
+__all__ = ["InferenceParts", "PartitionedInference", "PartitionedTraining", "TrainingParts"]

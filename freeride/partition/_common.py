@@ -1,0 +1,167 @@
+"""What the partitioned training and inference tasks share: options, data position, checkpoints before setup, drift."""
+
+from __future__ import annotations
+
+import abc
+import logging
+import math
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from freeride.partition.plan import Plan, Step
+from freeride.sidetask import IterativeTask
+
+__all__ = ["EMA", "Batches", "Partitioned", "capture_rng", "restore_rng", "to_device"]
+
+logger = logging.getLogger(__name__)
+
+EMA = 0.9
+"""Weight of the past in the smoothed loss and step-time drift."""
+_DRIFT = 1.5
+"""Measured over planned step time (smoothed) beyond which the steps are grouped again, or below its inverse."""
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, tuple | list):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
+def capture_rng(device: torch.device) -> dict[str, torch.Tensor]:
+    rng = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return rng
+
+
+def restore_rng(rng: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if device.type == "cuda" and "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"], device)
+
+
+class Batches:
+    """Batches of a re-iterable, pass after pass; the whole state is :attr:`position`."""
+
+    def __init__(self, data: Iterable[Any]) -> None:
+        if iter(data) is data:
+            raise ValueError(
+                f"data is an iterator ({type(data).__name__}): give a re-iterable (a list, or a class with"
+                " __iter__), so that a restored task can replay it"
+            )
+        self.data = data
+        self.position = 0
+        self._it: Iterator[Any] | None = None
+
+    def next(self) -> Any:
+        if self._it is None:
+            self._it = iter(self.data)
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self._it = iter(self.data)
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                raise ValueError("data yields no batches") from None
+        self.position += 1
+        return batch
+
+    def peek(self) -> Any:
+        """The first batch, without moving."""
+        for batch in self.data:
+            return batch
+        raise ValueError("data yields no batches")
+
+    def seek(self, position: int) -> None:
+        resume = getattr(self.data, "iter_from", None)
+        if callable(resume):  # the data can start anywhere: no need to replay it
+            self._it, self.position = iter(resume(position)), position
+            return
+        self._it, self.position = None, 0
+        while self.position < position:
+            self.next()
+
+
+class Partitioned(IterativeTask):
+    """Options, deferred checkpoints and drift tracking shared by training and inference."""
+
+    def __init__(self, *, target_ms: float = 5.0, steps: int = 0, profile_runs: int = 2) -> None:
+        if not (target_ms > 0 and math.isfinite(target_ms)):
+            raise ValueError(f"target_ms must be a positive number of milliseconds, got {target_ms}")
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0 (0: until stopped), got {steps}")
+        if profile_runs < 1:
+            raise ValueError(f"profile_runs must be >= 1, got {profile_runs}")
+        self.target_ms, self.steps, self.profile_runs = target_ms, steps, profile_runs
+        self.device = torch.device("cpu")
+        self.plan: Plan | None = None
+        self.batches_done = 0
+        self._ready = False
+        self._pending: dict[str, Any] | None = None
+        self._drift = 1.0
+        self._clock = time.perf_counter
+
+    # -- planning and drift
+
+    def _observe(self, step: Step | None, seconds: float) -> None:
+        if step is not None and step.cost_s > 0:
+            self._drift = EMA * self._drift + (1 - EMA) * (seconds / step.cost_s)
+
+    def _maybe_regroup(self) -> None:
+        """At a batch boundary: group the steps again if step times drifted from the plan."""
+        if self.plan is not None and not 1 / _DRIFT <= self._drift <= _DRIFT:
+            logger.info("[partition] steps take %.2fx their planned time: grouping again", self._drift)
+            self.plan.regroup(self._drift)
+            self._drift = 1.0
+
+    def step_cost(self, kind: str) -> float | None:
+        """The planned seconds of a step of ``kind`` (measured at setup), or None for a kind not planned."""
+        return self._costs().get(kind)
+
+    def _costs(self) -> dict[str, float]:
+        if self.plan is None:
+            return {}
+        return {s.kind: s.cost_s for s in (*self.plan.forward, *self.plan.backward)}
+
+    def done(self) -> bool:
+        return self.steps > 0 and self.batches_done >= self.steps
+
+    # -- checkpoints before or after setup
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self._ready:
+            return dict(self._pending or {})
+        return self._capture()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        if self._ready:
+            self._restore(state)
+        else:
+            self._pending = dict(state)
+
+    def _apply_pending(self) -> None:
+        self._ready = True
+        if self._pending is not None:
+            state, self._pending = self._pending, None
+            self._restore(state)
+
+    @abc.abstractmethod
+    def _capture(self) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def _restore(self, state: dict[str, Any]) -> None: ...
+
+    def extra_state(self) -> dict[str, Any]:
+        """A subclass's own state to checkpoint with the task's (as of the last batch boundary)."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`extra_state` returned."""

@@ -1,0 +1,267 @@
+"""Sizing the pieces: profile a traced model node by node, open or split what is too slow, group the rest.
+
+Planning runs once at setup on the device the task landed on, on one real
+batch: every node is timed forward and backward as an atom of its own (a few
+runs, the first as warm-up). A module call slower than the target is opened
+into its children (traced again) or, when it is a ``Linear`` or ``Conv2d``
+without children, run as slices of its outputs; then the nodes are grouped
+into atoms that stay under the target both ways, and the atoms into steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from freeride.partition.graph import Atom, Executor, NodeGraph, split_count, splittable, trace
+
+__all__ = ["Plan", "Step", "group", "make_plan", "timer"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_ROUNDS = 8
+"""Rounds of opening and splitting: each goes one level deeper into the module tree."""
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One task step: atoms run in this order, and what they were measured to take together."""
+
+    kind: str
+    atoms: tuple[int, ...]
+    cost_s: float
+
+
+def group(costs: Sequence[float], target_s: float, prefix: str, *, reverse: bool = False) -> list[Step]:
+    """Consecutive atoms in steps as long as possible but under ``target_s`` (an atom over it alone)."""
+    order = range(len(costs) - 1, -1, -1) if reverse else range(len(costs))
+    steps: list[Step] = []
+    run: list[int] = []
+    total = 0.0
+    for k in order:
+        if run and total + costs[k] > target_s:
+            steps.append(Step(f"{prefix}{len(steps)}", tuple(run), total))
+            run, total = [], 0.0
+        run.append(k)
+        total += costs[k]
+    if run:
+        steps.append(Step(f"{prefix}{len(steps)}", tuple(run), total))
+    return steps
+
+
+@dataclass(slots=True)
+class Plan:
+    """A traced model cut into atoms, with each atom's measured cost and the steps grouping them."""
+
+    graph: NodeGraph
+    atoms: list[Atom]
+    forward_s: list[float]
+    backward_s: list[float]
+    target_s: float
+    training: bool
+    forward: list[Step]
+    backward: list[Step]
+
+    @classmethod
+    def of(
+        cls,
+        graph: NodeGraph,
+        atoms: list[Atom],
+        forward_s: list[float],
+        backward_s: list[float],
+        *,
+        target_s: float,
+        training: bool,
+    ) -> Plan:
+        plan = cls(graph, atoms, forward_s, backward_s, target_s, training, [], [])
+        plan.regroup(1.0)
+        return plan
+
+    def regroup(self, scale: float) -> None:
+        """Scale every measured cost by ``scale`` (times drifted) and group the steps again."""
+        self.forward_s = [c * scale for c in self.forward_s]
+        self.backward_s = [c * scale for c in self.backward_s]
+        self.forward = group(self.forward_s, self.target_s, "f" if self.training else "i")
+        self.backward = group(self.backward_s, self.target_s, "b", reverse=True) if self.training else []
+
+
+def timer(device: torch.device) -> Callable[[], float]:
+    """The clock pieces are timed by: on a CPU the process's CPU time, else the wall (after a sync).
+
+    A side task on a CPU core runs at the lowest priority: a stage that wakes up mid-piece
+    preempts it, and that wait is no cost of the piece (the gate takes it out of step times too).
+    """
+    return time.process_time if device.type == "cpu" else time.perf_counter
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _profile(
+    graph: NodeGraph,
+    atoms: list[Atom],
+    x: object,
+    target: object,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    device: torch.device,
+    runs: int,
+) -> tuple[list[float], list[float]]:
+    """Each atom's forward and backward time: the median of ``runs`` runs after one warm-up run."""
+    ex = Executor(graph, atoms, loss_fn)
+    clock = timer(device)
+    fwd: list[list[float]] = [[] for _ in atoms]
+    bwd: list[list[float]] = [[] for _ in atoms]
+    for run in range(runs + 1):
+        ex.begin(x, target)
+        with torch.set_grad_enabled(loss_fn is not None):
+            for k in range(len(atoms)):
+                t0 = clock()
+                ex.forward(k)
+                _sync(device)
+                if run:
+                    fwd[k].append(clock() - t0)
+            if loss_fn is not None:
+                for k in range(len(atoms) - 1, -1, -1):
+                    t0 = clock()
+                    ex.backward(k)
+                    _sync(device)
+                    if run:
+                        bwd[k].append(clock() - t0)
+        ex.reset()
+    return [statistics.median(t) for t in fwd], [statistics.median(t) if t else 0.0 for t in bwd]
+
+
+def _node_atoms(graph: NodeGraph, slices: dict[str, int]) -> list[Atom]:
+    atoms: list[Atom] = []
+    for i, node in enumerate(graph.nodes):
+        parts = slices.get(str(node.target), 1) if node.op == "call_module" else 1
+        atoms.extend(Atom(i, i + 1, part, parts) for part in range(parts))
+    return atoms
+
+
+def _merge(
+    atoms: list[Atom], fwd: list[float], bwd: list[float], target_s: float
+) -> tuple[list[Atom], list[float], list[float]]:
+    """Runs of single-node atoms joined while both their forward and backward stay under the target."""
+    out: list[Atom] = []
+    out_f: list[float] = []
+    out_b: list[float] = []
+    start = -1
+    f_sum = b_sum = 0.0
+    stop = 0
+
+    def flush() -> None:
+        nonlocal start, f_sum, b_sum
+        if start >= 0:
+            out.append(Atom(start, stop))
+            out_f.append(f_sum)
+            out_b.append(b_sum)
+        start, f_sum, b_sum = -1, 0.0, 0.0
+
+    for atom, f, b in zip(atoms, fwd, bwd, strict=True):
+        if atom.is_slice:
+            flush()
+            out.append(atom)
+            out_f.append(f)
+            out_b.append(b)
+            continue
+        if start >= 0 and (f_sum + f > target_s or b_sum + b > target_s):
+            flush()
+        if start < 0:
+            start = atom.start
+        stop = atom.stop
+        f_sum += f
+        b_sum += b
+    flush()
+    return out, out_f, out_b
+
+
+def _traces(model: nn.Module, opened: set[str]) -> bool:
+    try:
+        trace(model, opened)
+    except Exception as exc:  # fx raises TraceError, TypeError, AttributeError, ... on untraceable code
+        logger.info("[partition] keeps a module whole: tracing into it failed: %s", exc)
+        return False
+    return True
+
+
+def make_plan(
+    model: nn.Module,
+    x: object,
+    target: object,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    *,
+    target_s: float,
+    device: torch.device,
+    runs: int = 2,
+) -> Plan:
+    """Trace ``model``, size its pieces on the batch ``(x, target)`` and group them into steps.
+
+    Running the model here has side effects a caller undoes: random draws,
+    batch-norm statistics and parameter gradients.
+
+    Raises:
+        ValueError: ``model``'s own forward cannot be traced by ``torch.fx``.
+    """
+    opened: set[str] = set()
+    closed: set[str] = set()
+    slices: dict[str, int] = {}
+    try:
+        graph = NodeGraph(model, trace(model, opened))
+    except Exception as exc:
+        raise ValueError(
+            f"cannot partition {type(model).__name__}: torch.fx cannot trace its forward ({exc}); move the"
+            " data-dependent branch into a submodule, which then runs as one piece"
+        ) from None
+    for rounds in range(_MAX_ROUNDS + 1):
+        atoms = _node_atoms(graph, slices)
+        fwd, bwd = _profile(graph, atoms, x, target, loss_fn, device, runs)
+        if rounds == _MAX_ROUNDS:
+            break  # deep enough: what is still slow runs as it is
+        per_node: dict[int, float] = {}
+        for atom, f, b in zip(atoms, fwd, bwd, strict=True):
+            per_node[atom.start] = per_node.get(atom.start, 0.0) + max(f, b)
+        changed = False
+        for i, cost in per_node.items():
+            module = graph.module(i)
+            name = str(graph.nodes[i].target)
+            if module is None or cost <= target_s:
+                continue
+            if any(True for _ in module.children()):
+                if name not in closed and name not in opened:
+                    if _traces(model, opened | {name}):
+                        opened.add(name)
+                        changed = True
+                    else:
+                        closed.add(name)
+            elif splittable(module):
+                parts = split_count(module, cost, target_s)
+                if parts > slices.get(name, 1):
+                    slices[name] = parts
+                    changed = True
+        if not changed:
+            break
+        graph = NodeGraph(model, trace(model, opened))
+    merged, f_costs, b_costs = _merge(atoms, fwd, bwd, target_s)
+    plan = Plan.of(graph, merged, f_costs, b_costs, target_s=target_s, training=loss_fn is not None)
+    logger.info(
+        "[partition] %s: %d nodes in %d atoms, %d forward and %d backward steps (target %.1f ms; %d opened, %d split)",
+        type(model).__name__,
+        len(graph.nodes),
+        len(merged),
+        len(plan.forward),
+        len(plan.backward),
+        target_s * 1e3,
+        len(opened),
+        len(slices),
+    )
+    return plan

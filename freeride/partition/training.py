@@ -1,0 +1,247 @@
+"""Training of any ``nn.Module`` with its optimizer as a side task, cut automatically into bubble-sized steps.
+
+A user subclasses :class:`PartitionedTraining` and builds the model, its
+optimizer, the loss and the data in :meth:`PartitionedTraining.build`; at
+setup the task traces and times the model on its device and plans steps
+(see :mod:`freeride.partition.plan`). One batch is then:
+
+* ``f0`` .. ``fN``: the forward pass, a few atoms per step (``f0`` fetches the batch);
+* ``b0`` .. ``bM``: the backward pass, from the loss back to the input;
+* ``u0`` .. ``uK``: the optimizer step, a run of parameters per step.
+
+The parameters after each batch are those of ``opt.zero_grad();
+loss_fn(model(x), y).backward(); opt.step()`` on the same batch, up to the
+rounding of summing gradients in another order.
+
+Checkpoints are exact at every step boundary. During the forward and backward
+passes the state describes the batch's start (its data position, random state
+and the model's buffers as they were then: batch-norm statistics are updated by
+the forward pass), so a restored task runs the batch again from ``f0`` and
+reaches the same numbers; parameters do not change before the update, and
+their gradients start from none. During the update the state holds the
+gradients and how many parameters are already updated.
+
+The data must be re-iterable (a list, a ``Dataset``-like or a class with
+``__iter__``) and yield the same batches each time it is iterated from the
+start: a restore rebuilds it and skips the batches already used (replaying
+them, unless the data has ``iter_from(position)``, an iterator from batch
+``position`` of its first pass on).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from freeride.partition._common import EMA, Batches, Partitioned, capture_rng, restore_rng, to_device
+from freeride.partition.graph import Executor
+from freeride.partition.plan import Step, make_plan, timer
+from freeride.partition.update import ChunkedUpdate
+from freeride.sidetask import TaskContext
+
+__all__ = ["PartitionedTraining", "TrainingParts"]
+
+
+class TrainingParts(NamedTuple):
+    """What :meth:`PartitionedTraining.build` returns."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    """Called as ``loss_fn(model(x), y)`` for each batch ``(x, y)``."""
+    data: Iterable[Any]
+    """Yields ``(x, y)`` batches; re-iterable, the same batches each pass."""
+
+
+class PartitionedTraining(Partitioned):
+    """Train any model with its optimizer, in steps sized for the bubbles of its device.
+
+    Subclass it and implement :meth:`build`. Options (keyword arguments):
+    ``target_ms`` (5: the longest a step should take, in milliseconds),
+    ``steps`` (0: train until stopped; else the number of batches),
+    ``profile_runs`` (2: timed runs per piece at setup).
+
+    Metrics: ``loss`` (last batch), ``loss_ema``, ``batches``, ``steps_per_batch``.
+    """
+
+    def __init__(self, *, target_ms: float = 5.0, steps: int = 0, profile_runs: int = 2) -> None:
+        super().__init__(target_ms=target_ms, steps=steps, profile_runs=profile_runs)
+        self.model: nn.Module = nn.Identity()
+        self.loss = math.nan
+        self.loss_ema = math.nan
+        self._phase = "forward"
+        self._pos = 0
+        self._cursor = 0
+        self._in_batch = False
+        self._start: tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
+        """While a batch is in flight before its update: its data position, random state and buffers at its start."""
+
+    @abc.abstractmethod
+    def build(self) -> TrainingParts:
+        """Build the model (on :attr:`device`), its optimizer, the loss and the data; called once, in setup."""
+
+    async def setup(self, ctx: TaskContext) -> None:
+        if self._ready:
+            return
+
+        self.device = torch.device(ctx.torch_device)
+        self._clock = timer(self.device)
+        parts = self.build()
+        self.model, self.optimizer, self.loss_fn = parts.model, parts.optimizer, parts.loss_fn
+        self.batches = Batches(parts.data)
+        self.update = ChunkedUpdate(self.optimizer)
+        x, y = self._split(to_device(self.batches.peek(), self.device))
+        rng, buffers = capture_rng(self.device), self._buffers()
+        self.model.train()
+        self.plan = make_plan(
+            self.model, x, y, self.loss_fn, target_s=self.target_ms / 1e3, device=self.device, runs=self.profile_runs
+        )
+        self.chunks = ChunkedUpdate.chunks(self.update.profile(self.device), self.target_ms / 1e3)
+        # planning ran the model: undo what that changed
+        restore_rng(rng, self.device)
+        self._load_buffers(buffers)
+        for p in self.model.parameters():
+            p.grad = None
+        self.executor = Executor(self.plan.graph, self.plan.atoms, self.loss_fn)
+        self._apply_pending()
+
+    @staticmethod
+    def _split(batch: Any) -> tuple[Any, Any]:
+        if not (isinstance(batch, tuple | list) and len(batch) == 2):
+            raise ValueError(f"a training batch must be a pair (x, y), got {type(batch).__name__}")
+        return batch[0], batch[1]
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        return {n: b.detach().clone() for n, b in self.model.named_buffers()}
+
+    def _load_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for n, b in self.model.named_buffers():
+                b.copy_(buffers[n])
+
+    def _chunk(self) -> int:
+        return next(j for j, (lo, hi, _) in enumerate(self.chunks) if lo <= self._cursor < hi)
+
+    def _current(self) -> Step | None:
+        assert self.plan is not None
+        if self._phase == "forward":
+            return self.plan.forward[self._pos]
+        if self._phase == "backward":
+            return self.plan.backward[self._pos]
+        return None
+
+    def step_kind(self) -> str:
+        if self.plan is None:
+            return ""
+        step = self._current()
+        return step.kind if step is not None else f"u{self._chunk()}"
+
+    def _costs(self) -> dict[str, float]:
+        costs = super()._costs()
+        costs.update({f"u{j}": cost for j, (_, _, cost) in enumerate(getattr(self, "chunks", []))})
+        return costs
+
+    def step(self) -> None:
+        if self.plan is None:
+            raise RuntimeError(f"{type(self).__name__}: step() before setup()")
+        t0 = self._clock()
+        step = self._current()
+        if self._phase == "forward":
+            if self._pos == 0 and not self._in_batch:
+                self._begin_batch()
+            for k in step.atoms:  # type: ignore[union-attr]
+                self.executor.forward(k)
+            self._pos += 1
+            if self._pos == len(self.plan.forward):
+                assert self.executor.loss is not None
+                self.loss = float(self.executor.loss.detach())
+                self._phase, self._pos = "backward", 0
+        elif self._phase == "backward":
+            for k in step.atoms:  # type: ignore[union-attr]
+                self.executor.backward(k)
+            self._pos += 1
+            if self._pos == len(self.plan.backward):
+                self.executor.reset()
+                self._phase, self._cursor, self._start = "update", 0, None
+        else:
+            _, hi, _ = self.chunks[self._chunk()]
+            self.update.step(self._cursor, hi)
+            self._cursor = hi
+            if self._cursor >= len(self.update.params):
+                self._end_batch()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._observe(step, self._clock() - t0)
+
+    def _begin_batch(self) -> None:
+        self._start = (self.batches.position, capture_rng(self.device), self._buffers())
+        x, y = self._split(to_device(self.batches.next(), self.device))
+        for p in self.model.parameters():
+            p.grad = None
+        self.model.train()
+        self.executor.begin(x, y)
+        self._in_batch = True
+
+    def _end_batch(self) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+        self.batches_done += 1
+        self.loss_ema = self.loss if math.isnan(self.loss_ema) else EMA * self.loss_ema + (1 - EMA) * self.loss
+        self._phase, self._pos, self._cursor, self._in_batch = "forward", 0, 0, False
+        self._maybe_regroup()
+
+    def metrics(self) -> dict[str, float]:
+        plan = self.plan
+        per_batch = len(plan.forward) + len(plan.backward) + len(self.chunks) if plan is not None else 0
+        return {
+            "loss": self.loss,
+            "loss_ema": self.loss_ema,
+            "batches": float(self.batches_done),
+            "steps_per_batch": float(per_batch),
+        }
+
+    def _capture(self) -> dict[str, Any]:
+        mid = self._start is not None
+        model = self.model.state_dict()
+        position, rng = self.batches.position, capture_rng(self.device)
+        if self._start is not None:
+            position, rng, buffers = self._start
+            model.update({name: b for name, b in buffers.items() if name in model})  # persistent ones only
+        updating = self._phase == "update"
+        return {
+            "model": model,
+            "optimizer": self.optimizer.state_dict(),
+            "position": position,
+            "rng": rng,
+            "update": self._cursor if updating else -1,
+            "grads": [p.grad for p in self.update.params] if updating else None,
+            "batches": self.batches_done,
+            "loss": self.loss,
+            "loss_ema": self.loss_ema,
+            "mid_batch": mid,
+            "extra": self.extra_state(),
+        }
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.batches.seek(int(state["position"]))
+        restore_rng(state["rng"], self.device)
+        self.executor.reset()
+        for p in self.model.parameters():
+            p.grad = None
+        self._start, self._pos, self._in_batch = None, 0, False
+        if int(state["update"]) >= 0:
+            for param, grad in zip(self.update.params, state["grads"], strict=True):
+                param.grad = None if grad is None else grad.to(param.device)
+            self._phase, self._cursor = "update", int(state["update"])
+        else:
+            self._phase, self._cursor = "forward", 0
+        self.batches_done = int(state["batches"])
+        self.loss, self.loss_ema = float(state["loss"]), float(state["loss_ema"])
+        self.load_extra_state(state.get("extra") or {})

@@ -1,0 +1,323 @@
+"""Partitioned training and inference give the numbers of plain steps, and restore exactly at any step boundary."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _torchfix import deterministic_one_thread  # noqa: F401 - autouse fixture
+from torch import nn
+
+from freeride.partition import InferenceParts, PartitionedInference, PartitionedTraining, TrainingParts
+from freeride.partition.plan import group
+from freeride.sidetask import TaskContext
+from freeride.worker.checkpoint import load_checkpoint
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+# -- three models: a MobileNet-like CNN, a causal transformer LM, and a forward that is no chain of children
+
+
+class _InvertedResidual(nn.Module):
+    def __init__(self, c: int, expand: int) -> None:
+        super().__init__()
+        hidden = c * expand
+        self.block = nn.Sequential(
+            nn.Conv2d(c, hidden, 1, bias=False),
+            nn.BatchNorm2d(hidden),
+            nn.ReLU6(inplace=True),
+            nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden, bias=False),
+            nn.BatchNorm2d(hidden),
+            nn.ReLU6(inplace=True),
+            nn.Conv2d(hidden, c, 1, bias=False),
+            nn.BatchNorm2d(c),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.block(x)
+        out += x  # in place on the block's output: a boundary there must not hand out a leaf
+        return out
+
+
+class MobileNetLike(nn.Module):
+    def __init__(self, classes: int = 5) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True))
+        self.blocks = nn.Sequential(_InvertedResidual(16, 4), _InvertedResidual(16, 4))
+        self.head = nn.Sequential(nn.Conv2d(16, 64, 1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.fc = nn.Linear(64, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.head(self.blocks(self.stem(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 48, d: int = 32, context: int = 12) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(context, d) * 0.02)
+        layer = nn.TransformerEncoderLayer(d, 4, 64, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.lm_head = nn.Linear(d, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        return self.lm_head(self.encoder(h, mask=self.mask, is_causal=True))
+
+
+class SkipNet(nn.Module):
+    """Branches, a concatenation and functional calls: no chain of children. Its wide layers get split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 24, 3, padding=1)
+        self.conv2 = nn.Conv2d(24, 24, 3, padding=1)
+        self.wide = nn.Linear(24 * 16, 256)
+        self.narrow = nn.Linear(24 * 16, 32)
+        self.out = nn.Linear(256 + 32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = F.relu(self.conv(x))
+        b = torch.tanh(self.conv2(a)) + a
+        flat = F.max_pool2d(b, 2).flatten(1)
+        h = torch.cat([F.gelu(self.wide(flat)), self.narrow(flat) * flat.mean(1, keepdim=True)], dim=1)
+        return self.out(h)
+
+
+def _images(n: int, size: int = 4, side: int = 8) -> Batches:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(size, 3, side, side, generator=g), torch.randint(5, (size,), generator=g)) for _ in range(n)]
+
+
+def _tokens(n: int, size: int = 3, context: int = 12, vocab: int = 48) -> Batches:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        t = torch.randint(vocab, (size, context + 1), generator=g)
+        out.append((t[:, :-1], t[:, 1:]))
+    return out
+
+
+def _lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], torch.optim.Optimizer], Any, Batches]] = {
+    "mobilenet-sgd": (
+        MobileNetLike,
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3),
+        F.cross_entropy,
+        _images(4),
+    ),
+    # SGD: the attention's key bias has a gradient of exactly zero in theory (softmax ignores a shift), so
+    # its computed gradient is rounding noise, which Adam would scale up into full-size steps
+    "lm-sgd": (
+        TinyLM,
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4),
+        _lm_loss,
+        _tokens(4),
+    ),
+    # Adam divides by sqrt(v) + eps: with the default eps a gradient of a few ulps (rounding alone) becomes a
+    # full step of lr; eps=1e-3 keeps a rounding difference a rounding difference
+    "skipnet-adam": (
+        SkipNet,
+        lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, eps=1e-3),
+        F.cross_entropy,
+        _images(3),
+    ),
+}
+
+
+class _Task(PartitionedTraining):
+    def __init__(self, case: str, *, target_ms: float = 0.05, steps: int = 0) -> None:
+        super().__init__(target_ms=target_ms, steps=steps, profile_runs=1)
+        self.case = case
+
+    def build(self) -> TrainingParts:
+        make, optimizer, loss_fn, batches = CASES[self.case]
+        torch.manual_seed(0)
+        model = make()
+        return TrainingParts(model, optimizer(model), loss_fn, batches)
+
+
+def _ctx() -> TaskContext:
+    return TaskContext(task_id=0, device="cpu:0", torch_device="cpu", workdir=Path("."))
+
+
+def _plain(case: str, batches: int) -> nn.Module:
+    make, optimizer, loss_fn, data = CASES[case]
+    torch.manual_seed(0)
+    model = make()
+    opt = optimizer(model)
+    torch.manual_seed(7)
+    for x, y in data[:batches]:
+        model.train()
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    return model
+
+
+def _started(case: str, **kw: Any) -> _Task:
+    task = _Task(case, **kw)
+    asyncio.run(task.setup(_ctx()))
+    torch.manual_seed(7)  # the random stream (dropout) the plain run also starts from
+    return task
+
+
+def _run_batches(task: _Task, batches: int) -> int:
+    steps = 0
+    while task.batches_done < batches:
+        task.step()
+        steps += 1
+    return steps
+
+
+def _assert_same(a: nn.Module, b: nn.Module) -> None:
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_partitioned_steps_give_the_plain_result(case: str) -> None:
+    task = _started(case)
+    plan = task.plan
+    assert plan is not None and len(plan.forward) > 3 and len(plan.backward) > 3 and len(task.chunks) > 1
+    _run_batches(task, 3)
+    _assert_same(_plain(case, 3), task.model)
+
+
+def test_slow_children_are_opened_and_wide_layers_split() -> None:
+    # a target far below any layer's time, so that whether they are opened does not depend on this machine
+    lm = _started("lm-sgd", target_ms=0.005).plan
+    assert lm is not None
+    called = {str(n.target) for n in lm.graph.nodes if n.op == "call_module"}
+    # the encoder and its layers were traced into: attention and the feed-forward layers are pieces of their own
+    assert "encoder.layers.0.self_attn" in called and "encoder.layers.1.linear2" in called
+    skip = _started("skipnet-adam", target_ms=0.005).plan
+    assert skip is not None
+    sliced = {str(skip.graph.nodes[a.start].target) for a in skip.atoms if a.is_slice}
+    assert {"wide", "conv2"} <= sliced
+
+
+def test_kinds_name_the_pieces_and_each_has_a_cost() -> None:
+    task = _started("mobilenet-sgd")
+    kinds = []
+    while task.batches_done < 1:
+        kinds.append(task.step_kind())
+        task.step()
+    assert kinds[0] == "f0" and kinds[-1].startswith("u") and "b0" in kinds
+    assert len(set(kinds)) == len(kinds)  # one batch: each piece once
+    assert all((cost := task.step_cost(k)) is not None and cost > 0 for k in kinds)
+    assert task.step_cost("nope") is None
+
+
+@pytest.mark.parametrize("case", ["mobilenet-sgd", "lm-sgd"])
+@pytest.mark.parametrize("where", ["forward", "backward", "update"])
+def test_a_checkpoint_mid_batch_restores_exactly(case: str, where: str, tmp_path: Path) -> None:
+    # batch 0 whole, then stop inside batch 1 in the given phase
+    task = _started(case)
+    _run_batches(task, 1)
+    while not task.step_kind().startswith(where[0]):
+        task.step()
+    task.step()
+    if where != "update":
+        assert task.step_kind().startswith(where[0])  # still in the middle of that phase
+    path = tmp_path / "ckpt.pt"
+    torch.save({"steps": 0, "state": task.state_dict()}, path)
+
+    # the worker's order: the checkpoint is handed over before setup, and loaded with weights only
+    restored = _Task(case)
+    restored.load_state_dict(load_checkpoint(path)["state"])
+    asyncio.run(restored.setup(_ctx()))
+    assert restored.batches_done == 1
+    _run_batches(restored, 3)
+    _assert_same(_plain(case, 3), restored.model)
+
+
+def test_a_checkpoint_loaded_after_setup_restores_too() -> None:
+    task = _started("mobilenet-sgd")
+    task.step()
+    task.step()
+    state = task.state_dict()
+    other = _started("mobilenet-sgd")
+    _run_batches(other, 1)  # a different position, overwritten by the load
+    other.load_state_dict(state)
+    _run_batches(other, 2)
+    _assert_same(_plain("mobilenet-sgd", 2), other.model)
+
+
+def test_group_keeps_steps_under_the_target_and_regroups_on_drift() -> None:
+    steps = group([1.0, 1.0, 1.0, 3.0, 0.5, 0.5], 2.0, "f")
+    assert [s.atoms for s in steps] == [(0, 1), (2,), (3,), (4, 5)]
+    assert [s.atoms for s in group([1.0, 1.0, 1.0], 2.0, "b", reverse=True)] == [(2, 1), (0,)]
+    plan = _started("mobilenet-sgd", target_ms=1.0).plan
+    assert plan is not None
+    assert len(plan.forward) > 1
+    plan.regroup(1e-6)  # far faster than measured: the whole pass fits in one step
+    assert len(plan.forward) == len(plan.backward) == 1
+    plan.regroup(1e9)  # far slower: one atom per step
+    assert len(plan.forward) == len(plan.atoms)
+
+
+class _Infer(PartitionedInference):
+    def __init__(self, *, target_ms: float = 0.05) -> None:
+        super().__init__(target_ms=target_ms, profile_runs=1)
+        self.outputs: list[torch.Tensor] = []
+
+    def build(self) -> InferenceParts:
+        torch.manual_seed(0)
+        return InferenceParts(TinyLM(), [x for x, _ in _tokens(3)])
+
+    def consume(self, output: Any, batch: Any) -> None:
+        self.outputs.append(output)
+
+
+def test_inference_outputs_equal_the_whole_model() -> None:
+    task = _Infer()
+    asyncio.run(task.setup(_ctx()))
+    assert task.plan is not None and len(task.plan.forward) > 3
+    assert task.step_kind() == "i0"
+    while task.batches_done < 3:
+        task.step()
+    model = TinyLM()
+    model.load_state_dict(task.model.state_dict())
+    model.eval()
+    with torch.no_grad():
+        for out, x in zip(task.outputs, [x for x, _ in _tokens(3)], strict=True):
+            torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-6)
+    assert task.metrics()["batches"] == 3
+
+
+def test_an_iterator_for_data_is_refused() -> None:
+    class Once(_Task):
+        def build(self) -> TrainingParts:
+            parts = super().build()
+            return parts._replace(data=iter(parts.data))
+
+    with pytest.raises(ValueError, match="re-iterable"):
+        asyncio.run(Once("mobilenet-sgd").setup(_ctx()))
+
+
+def test_lbfgs_is_refused() -> None:
+    class Whole(_Task):
+        def build(self) -> TrainingParts:
+            parts = super().build()
+            return parts._replace(optimizer=torch.optim.LBFGS(parts.model.parameters()))
+
+    with pytest.raises(ValueError, match="per-parameter optimizer"):
+        asyncio.run(Whole("mobilenet-sgd").setup(_ctx()))
+
+
+def test_bad_options_are_refused() -> None:
+    with pytest.raises(ValueError, match="target_ms"):
+        _Task("mobilenet-sgd", target_ms=0)
+    with pytest.raises(ValueError, match="steps"):
+        _Task("mobilenet-sgd", steps=-1)
