@@ -17,7 +17,7 @@ Checked against torch 2.13 (``torch/distributed/pipelining/schedules.py`` and
   None) and, for the runtime schedules, ``pipeline_order_with_comms`` (what
   ``_step_microbatches`` really runs); ``_Action`` has ``stage_index``,
   ``computation_type`` (an enum whose ``value`` is ``F``, ``I``, ``B``, ``W``,
-  ``SEND_F``... ) , ``microbatch_index`` and ``sub_actions`` (``OVERLAP_F_B``);
+  ``SEND_F``...), ``microbatch_index`` and ``sub_actions`` (``OVERLAP_F_B``);
 * ``stage_index_to_group_rank``, ``rank``, ``pp_group_size``, ``_stages`` on
   multi-stage schedules; ``_stage``, ``_num_stages`` on single-stage ones;
   ``_n_microbatches`` on both.
@@ -45,6 +45,7 @@ __all__ = [
     "WaitBatchP2P",
     "has_backward",
     "is_patched",
+    "is_recv",
     "missing_names",
     "patch",
     "schedule_actions",
