@@ -224,3 +224,49 @@ def test_an_unsimulated_plan_has_no_priors() -> None:
         waits = tracker.end_step()
         assert waits is not None
         assert (waits.waits[0].expected_ns > 0) is expect_prior, (simulated, waits.waits)
+
+
+# ------------------------------------------------------- torch's own loops
+
+
+class _RecordingStage:
+    """The parts of a pipeline stage that torch's single-stage loops call; records the passes."""
+
+    def __init__(self, stage: int) -> None:
+        self.stage_index = stage
+        self.passes: list[str] = []
+
+    def get_fwd_recv_ops(self, mb: int) -> list[Any]:
+        return []
+
+    get_bwd_recv_ops = get_fwd_send_ops = get_bwd_send_ops = get_fwd_recv_ops
+
+    def forward_one_chunk(self, mb: int, *args: Any, **kwargs: Any) -> None:
+        self.passes.append(f"{self.stage_index}F{mb}")
+
+    def backward_one_chunk(self, mb: int, *args: Any, **kwargs: Any) -> None:
+        self.passes.append(f"{self.stage_index}B{mb}")
+
+    def perform_reduce_grad(self, scale: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("name", ["Schedule1F1B", "ScheduleGPipe"])
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (3, 5)])
+def test_torchs_single_stage_loops_run_the_orders_the_plan_assumes(name: str, p: int, m: int) -> None:
+    """SINGLE_STAGE_ORDERS stands in for torch's pipeline_order, which misnumbers 1F1B's micro-batches."""
+    from torch.distributed.pipelining import schedules
+
+    from backends.torchpipe.adapter import SINGLE_STAGE_ORDERS
+
+    for stage in range(p):
+        loop = object.__new__(getattr(schedules, name))
+        recorder = _RecordingStage(stage)
+        loop.__dict__.update(_stage=recorder, _n_microbatches=m, _num_stages=p, scale_grads=True)
+        loop._check_inputs = lambda *a: ([()] * m, [{}] * m)
+        loop._initialize_stage = lambda *a: None
+        loop._maybe_compute_loss = lambda *a: None
+        loop._maybe_get_loss = lambda *a: None
+        loop._update_losses = lambda *a: None
+        loop._step_microbatches([()] * m, [{}] * m, None, None)
+        assert recorder.passes == [str(a) for a in SINGLE_STAGE_ORDERS[name](p, m).actions[stage]], (stage, name)
