@@ -108,6 +108,17 @@ def _wrap_compute(kind: str, original: Callable[..., Any]) -> Callable[..., Any]
     return compute
 
 
+def _wrap_sync(original: Callable[..., Any]) -> Callable[..., Any]:
+    def perform_reduce_grad(*args: Any, **kwargs: Any) -> Any:
+        adapter = _current.adapter
+        if adapter is None:
+            return original(*args, **kwargs)
+        return adapter.sync(original, args, kwargs)
+
+    perform_reduce_grad.__doc__ = getattr(original, "__doc__", None)
+    return perform_reduce_grad
+
+
 def on_import(module: ModuleType) -> None:
     """Import hook for ``torch.distributed.pipelining.schedules``: watch every schedule's steps.
 
@@ -123,6 +134,7 @@ def on_import(module: ModuleType) -> None:
             batch_p2p=_wrap_batch_p2p,
             wait_batch_p2p=_wrap_wait,
             compute=_wrap_compute,
+            sync=_wrap_sync,
         )
     except Exception:
         logger.exception("[attach] cannot patch %s; training continues without FreeRide", module.__name__)

@@ -73,6 +73,7 @@ TorchActions = dict[int, list[tuple[int, str, int]]]
 _SCHEDULE_NAMES = ("PipelineScheduleSingle", "PipelineScheduleMulti", "_batch_p2p", "_wait_batch_p2p")
 _STAGE_CLASS = "_PipelineStageBase"
 _COMPUTE_METHODS = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_one_chunk": "W"}
+_SYNC_METHOD = "perform_reduce_grad"
 _ORIGINAL = "__freeride_original__"
 
 
@@ -105,6 +106,7 @@ def patch(
     batch_p2p: Callable[[BatchP2P], BatchP2P],
     wait_batch_p2p: Callable[[WaitBatchP2P], WaitBatchP2P],
     compute: Callable[[str, Callable[..., Any]], Callable[..., Any]],
+    sync: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
 ) -> None:
     """Wrap the step methods, the two p2p helpers and the stage's compute methods.
 
@@ -116,6 +118,7 @@ def patch(
         wait_batch_p2p: Likewise for ``_wait_batch_p2p``.
         compute: ``compute(kind, original)`` builds a replacement compute method
             (``kind``: ``F``, ``B`` or ``W``).
+        sync: Builds a replacement ``perform_reduce_grad`` (skipped where torch has none).
 
     Raises:
         RuntimeError: This torch lacks a name the backend needs (the message names them).
@@ -139,6 +142,8 @@ def patch(
     base = getattr(stage, _STAGE_CLASS)
     for method, kind in _COMPUTE_METHODS.items():
         _replace(base, method, compute(kind, getattr(base, method)))
+    if sync is not None and hasattr(base, _SYNC_METHOD):
+        _replace(base, _SYNC_METHOD, sync(getattr(base, _SYNC_METHOD)))
 
 
 def _replace(owner: Any, name: str, new: Callable[..., Any]) -> None:
@@ -152,7 +157,7 @@ def unpatch(schedules: ModuleType, stage: ModuleType) -> None:
         (getattr(schedules, "PipelineScheduleSingle", None), ("step",)),
         (getattr(schedules, "PipelineScheduleMulti", None), ("step",)),
         (schedules, ("_batch_p2p", "_wait_batch_p2p")),
-        (getattr(stage, _STAGE_CLASS, None), tuple(_COMPUTE_METHODS)),
+        (getattr(stage, _STAGE_CLASS, None), (*_COMPUTE_METHODS, _SYNC_METHOD)),
     ]
     for owner, names in owners:
         for name in names:

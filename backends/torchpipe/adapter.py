@@ -13,6 +13,9 @@ One :class:`TorchPipeAdapter` watches one schedule object. Each training
   ``send:<next action>`` (``send:tail`` for the sends torch drains at the end of
   the step). The tracker announces it as a bubble with the length it expects
   there, and ends it when the wait returns;
+* times the stage's ``perform_reduce_grad`` (the gradient reduction over the
+  data-parallel group, where a rank waits for its slowest replica) as the wait
+  at :data:`TAIL_REDUCE`;
 * ends the step when ``step()`` returns. torch's schedules have no pipeline-wide
   sync of their own at the end, so a rank's tail lands in the next step's first
   receive (``merge_tail``).
@@ -41,11 +44,14 @@ from backends.torchpipe.translate import loop_placed, to_schedule
 from backends.tracker import StepPlan, StepTracker
 from freeride.profile import RankObservations, StepRecord
 
-__all__ = ["SINGLE_STAGE_ORDERS", "TorchPipeAdapter", "device_name", "manager_reachable"]
+__all__ = ["SINGLE_STAGE_ORDERS", "TAIL_REDUCE", "TorchPipeAdapter", "device_name", "manager_reachable"]
 
 logger = logging.getLogger(__name__)
 
 _HEARTBEAT_NS = 1_000_000_000
+
+TAIL_REDUCE = "tail:reduce_grad"
+"""Key of the end-of-step gradient reduction (``perform_reduce_grad``)."""
 
 SINGLE_STAGE_ORDERS: dict[str, Callable[[int, int], Schedule]] = {"Schedule1F1B": one_f_one_b, "ScheduleGPipe": gpipe}
 """The order the single-stage schedules' ``_step_microbatches`` loops run (torch 2.13's
@@ -257,6 +263,16 @@ class TorchPipeAdapter:
             after = self.tracker.next_action
             key = "send:tail" if after is None else f"send:{after}"
         self.tracker.wait_started(key)
+
+    def sync(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the end-of-step gradient reduction as the wait at :data:`TAIL_REDUCE`."""
+        if not self.tracker.in_step:
+            return fn(*args, **kwargs)
+        self._track(self.tracker.wait_started, TAIL_REDUCE)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._track(self.tracker.wait_ended)
 
     def compute(self, kind: Kind, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run one compute pass, telling the tracker which action it is and how long it took."""

@@ -148,7 +148,8 @@ def test_on_import_never_raises(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def _run_rank1_step(adapter: TorchPipeAdapter) -> None:
-    """What Schedule1F1B runs on the last of 2 ranks, 2 micro-batches: recv F0, F0, B0, send+recv F1, F1, B1, send."""
+    """What Schedule1F1B runs on the last of 2 ranks, 2 micro-batches:
+    recv F0, F0, B0, send+recv F1, F1, B1, send, reduce the gradients."""
     recv, send = [SimpleNamespace(op=irecv)], [SimpleNamespace(op=isend)]
 
     def wait(ops: list[Any]) -> None:
@@ -164,6 +165,7 @@ def _run_rank1_step(adapter: TorchPipeAdapter) -> None:
         adapter.compute("F", lambda: None, (), {})
         adapter.compute("B", lambda: None, (), {})
         wait(send)
+        adapter.sync(lambda: None, (), {})
         return "loss"
 
     assert adapter.run_step(body, adapter._schedule(), (), {}) == "loss"
@@ -175,7 +177,7 @@ def test_waits_are_keyed_by_the_action_they_feed() -> None:
     _run_rank1_step(adapter)
     record = adapter.tracker.last_step
     assert record is not None
-    assert [w.key for w in record.waits] == ["1F0", "1F1", "send:tail"]
+    assert [w.key for w in record.waits] == ["1F0", "1F1", "send:tail", "tail:reduce_grad"]
     assert sink.steps == [0]
 
 
@@ -193,10 +195,10 @@ def test_bookkeeping_errors_are_counted_not_raised(monkeypatch: pytest.MonkeyPat
     def broken(*args: Any) -> None:
         raise KeyError("ours")
 
-    monkeypatch.setattr(adapter.tracker, "wait_started", broken)
-    monkeypatch.setattr(adapter.tracker, "action_started", broken)
+    for name in ("wait_started", "wait_ended", "action_started"):
+        monkeypatch.setattr(adapter.tracker, name, broken)
     _run_rank1_step(adapter)
-    assert adapter.errors == 7  # 3 waits, 4 passes: training went on through each
+    assert adapter.errors == 12  # 4 waits (with the sync) begun and ended, 4 passes: training went on through each
 
 
 def test_the_frameworks_errors_pass_through_and_abandon_the_step() -> None:
