@@ -75,9 +75,14 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     add_common_args(ap)
     ap.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     ap.add_argument("--vpp", type=int, default=None, help="stages per rank (interleaved: default 2; zbv: 2)")
-    ap.add_argument("--stages", type=int, default=0, help="with --spawn 0 and no launcher: ignored; else = --spawn")
+    ap.add_argument(
+        "--stages", type=int, default=0, help="pipeline ranks: spawned here unless a launcher started the ranks"
+    )
     ns = ap.parse_args(argv)
-    if ns.stages and not ns.spawn:
+    world = os.environ.get("WORLD_SIZE")
+    if ns.stages and world is not None and int(world) != ns.stages:
+        ap.error(f"--stages {ns.stages} but the launcher started {world} ranks")
+    if ns.stages and not ns.spawn and world is None:
         ns.spawn = ns.stages
     del ns.stages
     if ns.vpp is None:
