@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 HOOKS: dict[str, str] = {
     "deepspeed.runtime.pipe.engine": "backends.deepspeed",
     "megatron.core.pipeline_parallel.schedules": "backends.megatron",
+    "torch.distributed.pipelining.schedules": "backends.torchpipe",
 }
 """Framework module -> adapter package whose ``on_import`` patches it."""
 

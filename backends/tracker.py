@@ -104,6 +104,9 @@ class StepPlan:
     :func:`backends.schedule.simulate`); None: one each."""
     tail_key: str = TAIL_KEY
     """Place key of the wait the simulated tail bubble is expected at (unless merged)."""
+    simulated: bool = True
+    """Predict waits from the simulated schedule until they are measured; False where
+    :func:`backends.schedule.simulate` cannot model the stages' placement (V-shaped)."""
 
     @property
     def key(self) -> PlanKey:
@@ -418,6 +421,9 @@ class StepTracker:
 
     def _prime(self, plan: StepPlan) -> None:
         """Set the schedule's prediction, once this rank's compute times are known."""
+        if not plan.simulated:
+            self._primed.add(plan.key)
+            return
         needed: tuple[Kind, ...] = ("F", "B", "W") if plan.schedule.has_weight_passes else ("F", "B")
         if not all(self._compute[k] for k in needed):
             return

@@ -1,0 +1,328 @@
+"""Bubble events from one torch.distributed.pipelining schedule, without touching the training script.
+
+One :class:`TorchPipeAdapter` watches one schedule object. Each training
+``step()`` it
+
+* begins a step in a :class:`~backends.tracker.StepTracker` whose plan is the
+  schedule's own action lists translated to ``2F0`` notation
+  (:mod:`backends.torchpipe.translate`);
+* reports every compute pass (``forward_one_chunk``: F, ``backward_one_chunk``:
+  B, ``backward_weight_one_chunk``: W) so the tracker knows which action comes next;
+* treats every ``_wait_batch_p2p`` as a wait: one that holds a receive is keyed by
+  the action it feeds (the next one in the list), one of sends only by
+  ``send:<next action>`` (``send:tail`` for the sends torch drains at the end of
+  the step). The tracker announces it as a bubble with the length it expects
+  there, and ends it when the wait returns;
+* times the stage's ``perform_reduce_grad`` (the gradient reduction over the
+  data-parallel group, where a rank waits for its slowest replica) as the wait
+  at :data:`TAIL_REDUCE`;
+* ends the step when ``step()`` returns. torch's schedules have no pipeline-wide
+  sync of their own at the end, so a rank's tail lands in the next step's first
+  receive (``merge_tail``).
+
+Nothing here may disturb training: our bookkeeping is called through
+:meth:`TorchPipeAdapter._track`, which logs and counts its errors instead of
+raising; the framework's own errors pass through untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from backends.launch import Mode, read_mode
+from backends.observations import ObservationLog
+from backends.schedule import Kind, Schedule, gpipe, one_f_one_b
+from backends.session import BackendConfig, BackendSession, events_endpoint_from_env
+from backends.torchpipe import _compat
+from backends.torchpipe.translate import loop_placed, to_schedule
+from backends.tracker import StepPlan, StepTracker
+from freeride.profile import RankObservations, StepRecord
+
+__all__ = ["SINGLE_STAGE_ORDERS", "TAIL_REDUCE", "TorchPipeAdapter", "device_name", "manager_reachable"]
+
+logger = logging.getLogger(__name__)
+
+_HEARTBEAT_NS = 1_000_000_000
+
+TAIL_REDUCE = "tail:reduce_grad"
+"""Key of the end-of-step gradient reduction (``perform_reduce_grad``)."""
+
+SINGLE_STAGE_ORDERS: dict[str, Callable[[int, int], Schedule]] = {"Schedule1F1B": one_f_one_b, "ScheduleGPipe": gpipe}
+"""The order the single-stage schedules' ``_step_microbatches`` loops run (torch 2.13's
+``Schedule1F1B.pipeline_order`` misnumbers the micro-batches of all but the first rank;
+the unit tests pin that these loops run exactly these orders)."""
+
+
+def device_name(device_type: str, device_index: int) -> str:
+    """``cuda:<index>``; on CPU ``cpu:<core>``, the core the rank is pinned to."""
+    if device_type != "cpu":
+        return f"{device_type}:{device_index}"
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) == 1:
+        return f"cpu:{cores[0]}"
+    return f"cpu:{int(os.environ.get('LOCAL_RANK', '0')) % (os.cpu_count() or 1)}"
+
+
+def _memory(device_type: str, device_index: int) -> tuple[int, int]:
+    """(spare, total) bytes of the rank's device; -1 where unknown."""
+    try:
+        if device_type == "cuda":
+            import torch
+
+            total = int(torch.cuda.get_device_properties(device_index).total_memory)
+            return total - int(torch.cuda.max_memory_reserved(device_index)), total
+        fields: dict[str, int] = {}
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                fields[name] = int(rest.split()[0]) * 1024
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or "1"))
+        return fields["MemAvailable"] // local, fields["MemTotal"] // local
+    except Exception:
+        logger.debug("[memory] cannot read memory of %s:%d", device_type, device_index, exc_info=True)
+        return -1, -1
+
+
+def manager_reachable(session: BackendSession) -> bool:
+    """Whether a manager took our Hello, or (ipc) its events socket exists."""
+    if session.sent > 0:
+        return True
+    endpoint = session.config.endpoint
+    return endpoint.startswith("ipc://") and os.path.exists(endpoint.removeprefix("ipc://"))
+
+
+def _global_rank(default: int) -> int:
+    try:
+        import torch.distributed as dist
+
+        return int(dist.get_rank()) if dist.is_initialized() else default
+    except Exception:
+        return default
+
+
+class TorchPipeAdapter:
+    """Emits the bubbles of one pipeline schedule (``Schedule1F1B``, ``ScheduleInterleaved1F1B``...).
+
+    Args:
+        schedule: A ``torch.distributed.pipelining`` schedule object.
+        session: Where events go; by default a :class:`BackendSession` to the
+            launcher's events endpoint.
+        mode: ``profile`` also writes every wait to ``profile_dir``; default from
+            the launcher's environment.
+        profile_dir: Where profile observations go (``rank-<rank>.json``).
+        min_bubble_ns: Waits expected to be shorter are not announced.
+        clock: Monotonic ns clock (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        schedule: Any,
+        *,
+        session: BackendSession | None = None,
+        mode: Mode | None = None,
+        profile_dir: Path | None = None,
+        min_bubble_ns: int = 1_000_000,
+        clock: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        env_mode, env_dir = read_mode()
+        self.mode: Mode = env_mode if mode is None else mode
+        self.profile_dir = env_dir if profile_dir is None else profile_dir
+        self.facts = _compat.schedule_facts(schedule)
+        self.device = device_name(self.facts.device_type, self.facts.device_index)
+        self.spare_memory, self.device_memory = _memory(self.facts.device_type, self.facts.device_index)
+        self.rank = _global_rank(self.facts.rank)
+        if session is None:
+            session = BackendSession(
+                BackendConfig(
+                    endpoint=events_endpoint_from_env(),
+                    rank=self.rank,
+                    stage=self.facts.rank,
+                    num_stages=self.facts.num_ranks,
+                    device=self.device,
+                    framework="torchpipe",
+                    spare_memory=self.spare_memory,
+                    device_memory=self.device_memory,
+                    min_bubble_ns=min_bubble_ns,
+                )
+            )
+        self.session = session
+        # the first step runs slow (shape inference, buffers): it only primes the schedule's prediction
+        self.tracker = StepTracker(
+            session, min_bubble_ns=min_bubble_ns, warmup_steps=1, clock=clock, on_step=self._step_finished
+        )
+        self.plan = self._build_plan(schedule)
+        self.log: ObservationLog | None = None
+        self.errors = 0
+        """Our own errors, caught so that training never sees them."""
+        self.closed = False
+        self._clock = clock
+        self._schedule = weakref.ref(schedule)
+        self._recv_works: dict[int, Any] = {}
+        """id -> Work of the receives posted in the step in flight (kept alive so ids stay unique)."""
+        self._last_event_ns = clock()
+        logger.info(
+            "[attach] torchpipe rank %d stage %d/%d (%s, %s) on %s: manager %s",
+            self.rank,
+            self.facts.rank,
+            self.facts.num_ranks,
+            self.facts.name,
+            "stages " + ",".join(map(str, self.facts.stage_indices)),
+            self.device,
+            "reachable" if manager_reachable(session) else f"not reachable at {session.config.endpoint}",
+        )
+
+    def _build_plan(self, schedule: Any) -> StepPlan | None:
+        """The step's plan from the schedule's action lists (or, for the two single-stage
+        schedules whose hard-coded loop those lists misdescribe, the loop's own order)."""
+        f = self.facts
+        rows = _compat.schedule_actions(schedule)
+        plan_schedule: Schedule | None = None
+        why = "it lists no actions"
+        if rows is not None:
+            try:
+                plan_schedule = to_schedule(
+                    f.name,
+                    rows,
+                    stage_to_rank=f.stage_to_rank,
+                    num_ranks=f.num_ranks,
+                    num_microbatches=f.num_microbatches,
+                )
+            except ValueError as exc:
+                why = str(exc)
+        if plan_schedule is None and f.name in SINGLE_STAGE_ORDERS:
+            plan_schedule = SINGLE_STAGE_ORDERS[f.name](f.num_ranks, f.num_microbatches)
+            logger.debug(
+                "[attach] %s: its action list does not match its loop (%s); using the loop's order", f.name, why
+            )
+        if plan_schedule is None:
+            logger.warning(
+                "[attach] cannot read %s's actions (%s): waits are predicted from measurements only", f.name, why
+            )
+            return None
+        return StepPlan(
+            schedule=plan_schedule,
+            stage=self.facts.rank,
+            merge_tail=True,
+            simulated=loop_placed(self.facts.stage_to_rank, self.facts.num_ranks),
+        )
+
+    # ------------------------------------------------------------------ hooks
+
+    def run_step(self, original: _compat.StepFn, schedule: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run ``original(schedule, *args, **kwargs)`` as one tracked training step."""
+        if self.closed or not _compat.has_backward(schedule):
+            return original(schedule, *args, **kwargs)
+        self._track(self._begin)
+        try:
+            result = original(schedule, *args, **kwargs)
+        except BaseException:
+            self._track(self.tracker.abandon_step)
+            self._recv_works.clear()
+            raise
+        self._track(self._end)
+        return result
+
+    def _begin(self) -> None:
+        self._recv_works.clear()
+        if self._clock() - self._last_event_ns > _HEARTBEAT_NS:
+            self.session.heartbeat()
+        if self.mode == "profile" and self.log is None:
+            self._open_log()
+        self.tracker.begin_step(self.plan, spare_memory=self.spare_memory)
+
+    def _end(self) -> None:
+        self._recv_works.clear()
+        self.tracker.end_step()
+
+    def posted(self, ops: list[Any], works: list[Any]) -> None:
+        """``_batch_p2p(ops)`` returned ``works``: remember those that receive."""
+        if self.tracker.in_step and any(_compat.is_recv(op) for op in ops):
+            for work in works:
+                self._recv_works[id(work)] = work
+
+    def wait(self, original: _compat.WaitBatchP2P, works: list[Any]) -> None:
+        """Run ``original(works)`` as a wait of the step in flight."""
+        if not works or not self.tracker.in_step:
+            original(works)
+            return
+        self._track(self._wait_started, works)
+        try:
+            original(works)
+        finally:
+            self._track(self.tracker.wait_ended)
+
+    def _wait_started(self, works: list[Any]) -> None:
+        key: str | None = None
+        if not any(id(w) in self._recv_works for w in works):
+            after = self.tracker.next_action
+            key = "send:tail" if after is None else f"send:{after}"
+        self.tracker.wait_started(key)
+
+    def sync(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the end-of-step gradient reduction as the wait at :data:`TAIL_REDUCE`."""
+        if not self.tracker.in_step:
+            return fn(*args, **kwargs)
+        self._track(self.tracker.wait_started, TAIL_REDUCE)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._track(self.tracker.wait_ended)
+
+    def compute(self, kind: Kind, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run one compute pass, telling the tracker which action it is and how long it took."""
+        if not self.tracker.in_step:
+            return fn(*args, **kwargs)
+        self._track(self.tracker.action_started, kind)
+        t0 = self._clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._track(self.tracker.record_compute, kind, self._clock() - t0)
+
+    def _track(self, call: Callable[..., object], *args: Any) -> None:
+        """Our bookkeeping never raises into the training step: errors are logged and counted."""
+        try:
+            call(*args)
+        except Exception:
+            self.errors += 1
+            if self.errors <= 3:
+                logger.exception("[bubble] bookkeeping failed in %s", getattr(call, "__name__", call))
+
+    # ------------------------------------------------------------- profile
+
+    def _open_log(self) -> None:
+        base = RankObservations(
+            framework="torchpipe",
+            rank=self.rank,
+            stage=self.facts.rank,
+            num_stages=self.facts.num_ranks,
+            device=self.device,
+            num_microbatches=self.facts.num_microbatches,
+            schedule=self.facts.name,
+            device_memory=self.device_memory,
+        )
+        self.log = ObservationLog(base, self.profile_dir, spare_memory=lambda: self.spare_memory, clock=self._clock)
+
+    def _step_finished(self, record: StepRecord) -> None:
+        self._last_event_ns = self._clock()
+        if self.log is not None:
+            self.log.add(record)
+
+    # ---------------------------------------------------------------- close
+
+    def close(self) -> None:
+        """Stop timing, write profile observations, say goodbye (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.tracker.in_step:
+            self._track(self.tracker.end_step)
+        if self.log is not None:
+            self.log.close()
+        self.session.close()

@@ -1,0 +1,316 @@
+"""A small GPT trained with torch.distributed.pipelining's schedules, torchtitan-style, on CPU (gloo) or GPU.
+
+Every rank prints one JSON line per training step (``rank``, ``stage``,
+``step``, ``loss`` (the rank holding the last stage only, else null),
+``step_ms``, ``cpu_ms``; with ``--recv-timers`` also ``recv_ms`` and ``recv``,
+the schedule's p2p waits as ``[start_ns, duration_ns]`` on the monotonic clock,
+timed by this script around torch's ``_wait_batch_p2p``). Launch it as any
+torchrun job::
+
+    torchrun --standalone --nproc_per_node 2 tools/train/torchpipe_gpt.py --steps 20
+    torchrun --standalone --nproc_per_node 2 tools/train/torchpipe_gpt.py --schedule zbv
+    python tools/train/torchpipe_gpt.py --spawn 2 --schedule interleaved   # starts its own ranks
+
+The model (embedding, pre-norm blocks, head) is cut by hand into one
+``PipelineStage`` per virtual stage: one per rank for ``1f1b`` and ``gpipe``,
+``--vpp`` per rank for ``interleaved`` (stage ``s`` on rank ``s % p``) and two
+per rank for ``zbv`` (V-shaped: rank ``r`` holds ``r`` and ``2p-1-r``). On CPU
+each rank is pinned to one core and runs one thread. ``--compute sleep`` swaps
+the blocks for ones that sleep a fixed time per micro-batch, so bubbles are
+deterministic. Nothing here knows FreeRide: ``freeride launch`` attaches it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import torch
+import torch.nn.functional as F
+from _args import CommonArgs, add_common_args  # tools/train is the script's directory
+from _layers import Block
+from _spawn import run_ranks
+from torch import nn
+
+__all__ = ["SCHEDULES", "SleepBlock", "StageModel", "TrainArgs", "main", "parse_args"]
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zbv")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainArgs(CommonArgs):
+    """Command-line options, validated (the shared ones in :class:`CommonArgs`)."""
+
+    schedule: str
+    """One of :data:`SCHEDULES`."""
+    vpp: int
+    """Stages per rank with ``interleaved`` (``zbv`` always has 2, the others 1)."""
+
+    def __post_init__(self) -> None:
+        CommonArgs.__post_init__(self)
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.vpp < 1:
+            raise ValueError(f"vpp must be >= 1, got {self.vpp}")
+        if self.schedule in ("1f1b", "gpipe") and self.vpp != 1:
+            raise ValueError("vpp needs --schedule interleaved")
+        if self.schedule == "zbv" and self.vpp != 2:
+            raise ValueError("zbv runs exactly 2 stages per rank (--vpp 2)")
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.vpp
+
+
+def parse_args(argv: list[str] | None = None) -> TrainArgs:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(ap)
+    ap.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    ap.add_argument("--vpp", type=int, default=None, help="stages per rank (interleaved: default 2; zbv: 2)")
+    ap.add_argument(
+        "--stages", type=int, default=0, help="pipeline ranks: spawned here unless a launcher started the ranks"
+    )
+    ns = ap.parse_args(argv)
+    world = os.environ.get("WORLD_SIZE")
+    if ns.stages and world is not None and int(world) != ns.stages:
+        ap.error(f"--stages {ns.stages} but the launcher started {world} ranks")
+    if ns.stages and not ns.spawn and world is None:
+        ns.spawn = ns.stages
+    del ns.stages
+    if ns.vpp is None:
+        ns.vpp = 2 if ns.schedule in ("interleaved", "zbv") else 1
+    try:
+        return TrainArgs(**vars(ns))
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
+# --------------------------------------------------------------------------
+# model
+# --------------------------------------------------------------------------
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity that sleeps, returning a copy: zero-bubble schedules detach the
+    input-gradient graph in place, which a view (``_layers.SleepBlock``) does not allow."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+_sleep: Callable[[torch.Tensor, float, float], torch.Tensor] = _Sleep.apply
+
+
+class SleepBlock(nn.Module):
+    """A residual linear layer whose forward and backward (input gradient) take a fixed time."""
+
+    def __init__(self, hidden: int, forward_ms: float, backward_ms: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(hidden, hidden)
+        self.forward_s = forward_ms / 1e3
+        self.backward_s = backward_ms / 1e3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _sleep(x + self.lin(x), self.forward_s, self.backward_s)
+
+
+class StageModel(nn.Module):
+    """One pipeline stage: embeds tokens if first, ends in the LM head if last."""
+
+    def __init__(self, args: TrainArgs, *, first: bool, last: bool, blocks: int) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.tok = nn.Embedding(args.vocab, args.hidden)
+            self.pos = nn.Embedding(args.seq, args.hidden)
+        layers: list[nn.Module] = []
+        for _ in range(blocks):
+            if args.compute == "sleep":
+                layers.append(SleepBlock(args.hidden, args.sleep_forward_ms, args.sleep_backward_ms))
+            else:
+                layers.append(Block(args.hidden, args.heads))
+        self.blocks = nn.Sequential(*layers)
+        if last:
+            self.ln = nn.LayerNorm(args.hidden)
+            self.head = nn.Linear(args.hidden, args.vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        out: torch.Tensor = self.blocks(x)
+        if self.last:
+            logits: torch.Tensor = self.head(self.ln(out))
+            return logits
+        return out
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _batch(args: TrainArgs, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Arithmetic token sequences (start, stride drawn per sample): learnable next-token data."""
+    n = args.micro_batch_size * args.micro_batches
+    steps = torch.arange(args.seq + 1)
+    start = torch.randint(0, args.vocab, (n, 1), generator=gen)
+    stride = torch.randint(1, 8, (n, 1), generator=gen)
+    seqs = (start + stride * steps) % args.vocab
+    return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+
+
+def _stage_indices(args: TrainArgs, rank: int, world: int) -> list[int]:
+    if args.schedule == "zbv":
+        return [rank, 2 * world - 1 - rank]
+    return [rank + c * world for c in range(args.stages_per_rank)]
+
+
+def _build(args: TrainArgs, rank: int, world: int, device: torch.device) -> tuple[Any, list[Any]]:
+    from torch.distributed import pipelining as pp
+
+    total = world * args.stages_per_rank
+    if args.layers % total:
+        raise SystemExit(f"--layers ({args.layers}) must be a multiple of the stages ({total})")
+    stages: list[Any] = []
+    for index in _stage_indices(args, rank, world):
+        torch.manual_seed(args.seed + index)  # the same weights whatever runs around them
+        module = StageModel(args, first=index == 0, last=index == total - 1, blocks=args.layers // total).to(device)
+        stages.append(pp.PipelineStage(module, index, total, device))
+    m = args.micro_batches
+    if args.schedule == "1f1b":
+        return pp.Schedule1F1B(stages[0], m, loss_fn=_loss), stages
+    if args.schedule == "gpipe":
+        return pp.ScheduleGPipe(stages[0], m, loss_fn=_loss), stages
+    if args.schedule == "interleaved":
+        return pp.ScheduleInterleaved1F1B(stages, m, loss_fn=_loss), stages
+    return pp.ScheduleZBVZeroBubble(stages, m, loss_fn=_loss), stages
+
+
+# --------------------------------------------------------------------------
+# training
+# --------------------------------------------------------------------------
+
+
+class RecvTimers:
+    """Times the schedule's p2p waits (torch's ``_wait_batch_p2p``), independently of anything else."""
+
+    def __init__(self) -> None:
+        self.waits: list[tuple[int, int]] = []
+
+    def install(self) -> None:
+        from torch.distributed.pipelining import schedules
+
+        inner = schedules._wait_batch_p2p
+
+        def timed(work: list[Any]) -> None:
+            if not work:
+                return inner(work)  # type: ignore[no-any-return]
+            t0 = time.monotonic_ns()
+            try:
+                return inner(work)  # type: ignore[no-any-return]
+            finally:
+                self.waits.append((t0, time.monotonic_ns() - t0))
+
+        schedules._wait_batch_p2p = timed
+
+    def take(self) -> list[tuple[int, int]]:
+        waits, self.waits = self.waits, []
+        return waits
+
+
+def _pin_cpu(rank: int) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    torch.set_num_threads(1)
+
+
+def _emit(record: dict[str, Any], out: TextIO | None) -> None:
+    line = json.dumps(record)
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (line + "\n").encode())  # one write: ranks share the pipe
+    if out is not None:
+        out.write(line + "\n")
+        out.flush()
+
+
+def train(args: TrainArgs) -> None:
+    """Run ``args.steps`` training steps as the rank the environment describes."""
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.device == "cpu":
+        _pin_cpu(local_rank)
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    torch.distributed.init_process_group("gloo" if args.device == "cpu" else "nccl")
+    schedule, stages = _build(args, rank, world, device)
+    holds_first = any(s.is_first for s in stages)
+    holds_last = any(s.is_last for s in stages)
+    timers = RecvTimers()
+    if args.recv_timers:
+        timers.install()
+    params = [p for s in stages for p in s.submod.parameters()]
+    optimizer = torch.optim.Adam(params, lr=args.lr)
+    gen = torch.Generator().manual_seed(args.seed)
+    out = open(args.jsonl.format(rank=rank), "a", encoding="utf-8") if args.jsonl else None  # noqa: SIM115
+    try:
+        times: list[float] = []
+        for step in range(args.steps):
+            tokens, labels = _batch(args, gen)
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            losses: list[torch.Tensor] = []
+            inputs = (tokens.to(device),) if holds_first else ()
+            if holds_last:
+                schedule.step(*inputs, target=labels.to(device), losses=losses)
+            else:
+                schedule.step(*inputs)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step_ms = (time.perf_counter() - t0) * 1e3
+            times.append(step_ms)
+            loss = float(torch.stack(losses).detach().mean()) if losses else None
+            record: dict[str, Any] = {"rank": rank, "stage": rank, "step": step, "loss": loss}
+            record["step_ms"] = round(step_ms, 3)
+            record["cpu_ms"] = round((time.process_time() - cpu0) * 1e3, 3)
+            if args.recv_timers:
+                waits = timers.take()
+                record["recv_ms"] = round(sum(d for _, d in waits) / 1e6, 3)
+                record["recv"] = waits
+            _emit(record, out)
+        median = statistics.median(times[1:]) if len(times) > 1 else times[0]
+        _emit({"rank": rank, "done": True, "median_step_ms": round(median, 3)}, out)
+    finally:
+        if out is not None:
+            out.close()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.spawn:
+        train(args)
+        return 0
+    return run_ranks(train, args, args.spawn, name="torchpipe")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
