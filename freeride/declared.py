@@ -214,8 +214,8 @@ class _Reader:
             raise _Unreadable("too deep")
         tree = self.tree(path)
         node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name), None)
-        if node is None:
-            raise _Unreadable(f"no class {cls_name} in {path}")
+        if node is None:  # a package's __init__ re-exports it: read it where it is defined
+            return self._imported(module, path, tree, cls_name, depth)
         found: dict[str, Any] = {}
         for stmt in node.body:
             if isinstance(stmt, ast.FunctionDef) and stmt.name == "__init__":
@@ -251,6 +251,10 @@ class _Reader:
         name = expr.id
         if any(isinstance(n, ast.ClassDef) and n.name == name for n in tree.body):
             return self.declared(module, path, name, depth + 1)
+        return self._imported(module, path, tree, name, depth)
+
+    def _imported(self, module: str, path: Path, tree: ast.Module, name: str, depth: int) -> Declared:
+        """The class ``name`` that ``module`` imports by name (``from x import name``), read where it is defined."""
         for stmt in tree.body:
             if isinstance(stmt, ast.ImportFrom) and any((a.asname or a.name) == name for a in stmt.names):
                 original = next(a.name for a in stmt.names if (a.asname or a.name) == name)
@@ -266,7 +270,7 @@ class _Reader:
                 if found is None:
                     raise _Unreadable(f"cannot find module {source}")
                 return self.declared(source, found, original, depth + 1)
-        raise _Unreadable(f"base {name} is neither defined nor imported by name")
+        raise _Unreadable(f"{name} is neither defined in {path} nor imported there by name")
 
 
 def _options(init: ast.FunctionDef) -> tuple[tuple[OptionInfo, ...], bool]:
