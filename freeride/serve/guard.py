@@ -218,11 +218,14 @@ class InterferenceGuard:
             self.reason = f"narrowed: {over.format('<')}{lasts}{self._bounds()}"
             return
         if seen < c.widen_after:
-            if self.widenings + self.narrowings == 0:
+            if self.reason.startswith("learning"):  # until a first judgement; then that one stands
                 self.reason = f"learning: {seen} of {c.widen_after} bubbles seen"
             return
         if share > c.target / 2:
             self.reason = f"holding: {over.format('near')}"
+        else:
+            waits = f"{used} of {c.narrow_after} bubbles with side work before narrowing"
+            self.reason = f"holding: {over.format('<')}; {waits}"
 
     def _change(self, *, margin_ns: int, factor: float) -> None:
         self.margin_ns, self.factor = margin_ns, factor

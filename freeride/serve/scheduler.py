@@ -533,6 +533,7 @@ class DeviceScheduler:
                 )
             )
         self._tried.add(armed.task.task_id)
+        self._granted_in_bubble = True
         self._holder = armed.grant_id
         self._grants[armed.grant_id] = _GrantState(
             task=armed.task,

@@ -270,3 +270,17 @@ def test_a_filler_is_armed_only_when_no_other_task_can_be() -> None:
         h.ended(ev, 20 * MS)
         h.report(big, done(big, h.arms()[-2][1].grant_id, reason="revoked", busy=16 * MS))
     assert [t for t, _ in h.arms()[1:]] == [big.task_id] * 4
+
+
+def test_bubbles_held_by_armed_grants_count_as_used_for_the_guard() -> None:
+    """The guard narrows only over bubbles side work was granted in: an honoured arm is such a grant."""
+    h = Harness()
+    t1 = h.task(1, 2 * MS)
+    for _ in range(60):
+        arm = h.arms()[-1][1]
+        ev = h.started(20 * MS)
+        h.ended(ev, 20 * MS)
+        h.report(t1, done(t1, arm.grant_id, reason="revoked", busy=15 * MS, end=ev.t_ns + 16 * MS))
+    assert [t for t, _ in h.grants()] == [1] * 60  # every bubble went by an arm
+    # with no interference the guard narrows, down to its floor (no margin here): only over granted bubbles
+    assert h.sched.guard.reason.startswith("narrowest")
