@@ -191,7 +191,7 @@ class StepTracker:
         sink: BubbleSink,
         *,
         min_bubble_ns: int = 1_000_000,
-        history: int = 3,
+        history: int = 8,
         warmup_steps: int = 0,
         clock: Callable[[], int] = time.monotonic_ns,
         settle: Callable[[], None] | None = None,

@@ -101,13 +101,29 @@ async def test_task_stopped_escapes_except_exception() -> None:
         await Swallower().run(gate)
 
 
-def test_predictor_errs_low_by_default() -> None:
-    pred = BubblePredictor(history=3)
+def test_predictor_min_policy_takes_the_shortest_recent_wait() -> None:
+    pred = BubblePredictor(history=3, policy="min")
     pred.set_prior("a", 100)
     for v in (10, 50, 20):
         pred.observe("a", v)
     assert pred.expect("a") == 10
     pred.observe("a", 60)  # window now 50, 20, 60
+    assert pred.expect("a") == 20
+
+
+def test_predictor_errs_low_by_default_but_leaves_one_short_outlier_out() -> None:
+    pred = BubblePredictor()
+    pred.set_prior("a", 100)
+    assert pred.expect("a") == 100
+    for v in (20, 21, 5):  # three seen: the shortest
+        pred.observe("a", v)
+    assert pred.expect("a") == 5
+    pred.observe("a", 22)  # four: the one early wake-up no longer sets the prediction
+    assert pred.expect("a") == 20
+    pred.observe("a", 6)  # a second short one in the last eight counts
+    assert pred.expect("a") == 6
+    for v in (21, 20, 22, 21, 20, 22, 21):  # then both age out of the last eight
+        pred.observe("a", v)
     assert pred.expect("a") == 20
 
 
