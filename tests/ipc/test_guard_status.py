@@ -22,6 +22,7 @@ from conftest import running_manager, status, wait_until
 from freeride import protocol as p
 from freeride.cli import format_status
 from freeride.serve.config import ServeConfig
+from freeride.serve.guard import GuardConfig
 from freeride.serve.manager import Manager
 from freeride.transport import Endpoints, EventEmitter
 
@@ -99,11 +100,13 @@ async def test_status_shows_the_guard_widening_a_margin_that_lets_side_work_spil
 
     reply_status = await asyncio.to_thread(status, runtime_dir)  # over the real control socket
     [device] = [d for d in reply_status.devices if d.device == DEVICE]
-    assert device.margin_ns == 2 * manager.config.margin_ns
-    assert device.prediction_factor == pytest.approx(0.9)
+    c = GuardConfig()
+    assert device.margin_ns == round(manager.config.margin_ns * c.widen_by)
+    assert device.prediction_factor == pytest.approx(c.widen_factor_by)
     assert device.guard_reason.startswith("widened: interference ")
     assert f"> target 0.50% over last {guard.config.widen_after} bubbles" in device.guard_reason
     assert device.guard_reason.endswith("; 100% of bubbles ended before their deadline")  # 10 ms of the 60 announced
     # the stage's wait at each end was charged (on top of the steps' compute past the ends)
     assert device.interference_ns >= guard.config.widen_after * WAITED
-    assert f"guard: margin 0.60 ms, bubbles predicted x0.90 ({device.guard_reason})" in format_status(reply_status)
+    shown = f"margin {device.margin_ns / 1e6:.2f} ms, bubbles predicted x{c.widen_factor_by:.2f}"
+    assert f"guard: {shown} ({device.guard_reason})" in format_status(reply_status)

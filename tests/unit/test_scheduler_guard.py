@@ -57,19 +57,20 @@ def test_a_grant_carries_the_margin_and_its_deadline_the_factor_of_the_guard() -
     assert h.sched.interference_ns > 0
     b = h.started(10 * MS, index=99)
     grant = h.grants()[-1][1]
-    assert grant.margin_ns == 2 * MS
-    assert grant.deadline_ns == b.t_ns + 9 * MS  # 0.9 of the expected 10 ms
+    c = h.sched.guard.config
+    assert grant.margin_ns == round(c.widen_by * MS)
+    assert grant.deadline_ns == b.t_ns + round(10 * MS * c.widen_factor_by)  # the expected 10 ms, shortened
     status = h.sched.status(DeviceInfo(name="cpu:0", first_seen_ns=0))
-    assert (status.margin_ns, status.prediction_factor) == (2 * MS, 0.9)
+    assert (status.margin_ns, status.prediction_factor) == (round(c.widen_by * MS), c.widen_factor_by)
     assert status.guard_reason.startswith("widened: interference ")
 
 
 def test_a_step_that_fits_only_under_the_old_margin_is_not_granted_after_widening() -> None:
     h = Harness(margin_ns=1 * MS)
-    t = h.task(1, 17 * MS // 2)  # 8.5 ms + 1 ms margin fit a 10 ms bubble
+    t = h.task(1, 88 * MS // 10)  # 8.8 ms + 1 ms margin fit a 10 ms bubble
     overrunning_bubbles(h, t, h.sched.guard.config.widen_after, past_end_ns=1 * MS)
     assert len(h.grants()) == h.sched.guard.config.widen_after
-    h.started(10 * MS, index=99)  # 8.5 ms + 2 ms margin do not
+    h.started(10 * MS, index=99)  # 8.8 ms + the widened 1.5 ms margin do not
     assert len(h.grants()) == h.sched.guard.config.widen_after
 
 
@@ -121,7 +122,7 @@ def test_the_stages_wait_makes_the_guard_widen() -> None:
         h.report(t, done(t, grant, reason="revoked", busy=10 * MS, end=b.t_ns + 11 * MS))
         h.clock.advance(10 * MS)
     assert h.sched.overruns == 0
-    assert h.sched.guard.margin_ns == 2 * MS
+    assert h.sched.guard.margin_ns == round(h.sched.guard.config.widen_by * MS)
 
 
 def test_a_program_stops_at_the_grants_margin() -> None:
@@ -156,4 +157,5 @@ def test_bubbles_without_a_task_to_grant_leave_the_margin_where_it_is() -> None:
     assert h.sched.guard.margin_ns == 1 * MS
     t = h.task(1, 1 * MS)
     overrunning_bubbles(h, t, h.sched.guard.config.narrow_after, past_end_ns=0)
-    assert h.sched.guard.margin_ns == 900_000  # granted bubbles, none spilling: it narrows
+    # granted bubbles, none spilling: it narrows
+    assert h.sched.guard.margin_ns == round(h.sched.guard.config.narrow_by * MS)
