@@ -7,7 +7,7 @@ device and with the same options, it starts its first run under ``freeride
 serve`` with every kind known (the same file the manager's worker reads and
 keeps, see :mod:`freeride.estimates`)::
 
-    result = profile_task(ProfileTaskOptions(target="resnet50-train", options={"layer_steps": True},
+    result = profile_task(ProfileTaskOptions(target="resnet50-train", options={"target_ms": 5.0},
                                              state_dir=Path("/run/user/1000/freeride/state")))
     print(result.table())
 

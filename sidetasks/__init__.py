@@ -48,15 +48,15 @@ PROGRAMS: dict[str, tuple[str, ...]] = {
 DESCRIPTIONS: dict[str, str] = {
     "resnet18-train": (
         "Train ResNet-18 with SGD on synthetic or folder images; reports loss."
-        " Options micro_batch_size and layer_steps split its steps."
+        " Split automatically into steps under target_ms."
     ),
     "resnet50-train": (
         "Train ResNet-50 with SGD on synthetic or folder images; reports loss."
-        " Options micro_batch_size and layer_steps split its steps."
+        " Split automatically into steps under target_ms."
     ),
     "vgg19-train": (
         "Train VGG-19 with SGD on synthetic or folder images; reports loss."
-        " Options micro_batch_size and layer_steps split its steps."
+        " Split automatically into steps under target_ms."
     ),
     "resnet18-infer": "Batch inference with ResNet-18 on held-out images; reports images/s and top-1.",
     "resnet50-infer": "Batch inference with ResNet-50 on held-out images; reports images/s and top-1.",

@@ -27,10 +27,10 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "pagerank": {"nodes": 2000, "tol": 1e-300, "max_iters": 100_000_000},  # converged in ~20 steps otherwise
     "graph-sgd": {},
     "imaging": {"batch_size": 2, "image_size": 32},
-    "resnet18-train": {"image_size": 16, "batch_size": 4, "micro_batch_size": 2, "layer_steps": True},
-    "resnet50-train": {"image_size": 16, "batch_size": 4, "micro_batch_size": 2, "layer_steps": True},
+    "resnet18-train": {"image_size": 16, "batch_size": 4, "target_ms": 0.5},
+    "resnet50-train": {"image_size": 16, "batch_size": 4, "target_ms": 0.5},
     # its first linear layer (103M weights) is one segment: its backward needs bubbles of ~100+ ms on a CPU core
-    "vgg19-train": {"batch_size": 1, "layer_steps": True},
+    "vgg19-train": {"batch_size": 1, "target_ms": 0.5},
 }
 LONG_BUBBLES = {"vgg19-train"}
 SLOW = {"resnet50-train", "vgg19-train"}

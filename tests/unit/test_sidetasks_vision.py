@@ -30,10 +30,13 @@ def _ctx(tmp_path: Path) -> TaskContext:
     return TaskContext(task_id=0, device="cpu:0", torch_device="cpu", workdir=tmp_path)
 
 
-async def _losses(task: ResNet18Training, steps: int, ctx: TaskContext) -> list[float]:
+async def _losses(task: ResNet18Training, batches: int, ctx: TaskContext) -> list[float]:
+    """The loss after each of the next ``batches`` optimizer steps, each taken in the partitioner's task steps."""
     out = []
-    for _ in range(steps):
-        await run_alone(task, steps=1, ctx=ctx)  # setup() builds once; later calls continue
+    for _ in range(batches):
+        done = task.metrics()["steps"]
+        while task.metrics()["steps"] == done:
+            await run_alone(task, steps=1, ctx=ctx)  # setup() builds once; later calls continue
         out.append(task.metrics()["loss"])
     return out
 
@@ -103,10 +106,41 @@ async def test_training_resumes_from_disk_on_the_same_trajectory(tmp_path: Path)
     assert torch.equal(torch.get_rng_state(), rng_at_checkpoint)
     got += await _losses(second, 2, _ctx(tmp_path))
 
-    assert got == expected
+    # plans are timed, so two tasks may sum gradients in another order: equal up to rounding
+    assert got == pytest.approx(expected, rel=2e-3)
     for a, b in zip(straight.model.state_dict().values(), second.model.state_dict().values(), strict=True):
-        assert torch.equal(a, b)
-    assert second.metrics() == straight.metrics()
+        assert float((a.float() - b.float()).norm()) <= 0.05 * float(a.float().norm()) + 1e-6
+    assert second.metrics()["samples"] == straight.metrics()["samples"] == 32.0
+
+
+async def test_training_resumes_from_a_mid_batch_checkpoint(tmp_path: Path) -> None:
+    opts = {**SMALL, "batch_size": 8, "target_ms": 0.01}  # every piece its own step: many steps per batch
+    straight = ResNet18Training(**opts)
+    expected = await _losses(straight, 3, _ctx(tmp_path))
+
+    first = ResNet18Training(**opts)
+    got = await _losses(first, 1, _ctx(tmp_path))
+    per_batch = int(first.metrics()["steps_per_batch"])
+    assert per_batch > 3
+    await run_alone(first, steps=per_batch // 2, ctx=_ctx(tmp_path))  # stop inside the second batch
+    assert first.metrics()["steps"] == 1.0
+    torch.save(first.state_dict(), tmp_path / "mid.pt")
+    second = ResNet18Training(**opts)
+    second.load_state_dict(torch.load(tmp_path / "mid.pt", weights_only=True))
+    await second.setup(_ctx(tmp_path))
+    assert second.metrics()["steps"] == 1.0
+    got += await _losses(second, 2, _ctx(tmp_path))
+
+    # plans are timed, so two tasks may sum gradients in another order: equal up to rounding
+    assert got == pytest.approx(expected, rel=2e-3)
+    for a, b in zip(straight.model.state_dict().values(), second.model.state_dict().values(), strict=True):
+        assert float((a.float() - b.float()).norm()) <= 0.05 * float(a.float().norm()) + 1e-6
+
+
+def test_micro_batches_are_refused_and_layer_steps_ignored() -> None:
+    with pytest.raises(ValueError, match="lower batch_size"):
+        ResNet18Training(batch_size=8, micro_batch_size=2)
+    assert ResNet18Training(batch_size=8, micro_batch_size=8, layer_steps=True).batch_size == 8
 
 
 async def test_inference_resumes_mid_pass(tmp_path: Path) -> None:
@@ -140,7 +174,7 @@ async def test_training_on_a_folder_of_images(tmp_path: Path) -> None:
     task = ResNet18Training(data_dir=str(data), image_size=16, batch_size=4)
     assert task.num_classes == 3
     assert (len(task.train), len(task.eval)) == (15, 3)  # every tenth file of a class (here: the first) is held out
-    await run_alone(task, steps=2, ctx=_ctx(tmp_path))
+    await _losses(task, 2, _ctx(tmp_path))
     assert task.metrics()["samples"] == 8.0 and math.isfinite(task.metrics()["loss"])
 
 
