@@ -228,12 +228,21 @@ class _Reader:
                 target, value = stmt.targets[0], stmt.value
             if isinstance(target, ast.Name) and target.id in ("peak_memory", "device_kind"):
                 found[target.id] = _value(value)
-        if "init" in found and "peak_memory" in found and "device_kind" in found:
-            base = Declared(name=cls_name)
-        else:
-            if len(node.bases) != 1:
-                raise _Unreadable("not exactly one base class")
+        if ("init" in found and "peak_memory" in found and "device_kind" in found) or not node.bases:
+            base = Declared(name=cls_name)  # all its own (or a mixin of plain object: nothing inherited)
+        elif len(node.bases) == 1:
             base = self._base(module, path, tree, node.bases[0], depth)
+        else:
+            # as the method resolution order would find them, for mixins that do not override each other
+            parts = [self._base(module, path, tree, b, depth) for b in node.bases]
+            with_options = [d for d in parts if d.options or d.open]
+            base = Declared(
+                name=cls_name,
+                options=with_options[0].options if with_options else (),
+                open=with_options[0].open if with_options else False,
+                peak_memory=next((d.peak_memory for d in parts if d.peak_memory != -1), -1),
+                device_kind=next((d.device_kind for d in parts if d.device_kind != "any"), "any"),
+            )
         options, is_open = base.options, base.open
         if "init" in found:
             options, is_open = _options(found["init"])
