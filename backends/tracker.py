@@ -191,7 +191,7 @@ class StepTracker:
         sink: BubbleSink,
         *,
         min_bubble_ns: int = 1_000_000,
-        history: int = 8,
+        history: int = 3,
         warmup_steps: int = 0,
         clock: Callable[[], int] = time.monotonic_ns,
         settle: Callable[[], None] | None = None,
@@ -207,7 +207,7 @@ class StepTracker:
         self._clock = clock
         self._settle = settle
         self._on_step = on_step
-        self.predictor = BubblePredictor(history=history)
+        self.predictor = BubblePredictor(history=history, policy="min")  # framework waits are noisy: see predict
         self._compute: dict[Kind, deque[int]] = {k: deque(maxlen=32) for k in ("F", "B", "W")}
         self._waits: deque[int] = deque(maxlen=32)
         self._primed: set[PlanKey] = set()
