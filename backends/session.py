@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from backends.run_delay import ThreadRunDelay
 from freeride import protocol as p
+from freeride.schedstat import ThreadRunDelay
 from freeride.transport import BubblePublisher, Endpoints, EventEmitter, bubbles_endpoint, default_runtime_dir
 
 __all__ = ["ENV_EVENTS", "HELLO_EVERY_NS", "BackendConfig", "BackendSession", "events_endpoint_from_env"]

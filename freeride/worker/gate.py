@@ -14,7 +14,6 @@ step in tests without sockets or sleeps.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -24,6 +23,7 @@ from typing import Protocol, TypeVar, assert_never
 from freeride import protocol as p
 from freeride.admission import fits, room_ns
 from freeride.clock import MONOTONIC, Clock
+from freeride.schedstat import ThreadRunDelay
 from freeride.sidetask import IterativeTask, StepEstimates, TaskStopped
 from freeride.transport import BadFrame
 from freeride.worker.armed import Arming, BubbleFeed
@@ -71,36 +71,6 @@ class RunDelay(Protocol):
     def close(self) -> None:
         """Release what the counter holds; later reads return 0."""
         ...
-
-
-class ThreadRunDelay:
-    """How long this thread has waited for a CPU while runnable (Linux schedstat), in ns.
-
-    A side task runs at the lowest priority on its stage's core: when the
-    stage wakes up mid-step, the step waits until the stage blocks again.
-    That wait says nothing about what the step costs, so it is taken out of
-    the step times the estimate learns from (never out of the time reported
-    as used).
-    """
-
-    def __init__(self) -> None:
-        try:
-            self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            self._fd = -1
-
-    def ns(self) -> int:
-        if self._fd < 0:
-            return 0
-        try:
-            return int(os.pread(self._fd, 64, 0).split()[1])
-        except (OSError, ValueError, IndexError):
-            return 0
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
 
 
 def _process_cpu_ns() -> int:

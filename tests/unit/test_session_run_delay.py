@@ -11,9 +11,9 @@ from typing import cast
 
 import pytest
 
-from backends.run_delay import ThreadRunDelay
 from backends.session import BackendConfig, BackendSession
 from freeride import protocol as p
+from freeride.schedstat import ThreadRunDelay
 from freeride.transport import EventEmitter
 
 MS = 1_000_000

@@ -1,6 +1,6 @@
-"""How long a training rank's thread waited for its core while runnable: the end of a bubble, lost to side work.
+"""How long a thread waited for its core while runnable (Linux schedstat), for both sides of a bubble.
 
-On a core a stage shares with side tasks at its own priority (the GPU-faithful
+The rank's side: on a core a stage shares with side tasks at its own priority (the GPU-faithful
 CPU mode), a bubble's end comes when the stage's receive completes; if a side
 step holds the core then, the stage stays runnable, not running, until the
 kernel lets the step go. The stage stamps its bubble's end only once it runs
@@ -8,6 +8,11 @@ again, so that wait would count as bubble time. Linux keeps, per thread, the
 total time it waited runnable (``/proc/thread-self/schedstat``, field 2): read
 at a bubble's start and end, the difference is that wait (a blocked thread
 accrues none). The manager counts it as interference.
+
+The side task's: a worker at the lowest priority on its stage's core waits
+whenever the stage wakes up mid-step. That wait says nothing about what the
+step costs, so the gate takes it out of the step times its estimates learn from
+(never out of the time reported as used).
 
 Cheap and silent: one ``pread`` of an open file per reading, nothing raised;
 0 where the file cannot be read (not Linux, schedstats off) or when called
