@@ -386,6 +386,8 @@ class WorkerReady(_Msg, frozen=True, tag="worker_ready"):
     step_estimate_ns: NanosOrUnknown = -1
     steps: Count = 0
     """Steps already done (restored from a checkpoint)."""
+    packs: bool = False
+    """The task chooses smaller pieces for what is left of a bubble (``IterativeTask.fit_piece``)."""
 
 
 GrantDoneReason = Literal["no_fit", "revoked", "expired", "finished", "stopping", "idle"]

@@ -47,7 +47,7 @@ from freeride.serve.guard import DEFAULT_TARGET, GuardConfig, InterferenceGuard
 from freeride.serve.ranks import DeviceInfo
 from freeride.serve.tasks import TaskRecord
 
-__all__ = ["PROBE_AFTER_BUBBLES", "DeviceScheduler"]
+__all__ = ["PACK_ROOM_NS", "PROBE_AFTER_BUBBLES", "DeviceScheduler"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,9 @@ def _sat(total: int, more: int) -> int:
     """``total + more``, held at the largest value the wire carries."""
     return min(p.I64_MAX, total + more)
 
+
+PACK_ROOM_NS = 200_000
+"""A packing task is granted what is left of a bubble down to this much, whatever its whole step needs."""
 
 PROBE_AFTER_BUBBLES = 20
 """A task whose estimate has not fit this many bubbles in a row gets a one-step probe."""
@@ -567,7 +570,9 @@ class DeviceScheduler:
                 continue
             estimate = task.estimate_ns
             probe = False
-            if estimate > remaining:
+            if estimate > remaining and task.packs and remaining >= PACK_ROOM_NS:
+                pass  # its worker offers the largest piece that fits, or gives the grant back at once
+            elif estimate > remaining:
                 # An estimate is only corrected by running steps: a task shut out of
                 # bubble after bubble gets one step at the start of a bubble now and then.
                 starved = self._starved.get(task.task_id, 0) + (1 if fresh else 0)

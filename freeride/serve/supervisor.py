@@ -126,7 +126,7 @@ class Supervisor:
                     return
                 self._send(task.ident, self._assignment(task))
             case p.WorkerReady():
-                task.ready(estimate_ns=msg.step_estimate_ns, steps=msg.steps)
+                task.ready(estimate_ns=msg.step_estimate_ns, steps=msg.steps, packs=msg.packs)
                 self._tighten(task)
                 self._notify(task)
             case p.GrantDone():

@@ -115,6 +115,8 @@ class TaskRecord:
     """The worker awaits the task's own input (it gives bubbles back meanwhile)."""
     estimates: dict[str, int] = field(default_factory=dict)
     """The worker's step-time estimate per step kind, as last reported."""
+    packs: bool = False
+    """The task picks a piece that fits what is left of a bubble: its whole step's estimate need not fit."""
     pending_reason: str = ""
     """Why a pending task has no device yet."""
 
@@ -194,11 +196,11 @@ class TaskRecord:
         self.moving_to, self.moved_ns = device, now_ns
         self.runnable = False
 
-    def ready(self, *, estimate_ns: int = -1, steps: int = 0) -> None:
-        """Set up and parked: grants may come."""
+    def ready(self, *, estimate_ns: int = -1, steps: int = 0, packs: bool = False) -> None:
+        """Set up and parked: grants may come (``packs``: the task fits smaller pieces into what is left)."""
         self._go("running")
         self.runnable = True
-        self.estimate_ns, self.steps = estimate_ns, max(self.steps, steps)
+        self.estimate_ns, self.steps, self.packs = estimate_ns, max(self.steps, steps), packs
 
     def park(self) -> None:
         """No more grants for now (the process is gone or going)."""

@@ -527,6 +527,11 @@ class GrantGate:
             self._g_overrun = end - grant.deadline_ns
 
     @property
+    def packs(self) -> bool:
+        """The task chooses its pieces by the room left (``IterativeTask.fit_piece``)."""
+        return self._packs
+
+    @property
     def estimate_ns(self) -> int:
         """The running estimate of the pending step's kind (what the manager must fit).
 

@@ -235,6 +235,7 @@ async def _serve(link: WorkerLink, assign: p.Assign, feed: RankFeed) -> int:
                 set_up=True,
                 step_estimate_ns=gate.estimate_ns,
                 steps=steps,
+                packs=gate.packs,
             )
         )
         try:

@@ -415,3 +415,16 @@ def test_a_filler_alone_on_its_device_takes_whole_bubbles() -> None:
     filler = h.task(1, 1 * MS, fill=True)
     h.started(20 * MS)
     assert h.grants()[-1][0] == filler.task_id
+
+
+def test_a_packing_task_is_granted_what_is_left_though_its_whole_step_does_not_fit() -> None:
+    """Its worker offers a smaller piece (fit_piece); one that does not pack is kept out as before."""
+    for packs, granted in ((True, True), (False, False)):
+        h = Harness()
+        big = h.task(1, 8 * MS)
+        filler = h.task(2, 5 * MS, fill=True)
+        filler.packs = packs
+        h.started(20 * MS)
+        h.clock.advance(16 * MS)  # 4 ms left: the filler's whole 5 ms step does not fit
+        h.report(big, done(big, h.grants()[-1][1], busy=16 * MS))
+        assert (h.grants()[-1][0] == filler.task_id) is granted
