@@ -33,7 +33,8 @@ class SpoolConsumer(IterativeTask):
         queued: set[str] = set()
         while True:
             for name in sorted(os.listdir(self.spool)):
-                if name not in self.processed and name not in queued:
+                # a dot-file is one being written (renamed into place when complete): not an item yet
+                if not name.startswith(".") and name not in self.processed and name not in queued:
                     queued.add(name)
                     self.queue.put_nowait(name)
             await asyncio.sleep(0.01)
