@@ -570,7 +570,7 @@ class DeviceScheduler:
                 continue
             estimate = task.estimate_ns
             probe = False
-            if estimate > remaining and task.packs and remaining >= PACK_ROOM_NS:
+            if task.packs and remaining >= PACK_ROOM_NS and (estimate > remaining or estimate < 0):
                 pass  # its worker offers the largest piece that fits, or gives the grant back at once
             elif estimate > remaining:
                 # An estimate is only corrected by running steps: a task shut out of

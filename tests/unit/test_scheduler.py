@@ -419,10 +419,15 @@ def test_a_filler_alone_on_its_device_takes_whole_bubbles() -> None:
 
 def test_a_packing_task_is_granted_what_is_left_though_its_whole_step_does_not_fit() -> None:
     """Its worker offers a smaller piece (fit_piece); one that does not pack is kept out as before."""
-    for packs, granted in ((True, True), (False, False)):
+    for packs, estimate, granted in (
+        (True, 5 * MS, True),
+        (True, -1, True),
+        (False, 5 * MS, False),
+        (False, -1, False),
+    ):
         h = Harness()
         big = h.task(1, 8 * MS)
-        filler = h.task(2, 5 * MS, fill=True)
+        filler = h.task(2, estimate, fill=True)  # -1: not measured yet (an unmeasured kind only probes fresh bubbles)
         filler.packs = packs
         h.started(20 * MS)
         h.clock.advance(16 * MS)  # 4 ms left: the filler's whole 5 ms step does not fit
