@@ -13,6 +13,7 @@ only when a queue is reached.
 from __future__ import annotations
 
 import logging
+import socket
 from types import ModuleType
 from typing import Any
 
@@ -52,6 +53,24 @@ def import_ray() -> ModuleType:
     return ray
 
 
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast when nothing listens at a ``HOST:PORT`` address (Ray itself retries for minutes).
+
+    Raises:
+        QueueUnreachable: the connection was refused or timed out.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return  # "auto", or a form Ray resolves itself
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise QueueUnreachable(
+            f"no Ray cluster answers at {address} ({exc.strerror or exc}); give the head's GCS address"
+            " (`ray status` there shows it) or start one with `ray start --head`"
+        ) from None
+
+
 class QueueActor:
     """The actor's body (Ray wraps it in :meth:`ClusterQueue.__init__`)."""
 
@@ -77,6 +96,7 @@ class ClusterQueue:
             QueueUnreachable: no Ray cluster at ``address``, or no queue on it (and ``create`` not given).
         """
         ray = import_ray()
+        _check_reachable(address)
         self._ray = ray
         self.timeout_s = timeout_s
         self._owns_ray = not ray.is_initialized()
