@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 import msgspec
+import pytest
 from conftest import running_manager, wait_until
 
 from backends.sim import SimConfig, SimPipeline
@@ -35,6 +36,7 @@ def _sim(manager: Manager) -> SimConfig:
     return config
 
 
+@pytest.mark.slow  # about 10 s: two managers, two simulated runs
 async def test_a_task_resumes_on_another_manager_from_its_shared_checkpoint(manager: Manager, tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
