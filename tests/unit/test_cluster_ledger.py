@@ -148,3 +148,28 @@ def test_requests_round_trip_the_wire() -> None:
     assert m.decode_request(m.encode(request)) == request
     with pytest.raises(msgspec.ValidationError):
         m.decode_request(m.encode(m.LeaseJobs(node="", slots=[], lease_s=1)))
+
+
+def test_status_and_report_show_every_node_and_each_attempt_once(ledger: Ledger, clock: FakeClock) -> None:
+    from freeride.cluster.view import cluster_report, format_cluster_status, format_report
+
+    summary = m.NodeSummary(devices=2, alive_devices=2, bubble_ns=4_000_000_000, used_ns=3_000_000_000,
+                            train_ns=8_000_000_000, interference_ns=40_000_000)  # fmt: skip
+    ledger.handle(m.LeaseJobs(node="a", slots=_slots(2), lease_s=5, summary=summary))
+    ledger.handle(m.LeaseJobs(node="b", slots=_slots(1), lease_s=5, summary=summary))
+    ledger.handle(m.FinishJob(node="a", job_id=1, attempt=1, steps=10))
+    clock.now += 2
+    ledger.handle(m.RenewLeases(node="a", progress=[m.JobProgress(job_id=2, attempt=1, state="running")], lease_s=5,
+                                   summary=summary))  # fmt: skip
+    clock.now += 4  # b's lease ran out
+    status = ledger.handle(m.QueueStatusRequest())
+    assert isinstance(status, m.QueueStatus)
+    text = format_cluster_status(status)
+    assert "jobs: 3 (queued 1, leased 1, finished 1, failed 0); leases expired: 1" in text
+    assert "\na                    4.0s      1   2/2          4.00 s   75.0%          0.5%\n" in text
+    assert "\n    3 job-2                    queued          1 -  " in text
+    report = cluster_report(status)
+    assert report["total"]["bubble_ns"] == 8_000_000_000 and report["total"]["harvested_share"] == 0.75
+    assert report["attempts"] == {"finished": 1, "failed": 0, "preempted": 0, "expired": 1}
+    assert report["nodes"]["a"]["attempts"] == 1 and report["nodes"]["b"]["attempts"] == 1
+    assert "cluster" in format_report(report) and "steps of finished jobs: 10" in format_report(report)
