@@ -41,10 +41,10 @@ def format_cluster_status(status: m.QueueStatus, *, jobs: bool = True) -> str:
         lines += ["", f"{'job':>5} {'name':24} {'state':9} {'attempt':>7} {'node':16} {'steps':>8} {'checkpoint':>10}"]
         for job in sorted(status.jobs, key=lambda j: j.job_id):
             ckpt = str(job.checkpointed_steps) if job.checkpointed_steps >= 0 else "-"
-            node = printable(job.node)[:16] if job.state != "queued" else ""  # a queued job's last node is history
+            where = printable(job.node)[:16] if job.state != "queued" else ""  # a queued job's last node is history
             lines.append(
                 f"{job.job_id:>5} {printable(job.spec.name)[:24]:24} {job.state:9} {job.attempt:>7}"
-                f" {node or '-':16} {job.steps:>8} {ckpt:>10}"
+                f" {where or '-':16} {job.steps:>8} {ckpt:>10}"
                 + (f"  error: {printable(job.error)}" if job.error else "")
             )
     lines += [
