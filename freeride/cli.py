@@ -437,7 +437,7 @@ def _node_manager(args: argparse.Namespace) -> None:
         after = "stays after the job" if args.keep_manager else "exits when the jobs launched here have ended"
         print(f"freeride: started a manager (pid {found.pid}, log {found.log}); it {after}", file=sys.stderr)
     else:
-        print(f"freeride: using the manager (pid {found.pid}) of {options.runtime_dir}", file=sys.stderr)
+        print(f"freeride: using the manager (pid {found.pid or '?'}) of {options.runtime_dir}", file=sys.stderr)
 
 
 def _launch_serve_argv(args: argparse.Namespace) -> list[str]:

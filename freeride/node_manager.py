@@ -77,7 +77,8 @@ class StartOptions:
 class NodeManager:
     """The manager a launch uses."""
 
-    pid: int
+    pid: int | None
+    """Its pid, as its serve lock says (``None``: none written yet)."""
     started: bool
     """Whether this launch started it."""
     notes: tuple[str, ...] = ()
@@ -151,6 +152,11 @@ def _spawn_detached(argv: Sequence[str], env: Mapping[str, str], log: Path) -> i
     return int(text)
 
 
+def _control_present(endpoints: Endpoints) -> bool:
+    """Whether a manager may be listening on the control endpoint (an ipc one has its socket file)."""
+    return not endpoints.control.startswith("ipc://") or os.path.exists(endpoints.control[6:])
+
+
 def _log_tail(log: Path, lines: int = 3) -> str:
     try:
         tail = log.read_text(errors="replace").strip().splitlines()[-lines:]
@@ -180,22 +186,25 @@ def ensure_manager(options: StartOptions, connect: Connect) -> NodeManager:
             raise ManagerNotStarted(f"{exc}: another launch or a closing manager is stuck") from None
         notes: list[str] = []
         holder = serve_lock_pid(runtime_dir)
-        if holder is not None and _pid_alive(holder):
-            # running, or still starting (a `freeride serve` begun by hand a moment ago)
-            if not _wait_answering(connect, holder, options.start_timeout_s, options.probe_timeout_s):
-                if _pid_alive(holder):
-                    raise ManagerNotStarted(
-                        f"the manager (pid {holder}) of {runtime_dir} does not answer on {options.endpoints.control};"
-                        " stop it, or pass another --runtime-dir"
-                    )
+        # one that answers is the truth (its pid may live in another pid namespace, a pod's other container)
+        found = _control_present(options.endpoints) and _answers(connect, options.probe_timeout_s)
+        if not found and holder is not None and _pid_alive(holder):
+            # still starting (a `freeride serve` begun a moment ago), or stuck
+            found = _wait_answering(connect, holder, options.start_timeout_s, options.probe_timeout_s)
+            if not found and _pid_alive(holder):
+                raise ManagerNotStarted(
+                    f"the manager (pid {holder}) of {runtime_dir} does not answer on {options.endpoints.control};"
+                    " stop it, or pass another --runtime-dir"
+                )
+            if not found:
                 notes.append(f"the manager (pid {holder}) of {runtime_dir} exited while starting; starting a new one")
-            else:
-                register_job(runtime_dir)
-                if options.keep:
-                    keep_manager(runtime_dir)
-                return NodeManager(pid=holder, started=False)
-        elif holder is not None:  # a clean exit empties the lock: this one died (its socket files are left)
+        elif not found and holder is not None:  # a clean exit empties the lock: this one died, leaving its files
             notes.append(f"the manager (pid {holder}) of {runtime_dir} is gone; starting a new one")
+        if found:
+            register_job(runtime_dir)
+            if options.keep:
+                keep_manager(runtime_dir)
+            return NodeManager(pid=holder, started=False)
         register_job(runtime_dir)  # before the manager starts: it exits when it finds no job
         if options.keep:
             keep_manager(runtime_dir)
