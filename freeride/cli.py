@@ -734,7 +734,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         metavar="ARGS",
         help="options for a manager this launch starts, as for `freeride serve`, e.g. '--side-priority same"
-        " --profile job.json --state-dir DIR' (a running manager keeps its own)",
+        " --profile job.json --state-dir DIR', or --serve-args=--mps (a running manager keeps its own)",
     )
     s.add_argument("--no-manager", action="store_true", help="neither look for nor start a manager")
     s.add_argument(
