@@ -28,7 +28,7 @@ from pathlib import Path
 
 from freeride import protocol as p
 from freeride.auth import ensure_private_dir
-from freeride.jobs import JOBS_DIR, KEEP, LaunchLock, keep_manager, register_job
+from freeride.jobs import JOBS_DIR, KEEP, Job, LaunchLock, keep_manager, register_job
 from freeride.transport import ControlClient, Endpoints, ManagerUnreachable
 
 __all__ = ["LOG_NAME", "ManagerNotStarted", "NodeManager", "StartOptions", "ensure_manager", "serve_lock_pid"]
@@ -97,13 +97,8 @@ def serve_lock_pid(runtime_dir: Path) -> int | None:
 
 
 def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+    # a zombie counts as dead: a crashed manager's parent may not have reaped it (init in a container)
+    return Job.of(pid) is not None
 
 
 def _answers(connect: Connect, timeout_s: float) -> bool:
