@@ -161,7 +161,7 @@ class MegatronAdapter:
             on_step=self._log.add if self._log is not None else None,
             device=self._timeline,
         )
-        logger.info(
+        logger.debug(  # the session wrote the attach line; these are the details
             "[attach] megatron rank %d stage %d/%d on %s (%s mode)",
             rank,
             info.stage,
