@@ -89,7 +89,13 @@ def _compute(steps: list[Span], bubbles: list[Span]) -> list[Span]:
 
 
 def render(
-    trace: Trace, out: Path, *, start_step: int | None = None, steps: int | None = None, title: str = ""
+    trace: Trace,
+    out: Path,
+    *,
+    start_step: int | None = None,
+    steps: int | None = None,
+    title: str = "",
+    dpi: int = 120,
 ) -> FigureType:
     """Draw ``trace`` (optionally only steps ``start_step`` .. ``start_step + steps - 1``) into ``out``.
 
@@ -132,7 +138,7 @@ def render(
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, frameon=False)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=dpi)
     return fig
 
 
@@ -147,7 +153,7 @@ def profile_trace(profile: Profile) -> Trace:
     return trace
 
 
-def render_profile(profile: Profile, out: Path, *, title: str = "") -> FigureType:
+def render_profile(profile: Profile, out: Path, *, title: str = "", dpi: int = 120) -> FigureType:
     """Draw where each stage's bubbles fall in one step of ``profile`` into ``out`` (.png, .svg, .pdf).
 
     Returns:
@@ -165,4 +171,4 @@ def render_profile(profile: Profile, out: Path, *, title: str = "") -> FigureTyp
         f"{first.framework}: {first.num_stages} stages, {first.num_microbatches} micro-batches,"
         f" bubbles {100 * share:.0f}% of a step (median step, median bubbles)"
     )
-    return render(profile_trace(profile), out, start_step=0, steps=1, title=title)
+    return render(profile_trace(profile), out, start_step=0, steps=1, title=title, dpi=dpi)
