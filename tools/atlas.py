@@ -213,6 +213,9 @@ def _used(case: Case, profile_path: Path, devices: list[str], runtime_dir: Path,
 def run_case(case: Case, *, out: Path, steps: int, used_steps: int, with_used: bool, timeout_s: float) -> Row:
     """Profile ``case`` (and, ``with_used``, run it with side tasks); failures become the row's note."""
     row = Row(case=case, theory=theory(case))
+    cores = len(os.sched_getaffinity(0))
+    if case.p > cores:  # two stages on one core would be one device: neither their bubbles nor side tasks part
+        return dataclasses.replace(row, note=f"needs {case.p} cores (one per stage), this machine has {cores}")
     tmp = Path(tempfile.mkdtemp(prefix="fratl-", dir="/tmp"))  # short: ipc paths
     try:
         profile_path = tmp / "job.json"

@@ -75,3 +75,14 @@ def test_list_runs_nothing_and_a_filter_that_matches_nothing_is_refused(
     assert capsys.readouterr().out.count("| torchpipe | zbv |") == 4
     with pytest.raises(SystemExit):
         atlas.main(["--only", "no-such-case"])
+
+
+def test_a_case_with_more_stages_than_cores_is_not_run(
+    atlas: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On the CPU stand-in a device is a core: two stages sharing one would be one device."""
+    monkeypatch.setattr(atlas.os, "sched_getaffinity", lambda pid: {0, 1})
+    case = atlas.Case(backend="deepspeed", schedule="1f1b", p=4, m=4)
+    row = atlas.run_case(case, out=tmp_path, steps=2, used_steps=2, with_used=True, timeout_s=1)
+    assert row.note == "needs 4 cores (one per stage), this machine has 2"
+    assert row.theory == pytest.approx(3 / 7) and row.measured is None and not list(tmp_path.iterdir())
