@@ -425,9 +425,12 @@ class StepTracker:
             self._primed.add(plan.key)
             return
         needed: tuple[Kind, ...] = ("F", "B", "W") if plan.schedule.has_weight_passes else ("F", "B")
+        if plan.schedule.forward_only:
+            needed = ("F",)  # a forward-only step (evaluation) is primed before any backward ran
         if not all(self._compute[k] for k in needed):
             return
-        f, b = (statistics.median(self._compute[k]) / 1e9 for k in ("F", "B"))
+        f = statistics.median(self._compute["F"]) / 1e9
+        b = statistics.median(self._compute["B"]) / 1e9 if self._compute["B"] else f
         w = statistics.median(self._compute["W"]) / 1e9 if "W" in needed else None
         durations = Durations.uniform(plan.schedule.num_stages, f, b, comm=self._comm_s(f, b), weight=w)
         try:

@@ -714,6 +714,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.set_defaults(fn=cmd_profile_task)
 
+    from freeride.cluster.cli import register as register_cluster
+
+    register_cluster(subs, _add_runtime)
+
     for name, helptext in (
         ("sim", "run a simulated pipeline job against a running manager"),
         ("demo", "serve + simulated pipeline + sample side tasks, then a report"),
