@@ -174,9 +174,10 @@ class BackendSession:
                 if manager_reachable(self.sent, c.endpoint)
                 else f"no manager at {c.endpoint} (events are dropped until one starts)"
             )
+            alone = ", pipeline size 1: no pipeline bubbles" if c.num_stages == 1 else ""
             attach_logger().info(
-                "[attach] %s rank %d stage %d/%d on %s, %s mode: %s",
-                c.framework, c.rank, c.stage, c.num_stages, c.device, mode, there,
+                "[attach] %s rank %d stage %d/%d on %s%s, %s mode: %s",
+                c.framework, c.rank, c.stage, c.num_stages, c.device, alone, mode, there,
             )  # fmt: skip
         except Exception:
             logger.debug("[attach] cannot write the attach line", exc_info=True)

@@ -175,8 +175,8 @@ class MegatronAdapter:
     def _start_single(self, info: _compat.CallInfo) -> BackendSession:
         """A rank without a pipeline: say so once, and say hello with ``num_stages=1``."""
         config, _ = self._config(info)
-        self._single = BackendSession(config)
-        logger.info(
+        self._single = BackendSession(config)  # its attach line says: pipeline size 1, no pipeline bubbles
+        logger.debug(
             "[attach] megatron rank %d on %s: pipeline size 1, so no pipeline bubbles; nothing to announce",
             config.rank,
             config.device,

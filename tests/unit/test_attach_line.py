@@ -73,3 +73,14 @@ def test_the_line_is_written_whatever_the_script_did_to_logging(capsys: pytest.C
     finally:
         attach_logger().setLevel(logging.INFO)
     assert _lines(capsys) == []
+
+
+def test_a_rank_without_a_pipeline_says_it_has_no_bubbles(capsys: pytest.CaptureFixture[str]) -> None:
+    config = BackendConfig(
+        endpoint="tcp://127.0.0.1:9", rank=0, stage=0, num_stages=1, device="cpu:0", framework="megatron"
+    )
+    BackendSession(config, emitter=cast(EventEmitter, _Emitter(1))).close()
+    (line,) = _lines(capsys)
+    assert line.startswith(
+        "freeride: [attach] megatron rank 0 stage 0/1 on cpu:0, pipeline size 1: no pipeline bubbles"
+    )
