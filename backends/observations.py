@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +29,7 @@ import msgspec
 
 from freeride.profile import RankObservations, StepRecord, write_observations
 
-__all__ = ["MAX_RECORDED_STEPS", "WRITE_EVERY_NS", "ObservationLog"]
+__all__ = ["ENV_PROFILE_STEPS", "MAX_RECORDED_STEPS", "WRITE_EVERY_NS", "ObservationLog", "profile_steps_from_env"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,19 @@ MAX_RECORDED_STEPS = 10_000
 
 WRITE_EVERY_NS = 5_000_000_000
 """Least time between two rewrites of the file while the job runs."""
+
+ENV_PROFILE_STEPS = "FREERIDE_PROFILE_STEPS"
+"""Steps ``freeride profile`` needs from each rank: the file is written the moment a rank has them,
+so that the profiler can stop the job then."""
+
+
+def profile_steps_from_env(environ: dict[str, str] | None = None) -> int:
+    """The steps ``freeride profile`` asked for (0: none named, or not a number)."""
+    raw = (os.environ if environ is None else environ).get(ENV_PROFILE_STEPS, "")
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        return 0
 
 
 class ObservationLog:
@@ -48,6 +62,8 @@ class ObservationLog:
         spare_memory: Reads the device memory the rank leaves free, at each write.
         every_ns: Least time between two rewrites while running.
         clock: Monotonic ns clock (injectable for tests).
+        write_at: Also write the moment this many steps are recorded (``freeride profile`` stops
+            the job once every rank has them); None reads :data:`ENV_PROFILE_STEPS`, 0 never.
     """
 
     def __init__(
@@ -58,8 +74,10 @@ class ObservationLog:
         spare_memory: Callable[[], int] = lambda: -1,
         every_ns: int = WRITE_EVERY_NS,
         clock: Callable[[], int] = time.monotonic_ns,
+        write_at: int | None = None,
     ) -> None:
         self._base = base
+        self._write_at = profile_steps_from_env() if write_at is None else write_at
         self._directory = directory
         self._spare_memory = spare_memory
         self._every_ns = every_ns
@@ -75,7 +93,8 @@ class ObservationLog:
         if len(self.steps) < MAX_RECORDED_STEPS:
             self.steps.append(record)
         now = self._clock()
-        if self._written_ns is None or now - self._written_ns >= self._every_ns:
+        due = self._written_ns is None or now - self._written_ns >= self._every_ns
+        if due or len(self.steps) == self._write_at:
             self._written_ns = now
             self.write()
 

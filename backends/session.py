@@ -4,6 +4,11 @@ Framework adapters (DeepSpeed, Megatron, the simulator) call a
 :class:`BackendSession` from inside the training step. Every method is cheap,
 synchronous and never raises: a missing or dead manager costs the training job
 one failed non-blocking send per event.
+
+Each session writes one line to stderr when it starts (the rank attached):
+framework, rank, stage, device and whether a manager is there, whatever the
+training script did to logging (the ``backends.attach`` logger has a handler of
+its own and does not propagate; set its level to WARNING to silence it).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -20,9 +26,48 @@ from freeride import protocol as p
 from freeride.schedstat import ThreadRunDelay
 from freeride.transport import BubblePublisher, Endpoints, EventEmitter, bubbles_endpoint, default_runtime_dir
 
-__all__ = ["ENV_EVENTS", "HELLO_EVERY_NS", "BackendConfig", "BackendSession", "events_endpoint_from_env"]
+__all__ = [
+    "ENV_EVENTS",
+    "HELLO_EVERY_NS",
+    "BackendConfig",
+    "BackendSession",
+    "attach_logger",
+    "events_endpoint_from_env",
+    "manager_reachable",
+]
 
 logger = logging.getLogger(__name__)
+
+
+class _Stderr(logging.Handler):
+    """Writes to the ``sys.stderr`` of the moment (a handler bound at import would miss a redirect)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+        except Exception:  # never into training
+            self.handleError(record)
+
+
+def attach_logger() -> logging.Logger:
+    """The logger of the one line per rank at attach: INFO to stderr unless configured otherwise."""
+    attach = logging.getLogger("backends.attach")
+    if not attach.handlers:
+        handler = _Stderr()
+        handler.setFormatter(logging.Formatter("freeride: %(message)s"))
+        attach.addHandler(handler)
+        attach.propagate = False  # one line, also where the script's root logger prints INFO
+        if attach.level == logging.NOTSET:
+            attach.setLevel(logging.INFO)
+    return attach
+
+
+def manager_reachable(sent: int, endpoint: str) -> bool:
+    """Whether a manager took an event (``sent``), or (ipc) its events socket exists."""
+    if sent > 0:
+        return True
+    return endpoint.startswith("ipc://") and os.path.exists(endpoint.removeprefix("ipc://"))
+
 
 HELLO_EVERY_NS = 5_000_000_000
 """How often a rank repeats its Hello (a manager may start after the job)."""
@@ -116,6 +161,26 @@ class BackendSession:
         )
         self._maybe_hello(time.monotonic_ns())
         atexit.register(self.close)
+        self._log_attached()
+
+    def _log_attached(self) -> None:
+        c = self.config
+        try:
+            from backends.launch import read_mode  # imports this module: read at run time
+
+            mode = read_mode()[0]
+            there = (
+                f"manager reachable at {c.endpoint}"
+                if manager_reachable(self.sent, c.endpoint)
+                else f"no manager at {c.endpoint} (events are dropped until one starts)"
+            )
+            alone = ", pipeline size 1: no pipeline bubbles" if c.num_stages == 1 else ""
+            attach_logger().info(
+                "[attach] %s rank %d stage %d/%d on %s%s, %s mode: %s",
+                c.framework, c.rank, c.stage, c.num_stages, c.device, alone, mode, there,
+            )  # fmt: skip
+        except Exception:
+            logger.debug("[attach] cannot write the attach line", exc_info=True)
 
     def _maybe_hello(self, now: int) -> None:
         # With nothing queued for absent peers, a Hello sent before the connection

@@ -12,7 +12,9 @@ overrun).
 
 Each stage announces its bubbles exactly like a framework adapter: the
 expected duration comes from the simulated schedule, then from the durations
-measured in earlier steps.
+measured in earlier steps. Under ``freeride profile`` (profile mode in the
+environment) each stage also records every wait of every step, as the
+framework adapters do, so ``freeride profile -- freeride sim ...`` profiles it.
 """
 
 from __future__ import annotations
@@ -29,10 +31,14 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
+from backends.launch import read_mode
+from backends.observations import ObservationLog
 from backends.predict import BubblePredictor
 from backends.schedule import Action, Durations, bubbles, build_schedule, simulate
 from backends.session import BackendConfig, BackendSession
+from backends.tracker import TAIL_KEY
 from freeride._procutil import bind_to_parent
+from freeride.profile import RankObservations, StepRecord, WaitRecord
 
 __all__ = ["SimConfig", "SimPipeline", "StageResult", "run_stage"]
 
@@ -174,6 +180,9 @@ def run_stage(
     links = _Links(prev, nxt)
     num_virtual = p * v
     result = StageResult(stage=stage)
+    log = _observation_log(config, stage)
+    waits_of_step: list[WaitRecord] = []
+    passes: dict[str, list[int]] = {"F": [], "B": []}
 
     def waited(step: int, key: Action | None, wait: Callable[[], None]) -> int:
         expected = predictor.expect(key)
@@ -188,12 +197,19 @@ def run_stage(
             predictor.observe(key, measured - session.last_waited_runnable_ns)
         else:
             predictor.observe(key, measured)
+        if log is not None:
+            key_text = TAIL_KEY if key is None else str(key)
+            offset = t0 - t_step
+            waits_of_step.append(WaitRecord(key=key_text, offset_ns=offset, duration_ns=measured, expected_ns=expected))
         return measured if opened else 0
 
     try:
+        t_step = 0
         for step in range(config.steps):
             t_step = time.monotonic_ns()
             cpu_step = time.process_time_ns()
+            waits_of_step = []
+            passes = {"F": [], "B": []}
             announced = waits = 0
             for action in schedule.actions[stage]:
                 virtual = action.chunk * p + stage
@@ -206,7 +222,9 @@ def run_stage(
                     t0 = time.monotonic_ns()
                     announced += waited(step, action, partial(links.recv, need))
                     waits += time.monotonic_ns() - t0
+                t_pass = time.monotonic_ns()
                 _compute(config.forward_s if action.kind == "F" else config.backward_s, config.compute)
+                passes[action.kind].append(time.monotonic_ns() - t_pass)
                 if action.kind == "F" and virtual < num_virtual - 1:
                     assert links.next is not None
                     links.next.send(("F", action.microbatch, virtual))
@@ -218,6 +236,16 @@ def run_stage(
             waits += time.monotonic_ns() - t0
             duration = time.monotonic_ns() - t_step
             session.step_finished(step, duration)
+            if log is not None:
+                log.add(
+                    StepRecord(
+                        step=step,
+                        duration_ns=duration,
+                        waits=waits_of_step,
+                        forward_ns=passes["F"],
+                        backward_ns=passes["B"],
+                    )
+                )
             result.step_ns.append(duration)
             result.cpu_ns.append(time.process_time_ns() - cpu_step)
             result.bubble_ns.append(announced)
@@ -226,8 +254,28 @@ def run_stage(
         logger.warning("[sim] stage %d lost a neighbour (%s); stopping", stage, exc)
     finally:
         result.sent, result.dropped = session.sent, session.dropped
+        if log is not None:
+            log.close()
         session.close()
         results.put(result)
+
+
+def _observation_log(config: SimConfig, stage: int) -> ObservationLog | None:
+    """Profile mode's record of this stage (None outside profile mode)."""
+    mode, directory = read_mode()
+    if mode != "profile":
+        return None
+    base = RankObservations(
+        framework="sim",
+        rank=config.rank_offset + stage,
+        stage=stage,
+        num_stages=config.num_stages,
+        device=config.device(stage),
+        num_microbatches=config.num_microbatches,
+        schedule=config.schedule if config.num_chunks == 1 else f"{config.schedule}x{config.num_chunks}",
+        spare_memory=config.spare_memory,
+    )
+    return ObservationLog(base, directory, spare_memory=lambda: config.spare_memory)
 
 
 class SimPipeline:

@@ -8,9 +8,7 @@ import dataclasses
 import logging
 import os
 import signal
-import subprocess
 import sys
-import tempfile
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, get_args
@@ -307,6 +305,7 @@ def format_status(status: p.StatusReply) -> str:
             f"{format_ns(d.bubble_ns):>12} {share:>6.1%} {d.overruns:>8} {format_ns(d.interference_ns):>13} {taken:>11}"
         )
     lines.extend(_guard_line(d) for d in status.devices if d.margin_ns >= 0)
+    lines.extend(f"{printable(d.device):10} {printable(d.no_bubbles)}" for d in status.devices if d.no_bubbles)
     lines.append("")
     lines.append(
         f"{'task':>4} {'name':28} {'state':10} {'device':10} {'steps':>8} {'busy':>10} {'interference':>13}"
@@ -460,24 +459,44 @@ def _launch_serve_argv(args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-P", "-m", "freeride", "--log-level", args.log_level, "serve", *serve]
 
 
+def _add_profile_options(s: argparse.ArgumentParser) -> None:
+    from freeride.profile_run import DEFAULT_PROFILE_STEPS
+
+    s.add_argument(
+        "--steps",
+        type=int,
+        default=DEFAULT_PROFILE_STEPS,
+        help=f"stop the job once every rank ran this many steps (default {DEFAULT_PROFILE_STEPS}; 0: to its end)",
+    )
+    s.add_argument("--picture", metavar="PNG", help="also draw where each stage's bubbles fall in one step")
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
-    from backends.launch import launch_env
-    from freeride.profile import build_profile, read_observations, write_profile
+    from freeride.observe.picture import require_matplotlib
+    from freeride.profile_run import ProfileOptions, run_profile
 
     if not args.command:
         raise SystemExit("freeride: give the training command after --")
-    with tempfile.TemporaryDirectory(prefix="freeride-profile-") as tmp:
-        env = launch_env(os.environ, events=_endpoints(args).events, mode="profile", profile_dir=Path(tmp))
-        _export_keys_dir(args, env)
-        _find_command(args.command, env)
-        code = subprocess.call(list(args.command), env=env)
-        if code != 0:
-            print(f"freeride: training command exited with {code}; no profile written", file=sys.stderr)
-            return code
-        profile = build_profile(read_observations(Path(tmp)))
-    write_profile(profile, Path(args.out))
-    print(f"freeride: profile of {len(profile.stages)} stage(s) written to {args.out}")
-    return 0
+    if args.picture:
+        try:
+            require_matplotlib()  # before the job runs, not after
+        except ImportError as exc:
+            print(f"freeride: --picture: {exc}", file=sys.stderr)
+            return 2
+    env = dict(os.environ)
+    _export_keys_dir(args, env)
+    _find_command(args.command, env)
+    events = _endpoints(args).events
+    outcome = run_profile(
+        ProfileOptions(command=args.command, out=Path(args.out), events=events, steps=args.steps, env=env)
+    )
+    print(f"freeride: {outcome.message}", file=sys.stderr if outcome.exit_code else sys.stdout)
+    if outcome.profile is not None and args.picture:
+        from freeride.observe.picture import render_profile
+
+        render_profile(outcome.profile, Path(args.picture))
+        print(f"freeride: picture of one step written to {args.picture}")
+    return outcome.exit_code
 
 
 def _cores(text: str) -> tuple[int, ...]:
@@ -745,10 +764,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = subs.add_parser(
         "profile",
         help="run a few training steps and write a bubble profile",
-        usage="freeride profile --out FILE [--runtime-dir DIR] -- COMMAND ...",
+        usage="freeride profile --out FILE [--steps N] [--picture PNG] [--runtime-dir DIR] -- COMMAND ...",
     )
     _add_runtime(s)
     s.add_argument("--out", required=True, metavar="FILE")
+    _add_profile_options(s)
     s.set_defaults(fn=cmd_profile)
 
     s = subs.add_parser(

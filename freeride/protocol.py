@@ -549,6 +549,8 @@ class DeviceStatus(_Msg, frozen=True, tag="device_status"):
     """What each bubble's expected length is multiplied by when a grant's deadline is set."""
     guard_reason: str = ""
     """Why the margin and factor are what they are, in one line."""
+    no_bubbles: str = ""
+    """Why this device has no pipeline bubbles, e.g. ``no pipeline bubbles: pipeline size 1`` ("" when it has)."""
 
 
 class TaskStatus(_Msg, frozen=True, tag="task_status"):

@@ -160,7 +160,7 @@ class DeepSpeedAdapter:
         self._commits = 0
         self._last_event_ns = clock()
         _compat.shadow_instruction_map(engine, self._wrap_table(_compat.class_instruction_map(engine)))
-        logger.info(
+        logger.debug(  # the session wrote the attach line; these are the details
             "[attach] deepspeed rank %d stage %d/%d on %s (mode %s)",
             self.facts.rank,
             self.facts.stage,

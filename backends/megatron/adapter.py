@@ -175,8 +175,8 @@ class MegatronAdapter:
     def _start_single(self, info: _compat.CallInfo) -> BackendSession:
         """A rank without a pipeline: say so once, and say hello with ``num_stages=1``."""
         config, _ = self._config(info)
-        self._single = BackendSession(config)
-        logger.info(
+        self._single = BackendSession(config)  # its attach line says: pipeline size 1, no pipeline bubbles
+        logger.debug(
             "[attach] megatron rank %d on %s: pipeline size 1, so no pipeline bubbles; nothing to announce",
             config.rank,
             config.device,
@@ -220,7 +220,7 @@ class MegatronAdapter:
             on_step=self._on_step if self._log is not None else None,
             device=self._timeline,
         )
-        logger.info(
+        logger.debug(  # the session wrote the attach line; these are the details
             "[attach] megatron rank %d stage %d/%d on %s (%s mode)",
             rank,
             info.stage,

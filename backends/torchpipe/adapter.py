@@ -166,7 +166,7 @@ class TorchPipeAdapter:
         self._recv_works: dict[int, Any] = {}
         """id -> Work of the receives posted in the step in flight (kept alive so ids stay unique)."""
         self._last_event_ns = clock()
-        logger.info(
+        logger.debug(  # the session wrote the attach line; these are the details
             "[attach] torchpipe rank %d stage %d/%d (%s, %s) on %s: manager %s",
             self.rank,
             self.facts.rank,

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from freeride.clock import MONOTONIC, Clock
+from freeride.serve.nobubbles import job_without_bubbles
 from freeride.serve.placement import NEGLIGIBLE_SHARE, DeviceView, better_device
 from freeride.serve.ranks import DeviceInfo
 from freeride.serve.scheduler import DeviceScheduler
@@ -63,6 +64,9 @@ class Settling:
         """
         if not devices:
             return "waiting for a training rank to report"
+        without = job_without_bubbles(devices.values())
+        if without:
+            return without
         if any(info.declared for info in devices.values()):
             return ""  # a profile or the launcher named the job's devices
         live = [info for info in devices.values() if info.alive]

@@ -32,6 +32,7 @@ from freeride.gpu.nvml import NvmlMonitor
 from freeride.observe.base import Observers
 from freeride.observe.stats import LatencyRecorder
 from freeride.serve.config import ServeConfig
+from freeride.serve.nobubbles import waiting_on_device
 from freeride.serve.ranks import DeviceInfo, Ranks
 from freeride.serve.scheduler import DeviceScheduler
 from freeride.serve.supervisor import Supervisor
@@ -399,11 +400,13 @@ class Manager:
         if scheduler is None:
             return task.status()
         no_fit, why = scheduler.no_fit(task.task_id)
+        idle = "" if task.state in p.TERMINAL_STATES else waiting_on_device(task.device, self.devices.get(task.device))
         return msgspec.structs.replace(
             task.status(),
             interference_ns=scheduler.task_interference_ns(task.task_id),
             no_fit=no_fit,
             no_fit_reason=why,
+            pending_reason=idle or task.status().pending_reason,
         )
 
     def status(self) -> p.StatusReply:

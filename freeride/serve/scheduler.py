@@ -44,6 +44,7 @@ from freeride.clock import MONOTONIC, Clock
 from freeride.observe.base import Observers
 from freeride.observe.stats import LatencyRecorder
 from freeride.serve.guard import DEFAULT_TARGET, GuardConfig, InterferenceGuard
+from freeride.serve.nobubbles import no_bubbles
 from freeride.serve.ranks import DeviceInfo
 from freeride.serve.tasks import TaskRecord
 
@@ -195,6 +196,7 @@ class DeviceScheduler:
             margin_ns=self.guard.margin_ns,
             prediction_factor=self.guard.factor,
             guard_reason=self.guard.reason,
+            no_bubbles=no_bubbles(info),
         )
 
     def train_ns(self, *, alive: bool) -> int:
