@@ -19,6 +19,7 @@ import msgspec
 
 from freeride import auth
 from freeride import protocol as p
+from freeride.plan_cli import add_plan_parser
 from freeride.profile_task import DEFAULT_SAMPLES, DEFAULT_STEPS
 from freeride.program_cli import PROGRAM_OPTIONS, add_program_options, cancel_outcome, program_spec
 from freeride.serve.config import ServeConfig
@@ -693,6 +694,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the runtime dir of `freeride serve` (default {default_runtime_dir()}), if --state-dir is not given",
     )
     s.set_defaults(fn=cmd_profile_task)
+
+    add_plan_parser(subs)
 
     for name, helptext in (
         ("sim", "run a simulated pipeline job against a running manager"),
