@@ -294,26 +294,24 @@ def stage_shares(
 
 
 def _row(shape: JobShape, tasks: tuple[TaskShare, ...], prices: Prices, times: _Times) -> ScaleRow:
-    step, stages = stage_shares(shape, tasks, times=times)
+    step, stages = stage_shares(shape, times=times)
     bubble = sum(s.bubble_share for s in stages) / len(stages)
-    usable = sum(s.usable_share for s in stages) / len(stages)
-    # usable is share-weighted already; each task fills its measured share of what it can use
-    fill = sum(t.share * (t.use.use if t.use else 0.0) for t in tasks) / max(sum(t.share for t in tasks), 1e-12)
-    harvested_s = shape.gpus * _DAY_S * usable * fill
     interference: float | None = 0.0
+    harvested_s = side_value_s = 0.0
     for task in tasks:
-        if task.use is None or task.use.interference is None:
-            interference = None
-            break
-        interference = (interference or 0.0) + task.share * task.use.interference
-    # FreeRide's formula over one day of training: W_i / R_i priced as cheap-GPU seconds
-    side_value_s = 0.0
-    for task in tasks:
-        seconds = shape.gpus * _DAY_S * usable * (task.share / max(sum(t.share for t in tasks), 1e-12))
-        seconds *= task.use.use if task.use else 0.0
+        # each task fills its measured share of the bubbles long enough for its steps
+        _, alone = stage_shares(shape, (replace(task, share=1.0),), times=times)
+        usable = sum(s.usable_share for s in alone) / len(alone)
+        seconds = shape.gpus * _DAY_S * usable * task.share * (task.use.use if task.use else 0.0)
+        harvested_s += seconds
+        # FreeRide's formula: the work W_i priced as the cheap-GPU seconds W_i / R_i it would take there
         if task.step_s is not None and task.cheap_rate is not None:
             seconds *= 1.0 / task.step_s / task.cheap_rate
         side_value_s += seconds
+        if interference is not None and task.use is not None and task.use.interference is not None:
+            interference += task.share * task.use.interference
+        else:
+            interference = None
     saving = cost_saving(
         side_value_s=side_value_s,
         k=price_ratio(prices, shape.gpus),
@@ -385,7 +383,13 @@ def _assumptions(shape: JobShape, tasks: tuple[TaskShare, ...], times: _Times, p
         ),
         "harvested GPU-hours/day: GPUs x 24 h x usable bubble share x measured use; a GPU's bubble counts"
         f" for every one of its tp={shape.tp} GPUs",
+        "use and interference: measured shares, kept at every size; neither is modelled (interference comes"
+        " from side steps running past bubble ends: longer, rarer bubbles at scale would likely lower it)",
     ]
+    if shape.microbatches < shape.pp:
+        out.append(
+            f"m={shape.microbatches} < p={shape.pp}: the pipeline never fills; most of each stage's step is bubble"
+        )
     for task in tasks:
         if task.use is None:
             out.append(f"task {task.task} ({task.share:.0%}): no measured use known: it counts as harvesting nothing")

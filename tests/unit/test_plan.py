@@ -101,6 +101,12 @@ def test_bubbles_shorter_than_a_task_step_are_not_usable() -> None:
     assert [s.usable_share for s in stages] == pytest.approx([2 / 9, 2 / 9])
     _, stages = stage_shares(shape, (TaskShare(task="t", share=1.0, use=USE, step_s=2.5),))
     assert [s.usable_share for s in stages] == [0, 0]
+    # a mix: each task fills its use of what its own steps fit in
+    full = MeasuredUse(task="x", use=1.0, interference=0.0, job="", steps=1, source="")
+    long_steps = TaskShare(task="a", share=0.5, use=full, step_s=1.5)
+    short_steps = TaskShare(task="b", share=0.5, use=full)
+    plan = make_plan(shape, (long_steps, short_steps), PlanOptions(scale=()))
+    assert plan.job.harvested_gpu_h_day == pytest.approx(2 * 24 * (0.5 * 2 / 9 + 0.5 * 3 / 9))
 
 
 def test_mix_shares_weigh_use_and_interference() -> None:
