@@ -261,3 +261,16 @@ def test_cli_reads_a_profile_and_estimates(tmp_path: Path, capsys: pytest.Captur
     assert data["tasks"][0]["step_s"] == pytest.approx(0.003)
     assert main(["plan", "--profile", str(tmp_path / "missing.json"), "--task", "imaging"]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_cli_takes_a_use_measured_elsewhere(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["plan", "--pp", "2", "--micro-batches", "4", "--forward", "10ms", "--backward", "20ms", "--json"]
+    assert main([*base, "--task", "graph-sgd", "--use", "graph-sgd=demo"]) == 0
+    use = json.loads(capsys.readouterr().out)["tasks"][0]["use"]
+    assert use["use"] == pytest.approx(0.79) and "the demo" in use["source"]
+    assert main([*base, "--task", "my-task", "--use", "my-task=40%", "--interference", "my-task=1%"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["job"]["interference"] == pytest.approx(0.01)
+    assert data["job"]["harvested_gpu_h_day"] == pytest.approx(2 * 24 * 0.2 * 0.4)
+    assert main([*base, "--task", "imaging", "--interference", "imaging=2%"]) == 0
+    assert json.loads(capsys.readouterr().out)["job"]["interference"] == pytest.approx(0.02)
