@@ -67,6 +67,10 @@ class JobShape:
     backward: tuple[float, ...]
     absolute: bool = True
     """Whether ``forward``/``backward`` are seconds; ratios are scaled to ``step_time_s``."""
+    comm_s: float = 0.0
+    """Latency added on every hand-over between stages (p2p send to receive)."""
+    comm_source: str = "none given"
+    """Where ``comm_s`` comes from (printed with the assumptions)."""
     step_time_s: float | None = None
     """Measured step time. Beyond the schedule's compute it is work outside the pipeline
     (optimizer, gradient all-reduce), counted busy on every stage."""
@@ -105,6 +109,8 @@ class JobShape:
                 raise ValueError(f"{name} must list {self.pp} stages (or one value for all), got {len(values)}")
             if any(not (t > 0 and math.isfinite(t)) for t in values):
                 raise ValueError(f"{name} times must be positive, got {values}")
+        if not (self.comm_s >= 0 and math.isfinite(self.comm_s)):
+            raise ValueError(f"p2p latency must be >= 0, got {self.comm_s}")
         if self.step_time_s is not None and not (self.step_time_s > 0 and math.isfinite(self.step_time_s)):
             raise ValueError(f"step time must be positive, got {self.step_time_s}")
         if not self.absolute and self.step_time_s is None:
@@ -233,13 +239,19 @@ class _Times:
 
 def _times(shape: JobShape) -> _Times:
     """Seconds per micro-batch pass (ratios scaled to the step time) and the rest of the step."""
-    durations = Durations(forward=shape.forward, backward=shape.backward)
+    durations = Durations(forward=shape.forward, backward=shape.backward, comm=shape.comm_s)
     makespan = simulate(_schedule(shape), durations).makespan
     if not shape.absolute:
         assert shape.step_time_s is not None  # JobShape requires it for ratios
-        factor = shape.step_time_s / makespan
+        compute = simulate(_schedule(shape), replace(durations, comm=0.0)).makespan
+        # the latency's part of the step does not scale with the compute
+        factor = (shape.step_time_s - (makespan - compute)) / compute
+        if factor <= 0:
+            raise ValueError(f"step time {shape.step_time_s:.4g} s leaves no compute beside the p2p latency")
         scaled = Durations(
-            forward=tuple(t * factor for t in shape.forward), backward=tuple(t * factor for t in shape.backward)
+            forward=tuple(t * factor for t in shape.forward),
+            backward=tuple(t * factor for t in shape.backward),
+            comm=shape.comm_s,
         )
         return _Times(scaled, 0.0)
     if shape.step_time_s is None:
@@ -370,7 +382,7 @@ def _assumptions(shape: JobShape, tasks: tuple[TaskShare, ...], times: _Times, p
         + (f", v={shape.chunks}" if shape.chunks > 1 else "")
         + f"; per micro-batch forward [{fwd}] ms, backward [{bwd}] ms per stage"
         + ("" if shape.absolute else " (ratios scaled to the step time)")
-        + "; no p2p latency, no jitter",
+        + f"; p2p latency {shape.comm_s * 1e3:.3g} ms per hand-over ({shape.comm_source}); no jitter",
         f"outside the pipeline (optimizer, gradient all-reduce): {times.outside_s * 1e3:.4g} ms per step, counted"
         " busy on every stage and kept the same at every size (a larger all-reduce would lower the bubble share)",
         "scale: "

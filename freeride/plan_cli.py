@@ -21,7 +21,7 @@ from freeride.estimates import read_estimates_file
 from freeride.observe.report import Prices, parse_throughputs
 from freeride.plan import SCALE_GPUS, JobShape, Plan, PlanOptions, ScaleRow, TaskShare, make_plan
 from freeride.plan_measured import DEMO, MEASURED, MeasuredUse, measured_for
-from freeride.profile import load_profile
+from freeride.profile import StageProfile, load_profile
 from freeride.units import format_ns, parse_duration_ns, parse_share
 
 __all__ = ["add_plan_parser", "cmd_plan", "plan_dict", "plan_text", "shape_from_args", "tasks_from_args"]
@@ -48,6 +48,11 @@ def add_plan_parser(subs: Any) -> None:
     job.add_argument("--step-time", metavar="TIME", help="measured step time, e.g. 12s")
     job.add_argument("--forward", metavar="TIME[,TIME...]", help="forward per micro-batch, one value or one per stage")
     job.add_argument("--backward", metavar="TIME[,TIME...]", help="backward per micro-batch, likewise")
+    job.add_argument(
+        "--p2p-latency",
+        metavar="TIME",
+        help="latency of a hand-over between stages (default 0; with --profile, measured from the profile)",
+    )
     job.add_argument(
         "--ratio", default="1:2", metavar="F:B", help="forward:backward when only --step-time is given (default 1:2)"
     )
@@ -114,6 +119,7 @@ def shape_from_args(args: argparse.Namespace) -> JobShape:
         ValueError: Missing or inconsistent options, or an unreadable profile.
     """
     step = parse_duration_ns(args.step_time) / 1e9 if args.step_time else None
+    comm = parse_duration_ns(args.p2p_latency) / 1e9 if args.p2p_latency else None
     if args.profile:
         profile = load_profile(Path(args.profile))
         if not profile.stages:
@@ -126,6 +132,7 @@ def shape_from_args(args: argparse.Namespace) -> JobShape:
         if any(s.forward_ns <= 0 or s.backward_ns <= 0 for s in stages):
             raise ValueError(f"{args.profile}: the profile has no forward/backward times (re-profile the job)")
         m = args.micro_batches or stages[0].num_microbatches
+        measured_comm = _p2p_latency(stages)
         gpus = args.gpus or len(profile.stages) * args.tp
         return JobShape(
             gpus=gpus,
@@ -136,6 +143,12 @@ def shape_from_args(args: argparse.Namespace) -> JobShape:
             schedule=args.schedule,
             forward=tuple(s.forward_ns / 1e9 for s in stages),
             backward=tuple(s.backward_ns / 1e9 for s in stages),
+            comm_s=comm if comm is not None else measured_comm or 0.0,
+            comm_source="--p2p-latency"
+            if comm is not None
+            else "measured: each stage's first wait less the forwards before it"
+            if measured_comm is not None
+            else "not measurable from the profile",
             step_time_s=step or max(s.step_time_ns for s in stages) / 1e9,
             global_batch=args.global_batch,
             microbatch_size=args.micro_batch_size,
@@ -184,10 +197,27 @@ def shape_from_args(args: argparse.Namespace) -> JobShape:
         forward=forward,
         backward=backward,
         absolute=absolute,
+        comm_s=comm or 0.0,
+        comm_source="--p2p-latency" if comm is not None else "none given",
         step_time_s=step,
         global_batch=args.global_batch,
         microbatch_size=args.micro_batch_size,
     )
+
+
+def _p2p_latency(stages: list[StageProfile]) -> float | None:
+    """The hand-over latency a profile shows, in seconds; None if it cannot tell.
+
+    Stage ``s`` first waits for the forwards of micro-batch 0 on the stages before it
+    and ``s`` hand-overs: its first bubble (``sF0``) less those forwards, over ``s``.
+    """
+    estimates: list[float] = []
+    for s, stage in enumerate(stages[1:], start=1):
+        head = stage.bubble(f"{s}F0")
+        if head is not None:
+            before = sum(st.forward_ns for st in stages[:s])
+            estimates.append(max(head.duration_ns - before, 0) / s / 1e9)
+    return statistics.median(estimates) if estimates else None
 
 
 def _pairs(pairs: list[str], option: str) -> dict[str, str]:

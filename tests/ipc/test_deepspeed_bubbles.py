@@ -149,24 +149,24 @@ def test_expected_durations_track_the_measured_ones(sleep_run: tuple[TrainRun, l
 def test_plan_reproduces_the_profiled_bubble_share(
     sleep_run: tuple[TrainRun, list[RankObservations]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``freeride plan`` fed with this job's profile models the schedule's bubbles of each stage within 10 %.
+    """``freeride plan`` fed with this job's profile models each stage's bubble share within 10 %.
 
-    What the model has no place for is left out of the measured side: waits shorter
-    than 0.4 forward (the threshold above) and blocked sends (``send:``), which come
-    from step-to-step jitter and gloo's rendezvous sends. docs/plan.md gives their
-    size; the plan prints the profile's whole share beside the model's.
+    The plan takes the hand-over latency from the profile (each stage's first wait less
+    the forwards before it). Blocked sends (``send:``) are left out of the measured side:
+    gloo's send returns only once the peer received, so a late peer shows there as
+    jitter the model has no place for (docs/plan.md gives their size).
     """
     _, observations = sleep_run
-    forward = min(statistics.median(t for s in o.steps[SKIP:] for t in s.forward_ns) for o in observations)
-    profile = build_profile(observations, warmup_steps=SKIP, min_bubble_ns=round(0.4 * forward))
+    profile = build_profile(observations, warmup_steps=SKIP)
     path = tmp_path / "job.profile.json"
     write_profile(profile, path)
     capsys.readouterr()
     assert main(["plan", "--profile", str(path), "--task", "graph-sgd", "--json", "--scale", "1024"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert len(plan["stages"]) == STAGES
+    assert plan["shape"]["comm_s"] > 0
     for modelled, stage in zip(plan["stages"], profile.stages, strict=True):
-        scheduled = sum(b.duration_ns for b in stage.bubbles if not b.key.startswith("send:"))
-        measured = scheduled / stage.step_time_ns
+        waited = sum(b.duration_ns for b in stage.bubbles if not b.key.startswith("send:"))
+        measured = waited / stage.step_time_ns
         assert modelled["bubble_share"] == pytest.approx(measured, rel=0.10), (stage.stage, modelled, measured)
         assert modelled["measured_share"] == pytest.approx(stage.bubble_fraction)

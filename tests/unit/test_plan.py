@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from freeride.cli import main
@@ -12,7 +13,7 @@ from freeride.estimates import EstimatesKey, KindTimes, save_estimates
 from freeride.observe.report import Prices
 from freeride.plan import JobShape, PlanOptions, TaskShare, make_plan, stage_shares
 from freeride.plan_measured import MEASURED, MeasuredUse, measured_for
-from freeride.profile import Profile, StageProfile, write_profile
+from freeride.profile import BubbleProfile, Profile, StageProfile, write_profile
 from sidetasks import resolve
 
 MS = 1_000_000
@@ -274,3 +275,24 @@ def test_cli_takes_a_use_measured_elsewhere(capsys: pytest.CaptureFixture[str]) 
     assert data["job"]["harvested_gpu_h_day"] == pytest.approx(2 * 24 * 0.2 * 0.4)
     assert main([*base, "--task", "imaging", "--interference", "imaging=2%"]) == 0
     assert json.loads(capsys.readouterr().out)["job"]["interference"] == pytest.approx(0.02)
+
+
+def test_p2p_latency_comes_from_the_profile_or_the_command_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # stage 1 first waits 12 ms for stage 0's 10 ms forward: 2 ms per hand-over
+    head = BubbleProfile(index=0, key="1F0", offset_ns=0, duration_ns=12 * MS, p5_ns=0, p95_ns=0, count=5)
+    stage1 = msgspec.structs.replace(_stage(1, 44 * MS), bubbles=[head])
+    profile = tmp_path / "job.profile.json"
+    write_profile(Profile(stages=[_stage(0, 40 * MS), stage1]), profile)
+    assert main(["plan", "--profile", str(profile), "--task", "imaging", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["shape"]["comm_s"] == pytest.approx(0.002)
+    # 1F1B p=2 m=4 with 10/20 ms: 150 ms of compute; latency adds idle, the 200 ms step stays
+    assert all(s["bubble_share"] > 30 / 200 for s in data["stages"])
+    base = ["plan", "--pp", "2", "--micro-batches", "4", "--forward", "10ms", "--backward", "20ms", "--task", "imaging"]
+    assert main([*base, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)["job"]
+    assert main([*base, "--p2p-latency", "2ms", "--json"]) == 0
+    slow = json.loads(capsys.readouterr().out)["job"]
+    assert slow["step_s"] > plain["step_s"] and slow["bubble_share"] > plain["bubble_share"]
