@@ -39,6 +39,7 @@ __all__ = [
     "bubbles",
     "bubbles_to_text",
     "build_schedule",
+    "forward_only",
     "gpipe",
     "interleaved",
     "interleaved_from_table",
@@ -111,6 +112,8 @@ class Schedule:
         num_chunks: Model chunks per rank ``v`` (1 unless interleaved).
         actions: ``actions[rank]`` in execution order; each rank runs one forward and one
             backward of every (micro-batch, chunk), and at most one weight-gradient pass.
+        forward_only: The step only runs forwards (evaluation, inference): each rank runs
+            one forward of every (micro-batch, chunk) and nothing else.
     """
 
     name: str
@@ -118,13 +121,15 @@ class Schedule:
     num_microbatches: int
     num_chunks: int
     actions: tuple[tuple[Action, ...], ...]
+    forward_only: bool = False
 
     def __post_init__(self) -> None:
         _check_sizes(num_stages=self.num_stages, num_microbatches=self.num_microbatches, num_chunks=self.num_chunks)
         if len(self.actions) != self.num_stages:
             raise ValueError(f"actions: {len(self.actions)} ranks listed for num_stages={self.num_stages}")
         places = [(mb, chunk) for mb in range(self.num_microbatches) for chunk in range(self.num_chunks)]
-        expected = sorted((kind, *place) for kind in ("B", "F") for place in places)
+        kinds = ("F",) if self.forward_only else ("B", "F")
+        expected = sorted((kind, *place) for kind in kinds for place in places)
         for rank, row in enumerate(self.actions):
             wrong = [str(a) for a in row if a.stage != rank]
             if wrong:
@@ -132,10 +137,13 @@ class Schedule:
             passes = sorted((a.kind, a.microbatch, a.chunk) for a in row if a.kind != "W")
             weights = [(a.microbatch, a.chunk) for a in row if a.kind == "W"]
             if passes != expected or len(set(weights)) != len(weights) or not set(weights) <= set(places):
+                what = "F" if self.forward_only else "F and B"
                 raise ValueError(
-                    f"actions: rank {rank} must run F and B of each of {self.num_microbatches} "
+                    f"actions: rank {rank} must run {what} of each of {self.num_microbatches} "
                     f"micro-batches x {self.num_chunks} chunks exactly once (and W at most once)"
                 )
+            if self.forward_only and weights:
+                raise ValueError(f"actions: rank {rank} of a forward-only schedule lists W passes")
 
     def to_csv(self) -> str:
         """One line per rank, its actions in ``2F0`` notation separated by commas."""
@@ -236,6 +244,24 @@ def interleaved_from_table(
         row += bwd[total - warm :]
         rows.append(tuple(row))
     return Schedule("interleaved", p, m, v, tuple(rows))
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The forward-only step (evaluation, inference) of ``schedule``: each rank's forwards, in its order.
+
+    A rank runs its forwards in the order it would in training (Megatron's
+    forward-only 1F1B and interleaved calls do), with no backward between them,
+    so the pipeline fills once and drains once. The name gets ``"-forward"``.
+    """
+    rows = tuple(tuple(a for a in row if a.kind == "F") for row in schedule.actions)
+    return Schedule(
+        f"{schedule.name}-forward",
+        schedule.num_stages,
+        schedule.num_microbatches,
+        schedule.num_chunks,
+        rows,
+        forward_only=True,
+    )
 
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")

@@ -31,7 +31,7 @@ import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -107,6 +107,10 @@ class StepPlan:
     simulated: bool = True
     """Predict waits from the simulated schedule until they are measured; False where
     :func:`backends.schedule.simulate` cannot model the stages' placement (V-shaped)."""
+    priors: Callable[[Durations], Mapping[str, int]] | None = None
+    """Predicts the waits, place key -> ns, from this rank's measured compute times
+    instead of :func:`schedule_priors` (a framework whose own instruction lists say
+    where a rank blocks, as DeepSpeed's DualPipeV); may raise ``ValueError``."""
 
     @property
     def key(self) -> PlanKey:
@@ -425,20 +429,29 @@ class StepTracker:
             self._primed.add(plan.key)
             return
         needed: tuple[Kind, ...] = ("F", "B", "W") if plan.schedule.has_weight_passes else ("F", "B")
+        if plan.schedule.forward_only:
+            needed = ("F",)  # a forward-only step (evaluation) is primed before any backward ran
         if not all(self._compute[k] for k in needed):
             return
-        f, b = (statistics.median(self._compute[k]) / 1e9 for k in ("F", "B"))
+        f = statistics.median(self._compute["F"]) / 1e9
+        b = statistics.median(self._compute["B"]) / 1e9 if self._compute["B"] else f
         w = statistics.median(self._compute["W"]) / 1e9 if "W" in needed else None
         durations = Durations.uniform(plan.schedule.num_stages, f, b, comm=self._comm_s(f, b), weight=w)
         try:
-            gaps = schedule_priors(plan.schedule, plan.stage, durations, merge_tail=plan.merge_tail, groups=plan.groups)
+            if plan.priors is not None:
+                by_place = dict(plan.priors(durations))
+            else:
+                gaps = schedule_priors(
+                    plan.schedule, plan.stage, durations, merge_tail=plan.merge_tail, groups=plan.groups
+                )
+                by_place = {plan.place_key(before): ns for before, ns in gaps.items()}
         except ValueError:
             logger.warning("[predict] could not simulate %s; using measured waits only", plan.key)
-            gaps = {}
-        for before, ns in gaps.items():
-            self.predictor.set_prior((plan.key, plan.place_key(before)), ns)
+            by_place = {}
+        for place, ns in by_place.items():
+            self.predictor.set_prior((plan.key, place), ns)
         self._primed.add(plan.key)
-        logger.debug("[predict] %s primed with f=%.2fms b=%.2fms: %s", plan.key, f * 1e3, b * 1e3, gaps)
+        logger.debug("[predict] %s primed with f=%.2fms b=%.2fms: %s", plan.key, f * 1e3, b * 1e3, by_place)
 
     def _comm_s(self, f: float, b: float) -> float:
         """Latency of one p2p hop: the median wait for data that had already arrived."""

@@ -117,6 +117,7 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
         mps=args.mps,
         trace=Path(args.trace) if args.trace else None,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         side_priority=args.side_priority,
         keys_dir=_keys_dir(args) if getattr(args, "tcp", None) else None,
         hang_after_s=parse_duration_ns(args.hang_after) / 1e9,
@@ -143,9 +144,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        async with Manager(config) as manager:
-            print(f"freeride: serving; backends send to {config.endpoints.events}", flush=True)
-            await manager.run(stop)
+        if not args.exit_with_jobs:
+            async with Manager(config) as manager:
+                print(f"freeride: serving; backends send to {config.endpoints.events}", flush=True)
+                await manager.run(stop)
+            return
+        from freeride.jobs import JobWatch
+
+        # the watch's lock outlives the manager: no launch registers with it while it closes
+        with JobWatch(_runtime_dir(args)) as watch:
+            async with Manager(config) as manager, asyncio.TaskGroup() as tg:
+                print(
+                    f"freeride: serving until the launched jobs end; backends send to {config.endpoints.events}",
+                    flush=True,
+                )
+                tg.create_task(watch.stop_when_done(stop), name="serve-jobs")
+                await manager.run(stop)
 
     uvloop.run(serve())
     return 0
@@ -391,11 +405,60 @@ def cmd_launch(args: argparse.Namespace) -> int:
     env = launch_env(os.environ, events=_endpoints(args).events)
     _export_keys_dir(args, env)
     path = _find_command(args.command, env)
+    if not args.no_manager:
+        _node_manager(args)
     try:
         os.execve(path, list(args.command), env)
     except OSError as exc:  # found but not runnable, e.g. a script with a bad #! line
         print(f"freeride: cannot run {args.command[0]!r}: {exc.strerror}", file=sys.stderr)
         return 126
+
+
+def _node_manager(args: argparse.Namespace) -> None:
+    """Find the node's manager or start one; the training runs whatever happens to it."""
+    from freeride.node_manager import ManagerNotStarted, StartOptions, ensure_manager
+
+    endpoints = _endpoints(args)
+    curve = auth.load_client_keys(_keys_dir(args)) if endpoints.control.startswith("tcp://") else None
+    options = StartOptions(
+        endpoints=endpoints,
+        runtime_dir=_runtime_dir(args),
+        serve_argv=tuple(_launch_serve_argv(args)),
+        keep=args.keep_manager,
+        start_timeout_s=args.manager_timeout,
+    )
+    try:
+        found = ensure_manager(options, lambda t: ControlClient(endpoints.control, timeout_s=t, curve=curve))
+    except ManagerNotStarted as exc:
+        print(f"freeride: no manager: {exc}; training runs without FreeRide", file=sys.stderr)
+        return
+    for note in found.notes:
+        print(f"freeride: {note}", file=sys.stderr)
+    if found.started:
+        after = "stays after the job" if args.keep_manager else "exits when the jobs launched here have ended"
+        print(f"freeride: started a manager (pid {found.pid}, log {found.log}); it {after}", file=sys.stderr)
+    else:
+        print(f"freeride: using the manager (pid {found.pid or '?'}) of {options.runtime_dir}", file=sys.stderr)
+
+
+def _launch_serve_argv(args: argparse.Namespace) -> list[str]:
+    """``freeride serve`` as launch would start it, checked now: bad options fail before the job starts."""
+    import shlex
+
+    extra = shlex.split(args.serve_args)
+    given = sorted({a.partition("=")[0] for a in extra} & {"--runtime-dir", "--tcp", "--keys-dir", "--exit-with-jobs"})
+    if given:
+        raise ValueError(f"--serve-args: give {', '.join(given)} to launch itself, which passes it to serve")
+    own = ["--runtime-dir", str(_runtime_dir(args))]
+    if args.tcp:
+        own += ["--tcp", args.tcp, "--keys-dir", str(_keys_dir(args))]
+    serve = [*own, *([] if args.keep_manager else ["--exit-with-jobs"]), *extra]
+    try:
+        _serve_config(build_parser().parse_args(["serve", *serve]))
+    except SystemExit:  # argparse printed what is wrong
+        print("freeride: --serve-args: not options of `freeride serve` (see freeride serve --help)", file=sys.stderr)
+        raise SystemExit(2) from None
+    return [sys.executable, "-P", "-m", "freeride", "--log-level", args.log_level, "serve", *serve]
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -526,6 +589,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of bubbles and side-task work")
     s.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on 127.0.0.1:PORT")
     s.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="address the metrics bind (default 127.0.0.1; another one lets other hosts read them, unauthenticated)",
+    )
+    s.add_argument("--exit-with-jobs", action="store_true", help=argparse.SUPPRESS)  # what launch starts
+    s.add_argument(
         "--side-priority",
         choices=get_args(p.SidePriority),
         default="low",
@@ -649,9 +719,28 @@ def build_parser() -> argparse.ArgumentParser:
     s = subs.add_parser(
         "launch",
         help="run a training command with FreeRide's hooks in every rank",
-        usage="freeride launch [--runtime-dir DIR] -- COMMAND ...",
+        usage="freeride launch [--runtime-dir DIR] [--keep-manager] [--serve-args ARGS] -- COMMAND ...",
+        description="Find the node's manager, or start one, then run COMMAND with FreeRide's hooks in every rank"
+        " (docs/launchers.md).",
     )
     _add_runtime(s)
+    s.add_argument(
+        "--keep-manager",
+        action="store_true",
+        help="a manager this launch starts stays after the job (default: it checkpoints its side tasks and exits"
+        " once every job launched on this runtime dir has ended)",
+    )
+    s.add_argument(
+        "--serve-args",
+        default="",
+        metavar="ARGS",
+        help="options for a manager this launch starts, as for `freeride serve`, e.g. '--side-priority same"
+        " --profile job.json --state-dir DIR', or --serve-args=--mps (a running manager keeps its own)",
+    )
+    s.add_argument("--no-manager", action="store_true", help="neither look for nor start a manager")
+    s.add_argument(
+        "--manager-timeout", type=float, default=60.0, metavar="SECONDS", help="wait this long for a manager to answer"
+    )
     s.set_defaults(fn=cmd_launch)
 
     s = subs.add_parser(
@@ -694,6 +783,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the runtime dir of `freeride serve` (default {default_runtime_dir()}), if --state-dir is not given",
     )
     s.set_defaults(fn=cmd_profile_task)
+
+    from freeride.cluster.cli import register as register_cluster
+
+    register_cluster(subs, _add_runtime)
 
     add_plan_parser(subs)
 

@@ -280,6 +280,9 @@ class TaskSpec(_Msg, frozen=True, tag="task_spec"):
     """A file an imperative program writes its step (a number) or metrics (a JSON object) to."""
     progress_pattern: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     """A regular expression with named groups matched against each line of the program's stdout."""
+    checkpoint_dir: Text = ""
+    """An iterative task's checkpoint directory (absolute, existing); empty: the manager's own state dir.
+    A directory on storage every node mounts lets a task resume on another node (the cluster queue's jobs)."""
 
 
 # --------------------------------------------------------------------------

@@ -34,6 +34,7 @@ CATALOG: dict[str, str] = {
     "imaging": "sidetasks.imaging:ImageProcessing",
     "transformer-lm": "sidetasks.transformer_lm:TransformerLMTraining",
     "mobilenet-train": "sidetasks.mobilenet:MobileNetV2Training",
+    "sweep-shard": "sidetasks.sweep:SweepShard",
 }
 """Short name to ``module:Class`` of an iterative task."""
 
@@ -71,6 +72,7 @@ DESCRIPTIONS: dict[str, str] = {
     "mobilenet-train": (
         "Train MobileNetV2 with SGD on synthetic images; reports loss. Split automatically into steps under target_ms."
     ),
+    "sweep-shard": "One shard of a sum-of-squares sweep (shard=I shards=N); writes OUT/shard-I.json when done.",
     "imaging-cli": "Plain resumable program (--out DIR --images N): edge maps of images; no FreeRide API.",
 }
 """Short name (of :data:`CATALOG` or :data:`PROGRAMS`) to a one-line description."""

@@ -19,5 +19,5 @@ fi
 if ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
     DS_BUILD_OPS=0 pip --no-build-isolation "deepspeed>=0.19,<0.20"
 fi
-pip -e ".[test]"
+pip -e ".[test,ray]"         # ray: the cluster queue and its tests (~80 MB download, ~20 s)
 echo "freeride installed in .venv ($(.venv/bin/freeride --help >/dev/null && echo ok))"

@@ -15,7 +15,13 @@ Checked against DeepSpeed 0.19.8 (``deepspeed/runtime/pipe/engine.py``,
 * ``OptimizerStep`` clips gradients through ``deepspeed.comm.all_reduce`` over the
   model-parallel group (``gradient_clipping > 0``): the end-of-step sync;
 * ``TrainSchedule._step_to_micro_batch`` (tests only: it cross-checks our own
-  micro-batch numbering).
+  micro-batch numbering);
+* ``DualPipeVSchedule(micro_batches, stages, stage_id)`` lists, through its public
+  ``steps()``, every rank's instructions; ``ForwardPass`` / ``BackwardPass`` and the
+  p2p instructions carry ``buffer_id = phase * micro_batches + micro_batch`` and
+  ``phase``; only ``CommitP2P`` blocks (``batch_isend_irecv`` then ``wait``);
+* ``ReduceGrads`` / ``ReduceTiedGrads`` all-reduce through ``deepspeed.comm.all_reduce``
+  over the data-parallel group and the tied-weight groups: waits where those ranks lag.
 
 On another DeepSpeed version the adapter still attaches if these names exist
 (with a warning) and stays out of the way if they do not.
@@ -37,17 +43,21 @@ from typing import Any, Literal
 __all__ = [
     "BACKWARD",
     "CHECKED_VERSIONS",
+    "COMMIT_P2P",
     "FORWARD",
     "OPTIMIZER_STEP",
+    "REDUCE_INSTRUCTIONS",
     "SEND_INSTRUCTIONS",
     "WAIT_INSTRUCTIONS",
     "EngineFacts",
     "ExecSchedule",
+    "Instruction",
     "ScheduleFacts",
     "class_instruction_map",
     "deepspeed_version",
     "engine_facts",
     "global_steps",
+    "instruction_rows",
     "is_patched",
     "patch_pipeline_engine",
     "schedule_facts",
@@ -71,6 +81,13 @@ WAIT_INSTRUCTIONS = frozenset({"RecvActivation", "RecvGrad", "CommitP2P", "SendA
 Sends block too where the transport hands large tensors over only once the peer
 has posted its receive (gloo), and are then as idle as a receive."""
 SEND_INSTRUCTIONS = frozenset({"SendActivation", "SendGrad"})
+COMMIT_P2P = "CommitP2P"
+"""DualPipeV's only blocking p2p instruction: it launches the queued sends and receives and waits."""
+REDUCE_INSTRUCTIONS: dict[str, str] = {"ReduceGrads": "dp", "ReduceTiedGrads": "tied"}
+"""Instructions that all-reduce gradients across ranks, and the prefix of their waits' keys."""
+
+Instruction = tuple[str, dict[str, int]]
+"""One pipeline instruction as (class name, integer keyword arguments)."""
 
 ExecSchedule = Callable[[Any, Any], Any]
 """``PipelineEngine._exec_schedule(engine, pipe_schedule)``."""
@@ -268,6 +285,22 @@ def timed_collectives(wait: Callable[[Callable[..., Any], tuple[Any, ...], dict[
     finally:
         if comm.all_reduce is all_reduce:
             comm.all_reduce = original
+
+
+def instruction_rows(pipe_schedule: Any) -> tuple[tuple[Instruction, ...], ...]:
+    """Every pipeline rank's instructions for one batch of ``pipe_schedule``'s kind.
+
+    Builds the schedule of each rank with the same class and sizes (a ``PipeSchedule``
+    is a pure generator of instructions) and flattens its ``steps()``.
+    """
+    cls = type(pipe_schedule)
+    m, p = int(pipe_schedule.micro_batches), int(pipe_schedule.stages)
+    rows = []
+    for stage in range(p):
+        sched = cls(micro_batches=m, stages=p, stage_id=stage)
+        cmds = [cmd for step in sched.steps() for cmd in step]
+        rows.append(tuple((type(cmd).__name__, {k: int(v) for k, v in cmd.kwargs.items()}) for cmd in cmds))
+    return tuple(rows)
 
 
 def step_to_micro_batch(pipe_schedule: Any, step_id: int) -> tuple[int, bool]:

@@ -3,18 +3,24 @@
 One :class:`DeepSpeedAdapter` watches one engine. Each training batch it
 
 * times the instructions in which the stage waits for its neighbours
-  (``RecvActivation``, ``RecvGrad``; ``CommitP2P`` under DualPipeV), the
-  gradient-norm all-reduce inside ``OptimizerStep`` and the loss broadcast after
-  the schedule, and announces each as a bubble right before it blocks, with the
-  duration it expects there;
+  (``RecvActivation``, ``RecvGrad``, blocking sends; under DualPipeV only
+  ``CommitP2P``, where its queued sends and receives of both directions run), the
+  all-reduces inside ``ReduceTiedGrads``, ``ReduceGrads`` (data-parallel) and
+  ``OptimizerStep`` (gradient norm) and the loss broadcast after the schedule,
+  and announces each as a bubble right before it blocks, with the duration it
+  expects there;
 * keys every wait by its place in the step: the action it precedes in ``2F0``
   notation (DeepSpeed's ``buffer_id`` is a ring-buffer slot, so micro-batches are
-  numbered by the passes' position in the 1F1B order), ``send:<action>`` for a
-  send that blocks before that action, or ``tail:opt<i>`` / ``tail:loss`` for the
-  end-of-step syncs;
-* leaves the rest to a :class:`~backends.tracker.StepTracker` with the 1F1B plan:
-  prediction from the measured history at each place and, before there is any,
-  from the simulated schedule; ``StepFinished`` per ``train_batch``; in profile
+  numbered by the passes' position in the 1F1B order; under DualPipeV it is
+  ``phase * m + micro-batch``, the phase our chunk), ``send:<action>`` for a
+  send that blocks before that action, ``tail:p2p`` for DualPipeV's commits after
+  the last pass, or ``tail:tied<i>`` / ``tail:dp<i>`` / ``tail:opt<i>`` /
+  ``tail:loss`` for the end-of-step syncs;
+* leaves the rest to a :class:`~backends.tracker.StepTracker` with the plan of the
+  schedule that runs (1F1B, or DualPipeV's own instruction lists, see
+  :mod:`backends.deepspeed.dualpipev`): prediction from the measured history at
+  each place and, before there is any, from a replay of the schedule with this
+  rank's compute times; ``StepFinished`` per ``train_batch``; in profile
   mode, every wait recorded in an :class:`~backends.observations.ObservationLog`
   for :func:`freeride.profile.build_profile`.
 
@@ -30,6 +36,7 @@ framework's pass through untouched, and a missing manager only costs dropped sen
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
@@ -38,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.cuda_timing import DeviceTimeline, Timing, timeline_for
-from backends.deepspeed import _compat
+from backends.deepspeed import _compat, dualpipev
 from backends.deepspeed._device import device_memory, device_name
 from backends.launch import Mode, read_mode
 from backends.observations import ObservationLog
@@ -47,7 +54,7 @@ from backends.session import BackendConfig, BackendSession, events_endpoint_from
 from backends.tracker import StepPlan, StepTracker
 from freeride.profile import RankObservations, StepRecord
 
-__all__ = ["TAIL_LOSS", "DeepSpeedAdapter", "tail_key"]
+__all__ = ["TAIL_LOSS", "DeepSpeedAdapter", "reduce_key", "tail_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +70,11 @@ _RECEIVES: dict[str, Kind] = {"RecvActivation": "F", "RecvGrad": "B"}
 def tail_key(index: int) -> str:
     """Key of the ``index``-th all-reduce inside ``OptimizerStep``."""
     return f"tail:opt{index}"
+
+
+def reduce_key(instruction: str, index: int) -> str:
+    """Key of the ``index``-th all-reduce inside ``ReduceGrads`` (``tail:dp<i>``) or ``ReduceTiedGrads``."""
+    return f"tail:{_compat.REDUCE_INSTRUCTIONS[instruction]}{index}"
 
 
 class DeepSpeedAdapter:
@@ -137,9 +149,15 @@ class DeepSpeedAdapter:
         self._engine = weakref.ref(engine)
         self._active = False
         """Inside the schedule or the loss broadcast of a tracked batch."""
-        self._plans: dict[tuple[int, int, int], StepPlan] = {}
+        self._plans: dict[tuple[str, int, int, int], StepPlan] = {}
         self._occurrences: dict[str, int] = {}
-        self._collectives = 0
+        self._collectives: dict[str, int] = {}
+        self._batched_p2p = False
+        """The batch in flight runs DualPipeV: only ``CommitP2P`` blocks on p2p."""
+        self._launches: dict[tuple[str, int, int, int], tuple[dualpipev.Launch, ...]] = {}
+        """Per DualPipeV plan, what each of the rank's commits launches."""
+        self._commit_launches: tuple[dualpipev.Launch, ...] = ()
+        self._commits = 0
         self._last_event_ns = clock()
         _compat.shadow_instruction_map(engine, self._wrap_table(_compat.class_instruction_map(engine)))
         logger.info(
@@ -192,23 +210,47 @@ class DeepSpeedAdapter:
         if self.mode == "profile" and self.log is None:
             self._open_log(engine, facts.name)
         self._occurrences.clear()
-        self._collectives = 0
-        plan = self._plan(facts) if facts.kind == "train" else None
+        self._collectives.clear()
+        self._batched_p2p = facts.kind == "dualpipev"
+        plan = self._plan(facts, pipe_schedule)
+        self._commit_launches = self._launches.get((facts.kind, facts.stages, facts.micro_batches, facts.stage_id), ())
+        self._commits = 0
         self.tracker.begin_step(plan, number=_compat.global_steps(engine), spare_memory=self.spare_memory)
         return True
 
-    def _plan(self, facts: _compat.ScheduleFacts) -> StepPlan:
-        shape = (facts.stages, facts.micro_batches, facts.stage_id)
+    def _plan(self, facts: _compat.ScheduleFacts, pipe_schedule: Any) -> StepPlan:
+        shape = (facts.kind, facts.stages, facts.micro_batches, facts.stage_id)
         plan = self._plans.get(shape)
         if plan is None:
             # with gradient clipping the step ends in the gradient-norm all-reduce;
             # without it the tail runs into the next batch's first receive
-            plan = self._plans[shape] = StepPlan(
-                schedule=one_f_one_b(facts.stages, facts.micro_batches),
-                stage=facts.stage_id,
-                merge_tail=self.facts.gradient_clipping <= 0,
-                tail_key=tail_key(0),
-            )
+            merge_tail = self.facts.gradient_clipping <= 0
+            if facts.kind == "dualpipev":
+                rows = _compat.instruction_rows(pipe_schedule)
+                priors = functools.partial(
+                    dualpipev.wait_priors,
+                    rows,
+                    facts.stage_id,
+                    micro_batches=facts.micro_batches,
+                    tail_key=tail_key(0),
+                    merge_tail=merge_tail,
+                )
+                self._launches[shape] = dualpipev.commit_launches(rows[facts.stage_id])
+                plan = StepPlan(
+                    schedule=dualpipev.to_schedule(rows, facts.micro_batches),
+                    stage=facts.stage_id,
+                    merge_tail=merge_tail,
+                    tail_key=tail_key(0),
+                    priors=priors,
+                )
+            else:
+                plan = StepPlan(
+                    schedule=one_f_one_b(facts.stages, facts.micro_batches),
+                    stage=facts.stage_id,
+                    merge_tail=merge_tail,
+                    tail_key=tail_key(0),
+                )
+            self._plans[shape] = plan
         return plan
 
     def _open_log(self, engine: Any, schedule: str) -> None:
@@ -250,7 +292,10 @@ class DeepSpeedAdapter:
             def wait_instruction(engine: Any, **kwargs: Any) -> Any:
                 if not self._active:
                     return fn(engine, **kwargs)
-                return self._wait(self._wait_key(name), fn, (engine,), kwargs)
+                key = self._commit_key(name) if self._batched_p2p else self._wait_key(name)
+                if key is None:
+                    return fn(engine, **kwargs)
+                return self._wait(key, fn, (engine,), kwargs)
 
             return wait_instruction
         if name in (_compat.FORWARD, _compat.BACKWARD):
@@ -267,16 +312,32 @@ class DeepSpeedAdapter:
                     self._track(self.tracker.record_compute, kind, self._clock() - t0)
 
             return compute_instruction
-        if name == _compat.OPTIMIZER_STEP:
+        if name == _compat.OPTIMIZER_STEP or name in _compat.REDUCE_INSTRUCTIONS:
+            key: Callable[[int], str] = (
+                tail_key if name == _compat.OPTIMIZER_STEP else functools.partial(reduce_key, name)
+            )
 
-            def optimizer_step(engine: Any, **kwargs: Any) -> Any:
+            def collectives(engine: Any, **kwargs: Any) -> Any:
                 if not self._active:
                     return fn(engine, **kwargs)
-                with _compat.timed_collectives(self._collective):
+                with _compat.timed_collectives(functools.partial(self._collective, name, key)):
                     return fn(engine, **kwargs)
 
-            return optimizer_step
+            return collectives
         return fn
+
+    def _commit_key(self, name: str) -> str | None:
+        """The place of a DualPipeV instruction that can block (None: it cannot).
+
+        Only commits with something queued block: sends and receives only queue work
+        (but for the one-off shape exchange of the first batch, a warm-up step).
+        """
+        if name != _compat.COMMIT_P2P:
+            return None
+        index = self._commits
+        self._commits += 1
+        launch: dualpipev.Launch = self._commit_launches[index] if index < len(self._commit_launches) else "recv"
+        return dualpipev.commit_key(launch, self.tracker.next_action) if launch else None
 
     def _wait_key(self, name: str) -> str:
         """The place of a wait: the pass it feeds, the pass a blocking send precedes, else its occurrence.
@@ -294,12 +355,19 @@ class DeepSpeedAdapter:
         self._occurrences[name] = n + 1
         return f"{name}#{n}"
 
-    def _collective(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _collective(
+        self,
+        instruction: str,
+        key: Callable[[int], str],
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
         if not self._active:
             return fn(*args, **kwargs)
-        index = self._collectives
-        self._collectives += 1
-        return self._wait(tail_key(index), fn, args, kwargs)
+        index = self._collectives.get(instruction, 0)
+        self._collectives[instruction] = index + 1
+        return self._wait(key(index), fn, args, kwargs)
 
     def _wait(self, key: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call ``fn`` as a (possible) bubble at ``key`` of the batch in flight."""

@@ -17,12 +17,17 @@ Both 1F1B (``forward_backward_pipelining_without_interleaving``) and
 interleaved 1F1B (``..._with_interleaving``, also with ``overlap_p2p_comm``,
 whose waits happen on request handles) are tracked: every blocking receive is
 a bubble, announced before the wait with its expected duration and ended
-after it, and each call ends with ``step_finished``. Forward-only calls,
-``pp=1`` and the fused MoE schedule (``overlap_moe_expert_parallel_comm``) run
-untouched. Without a pipeline-wide sync at the end of a step, a rank's tail
-bubble lands in the next step's first receive and is announced there; with a
-``finalize_model_grads_func`` the tail is spent inside that call, which is not
-announced (it also does real work: gradient all-reduces).
+after it, and each call ends with ``step_finished``. Forward-only calls
+(evaluation, inference) are tracked with their own plan: the pipeline fills
+once, so a stage waits for its first input and hardly after. Without a
+pipeline-wide sync at the end of a step, a rank's tail bubble lands in the
+next step's first receive and is announced there; with a
+``finalize_model_grads_func`` the tail is spent inside that call (its
+gradient all-reduces wait for the other ranks), which is timed and announced
+as the step's tail. A rank with pipeline size 1 has no bubbles: it says hello
+(``num_stages=1``), logs so once, and its steps run untracked. The fused MoE
+schedule (``overlap_moe_expert_parallel_comm``, combined 1F1B) runs untracked:
+it needs expert parallelism, bf16 and CUDA streams (see ``_compat``).
 """
 
 from __future__ import annotations

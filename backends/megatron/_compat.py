@@ -18,6 +18,15 @@ What is relied on, and why it is not public API:
   warm-up counts and the interleaved order, taken from megatron itself.
 * ``megatron.core.utils.get_model_config``: the model's config (``overlap_p2p_comm``,
   ``microbatch_group_size_per_vp_stage``, ``finalize_model_grads_func``).
+* ``config.finalize_model_grads_func``: the schedules read it from the config
+  at the end of every training call, so the adapter replaces it there with a
+  wrapper that times it (the user's function still runs, unchanged).
+* ``overlap_moe_expert_parallel_comm`` (the combined 1F1B schedule of
+  ``combined_1f1b.py``): not tracked. It needs expert parallelism > 1 with an
+  all-to-all dispatcher, bf16/fp16, a ``GPTModel`` that builds schedule plans
+  and two CUDA streams (``set_streams``), so no CPU job can run it.
+  0.16.1 has no zero-bubble schedule (``delay_wgrad_compute`` splits the MoE
+  weight gradients only inside combined 1F1B).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from typing import Any
 
 __all__ = [
     "CHUNK_SCHEDULE",
+    "FINALIZE_FUNC",
     "INTERLEAVED_SCHEDULE",
     "NO_PIPELINING",
     "P2P_MODULE",
@@ -65,6 +75,9 @@ SCHEDULE_FUNCTIONS = (NO_PIPELINING, PLAIN_SCHEDULE, INTERLEAVED_SCHEDULE)
 """The ``forward_backward_*`` globals of the schedules module."""
 CHUNK_SCHEDULE = {PLAIN_SCHEDULE: "1f1b", INTERLEAVED_SCHEDULE: "interleaved"}
 """Which FreeRide schedule each pipelined megatron function runs."""
+
+FINALIZE_FUNC = "finalize_model_grads_func"
+"""Config attribute megatron calls after the last backward of a training call."""
 
 STEP_FUNCTIONS = ("forward_step", "backward_step")
 """Per-micro-batch compute globals of the schedules module."""

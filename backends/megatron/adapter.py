@@ -14,6 +14,15 @@ then timed on the device's timeline (:mod:`backends.cuda_timing`); with host
 timing on a GPU (forced, or gloo) the tracker synchronises the stream around
 each announced wait instead. ``FREERIDE_BUBBLE_TIMING`` forces either.
 
+Forward-only calls (evaluation, inference) are tracked with their own plan
+(:func:`backends.schedule.forward_only`) and are left out of the profile,
+which describes training steps. With a ``finalize_model_grads_func`` the
+rank's tail is the wait inside that call (its gradient all-reduces hold the
+rank until the last stage it syncs with is done), announced at the plan's
+tail place. A rank without a pipeline (``pp=1``) says hello with
+``num_stages=1`` and logs that it has no bubbles; nothing is tracked and each
+of its steps costs the wrapper a clock read.
+
 Nothing here may break training: every FreeRide error is logged and turns the
 adapter off; the wrapped megatron call always runs.
 """
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from backends.cuda_timing import DeviceApi, DeviceTimeline, Timing, timeline_for
@@ -33,11 +43,16 @@ from backends.observations import ObservationLog
 from backends.schedule import Kind
 from backends.session import BackendConfig, BackendSession, events_endpoint_from_env
 from backends.tracker import StepPlan, StepTracker
-from freeride.profile import RankObservations
+from freeride.profile import RankObservations, StepRecord
 
 __all__ = ["MegatronAdapter", "current_adapter", "reset_adapter"]
 
 logger = logging.getLogger(__name__)
+
+_HEARTBEAT_NS = 1_000_000_000
+"""How often a rank without a pipeline, which sends nothing else, says it is alive."""
+_FIRST_BEAT_NS = 100_000_000
+"""Until its first Hello went out (a manager connects after the job starts)."""
 
 
 class MegatronAdapter:
@@ -62,6 +77,10 @@ class MegatronAdapter:
         self._mode, self._profile_dir = read_mode()
         self._log: ObservationLog | None = None
         self._last_spare = -1
+        self._forward_only = False
+        self._single: BackendSession | None = None
+        """The session of a rank without a pipeline (pp=1)."""
+        self._next_beat = 0
         self.tracking = False
         """Inside a tracked ``forward_backward`` call."""
 
@@ -88,19 +107,28 @@ class MegatronAdapter:
             return False
 
     def _begin(self, fn_name: str, kwargs: dict[str, Any]) -> bool:
-        info = _compat.call_info(kwargs)
-        if info.forward_only or info.num_stages < 2:
+        if self._single is not None:  # no pipeline: nothing to track, only stay known
+            self._beat(self._single)
             return False
-        if info.combined_1f1b:
+        info = _compat.call_info(kwargs)
+        if info.num_stages < 2:
+            self._beat(self._start_single(info))
+            return False
+        if info.combined_1f1b and not info.forward_only:  # megatron runs forward-only calls unfused
             self._warn_once("moe", "[attach] overlap_moe_expert_parallel_comm runs a fused schedule; not tracked")
             return False
         name = _compat.CHUNK_SCHEDULE.get(fn_name) or ("interleaved" if info.num_chunks > 1 else "1f1b")
         key: tuple[object, ...] = (name, info.num_stages, info.num_microbatches, info.num_chunks)
-        key += (info.group_size, info.stage, info.overlap_p2p_comm, info.has_finalize)
+        key += (info.group_size, info.stage, info.overlap_p2p_comm, info.has_finalize, info.forward_only)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(name, info)
         tracker = self._tracker or self._start(info, name)
+        if info.has_finalize and not info.forward_only:
+            from backends.megatron.patches import wrap_finalize
+
+            wrap_finalize(info.config)
+        self._forward_only = info.forward_only
         device = self._device
         if device is not None and (device.cuda or tracker.steps % 10 == 0):
             self._last_spare = device.spare_memory()  # /proc/meminfo is read only every 10 steps
@@ -111,13 +139,18 @@ class MegatronAdapter:
     @staticmethod
     def _plan(name: str, info: _compat.CallInfo) -> StepPlan:
         p, group = info.num_stages, info.group_size
-        schedule = megatron_schedule(name, p, info.num_microbatches, info.num_chunks, group)
+        schedule = megatron_schedule(
+            name, p, info.num_microbatches, info.num_chunks, group, forward_only=info.forward_only
+        )
         groups = tuple(
             iterations(schedule, s, overlap_p2p_comm=info.overlap_p2p_comm, group_size=group) for s in range(p)
         )
-        return StepPlan(schedule=schedule, stage=info.stage, merge_tail=not info.has_finalize, groups=groups)
+        # A forward-only call ends with no sync, but its tail is no wait of this rank: a stage
+        # sends its last output and returns (only the next call's first receive may wait longer).
+        merge_tail = not info.has_finalize and not info.forward_only
+        return StepPlan(schedule=schedule, stage=info.stage, merge_tail=merge_tail, groups=groups)
 
-    def _start(self, info: _compat.CallInfo, schedule: str) -> StepTracker:
+    def _config(self, info: _compat.CallInfo) -> tuple[BackendConfig, RankDevice]:
         import torch.distributed as dist
 
         version = _compat.megatron_version()
@@ -125,7 +158,7 @@ class MegatronAdapter:
             self._warn_once(
                 "version", "[attach] megatron-core %s is untested (tested: %s)", version, _compat.TESTED_VERSIONS
             )
-        device = self._device = RankDevice()
+        device = RankDevice()
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
         config = BackendConfig(
             endpoint=events_endpoint_from_env(),
@@ -137,6 +170,32 @@ class MegatronAdapter:
             spare_memory=device.spare_memory(),
             device_memory=device.memory,
         )
+        return config, device
+
+    def _start_single(self, info: _compat.CallInfo) -> BackendSession:
+        """A rank without a pipeline: say so once, and say hello with ``num_stages=1``."""
+        config, _ = self._config(info)
+        self._single = BackendSession(config)
+        logger.info(
+            "[attach] megatron rank %d on %s: pipeline size 1, so no pipeline bubbles; nothing to announce",
+            config.rank,
+            config.device,
+        )
+        return self._single
+
+    def _beat(self, session: BackendSession) -> None:
+        now = time.monotonic_ns()
+        if now >= self._next_beat:
+            session.heartbeat()  # also repeats the Hello until one went out
+            self._next_beat = now + (_HEARTBEAT_NS if session.sent else _FIRST_BEAT_NS)
+
+    def _on_step(self, record: StepRecord) -> None:
+        if self._log is not None and not self._forward_only:  # the profile describes training steps
+            self._log.add(record)
+
+    def _start(self, info: _compat.CallInfo, schedule: str) -> StepTracker:
+        config, device = self._config(info)
+        self._device, rank = device, config.rank
         self._session = BackendSession(config)
         self._timeline = timeline_for(
             self._session, device_type="cuda" if device.cuda else "cpu", timing=self._timing, api=self._device_api
@@ -158,7 +217,7 @@ class MegatronAdapter:
             min_bubble_ns=config.min_bubble_ns,
             # host timing on a GPU: wait for the queued kernels, so the host's wait is the device's
             settle=device.settle if device.cuda and self._timeline is None else None,
-            on_step=self._log.add if self._log is not None else None,
+            on_step=self._on_step if self._log is not None else None,
             device=self._timeline,
         )
         logger.info(
@@ -231,7 +290,7 @@ class MegatronAdapter:
 
     def stats(self) -> dict[str, int]:
         """Steps tracked and events sent and dropped so far."""
-        session, tracker = self._session, self._tracker
+        session, tracker = self._session or self._single, self._tracker
         return {
             "steps": tracker.steps if tracker is not None else 0,
             "sent": session.sent if session is not None else 0,
@@ -246,6 +305,8 @@ class MegatronAdapter:
             self._timeline.close()
         elif self._session is not None:
             self._session.close()
+        if self._single is not None:
+            self._single.close()
 
 
 _adapter: MegatronAdapter | None = None

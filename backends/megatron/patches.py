@@ -5,9 +5,11 @@
 rank) and ``forward_step`` / ``backward_step`` (where in the schedule the rank
 is, and how long its compute takes); :func:`patch_p2p` wraps the receiving
 methods of ``P2PCommunicator`` and the request handles of ``_p2p_ops`` (the
-waits, also with ``overlap_p2p_comm``). Each wrapper runs the megatron call
-unchanged and tells :func:`~backends.megatron.adapter.current_adapter`
-about it. The names come from :mod:`backends.megatron._compat`.
+waits, also with ``overlap_p2p_comm``); :func:`wrap_finalize` times the
+model config's ``finalize_model_grads_func`` as the step's tail wait. Each
+wrapper runs the megatron call unchanged and tells
+:func:`~backends.megatron.adapter.current_adapter` about it. The names come
+from :mod:`backends.megatron._compat`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from backends.megatron import _compat
 from backends.megatron.adapter import current_adapter
 from backends.schedule import Kind
 
-__all__ = ["patch_p2p", "patch_schedules", "wrap_schedule"]
+__all__ = ["patch_p2p", "patch_schedules", "wrap_finalize", "wrap_schedule"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,34 @@ def _wrap_p2p_method(fn: Callable[..., Any], method: str) -> Callable[..., Any]:
 
     setattr(freeride_p2p, _FLAG, True)
     return freeride_p2p
+
+
+def wrap_finalize(config: Any) -> None:
+    """Time ``config.finalize_model_grads_func`` as a wait of the tracked step (idempotent).
+
+    Megatron calls it after a rank's last backward; its gradient all-reduces
+    (data-parallel, embedding and pipeline groups) block the rank until the
+    ranks it syncs with are done too, so the rank's tail bubble is spent in it.
+    The wait is at the plan's tail place; the call's own work (local norms,
+    the reduction itself) is timed with it, and learned from as such.
+    """
+    fn = getattr(config, _compat.FINALIZE_FUNC, None)
+    if fn is None or getattr(fn, _FLAG, False):
+        return
+
+    @functools.wraps(fn)
+    def freeride_finalize(*args: Any, **kwargs: Any) -> Any:
+        adapter = current_adapter()
+        if not adapter.tracking:
+            return fn(*args, **kwargs)
+        adapter.wait_begin()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            adapter.wait_end()
+
+    setattr(freeride_finalize, _FLAG, True)
+    setattr(config, _compat.FINALIZE_FUNC, freeride_finalize)
 
 
 class _TimedWork:
@@ -168,7 +198,7 @@ def patch_schedules(schedules: ModuleType) -> bool:
     kinds: dict[str, Kind] = {"forward_step": "F", "backward_step": "B"}
     for name, kind in kinds.items():
         setattr(schedules, name, _wrap_compute(getattr(schedules, name), kind))
-    for name in _compat.CHUNK_SCHEDULE:
+    for name in _compat.SCHEDULE_FUNCTIONS:
         setattr(schedules, name, wrap_schedule(getattr(schedules, name), name))
     setattr(schedules, _FLAG, True)
     return True

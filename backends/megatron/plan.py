@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from backends.megatron import _compat
 from backends.schedule import Schedule, interleaved, interleaved_from_table, one_f_one_b
+from backends.schedule import forward_only as forward_only_of
 
 __all__ = ["iterations", "megatron_schedule", "warmup_count"]
 
@@ -30,23 +31,27 @@ def warmup_count(schedule: Schedule, stage: int, group_size: int | None = None) 
     return min(2 * (p - stage - 1) + (v - 1) * group, m * v)
 
 
-def megatron_schedule(name: str, p: int, m: int, v: int, group: int) -> Schedule:
+def megatron_schedule(name: str, p: int, m: int, v: int, group: int, *, forward_only: bool = False) -> Schedule:
     """The per-rank order megatron-core runs for ``1f1b`` or ``interleaved``.
 
     Megatron's default ``microbatch_group_size_per_vp_stage = p`` is exactly
     :func:`backends.schedule.interleaved`; other group sizes follow megatron's
-    own schedule table.
+    own schedule table. With ``forward_only`` (megatron's ``forward_only=True`` calls:
+    evaluation, inference), each rank runs its forwards in the same order and
+    nothing else (:func:`backends.schedule.forward_only`).
 
     Raises:
         ValueError: Unknown name, or sizes megatron would reject.
     """
     if name == "1f1b":
-        return one_f_one_b(p, m)
-    if name != "interleaved":
+        schedule = one_f_one_b(p, m)
+    elif name != "interleaved":
         raise ValueError(f"name must be '1f1b' or 'interleaved', got {name!r}")
-    if group == p and m % p == 0:
-        return interleaved(p, m, v)
-    return interleaved_from_table(p, m, v, _compat.schedule_table(m, v, group), group=group)
+    elif group == p and m % p == 0:
+        schedule = interleaved(p, m, v)
+    else:
+        schedule = interleaved_from_table(p, m, v, _compat.schedule_table(m, v, group), group=group)
+    return forward_only_of(schedule) if forward_only else schedule
 
 
 def iterations(
@@ -55,7 +60,8 @@ def iterations(
     """Lengths of the runs of actions ``stage`` executes between two blocking p2p calls.
 
     Interleaved without ``overlap_p2p_comm``: warm-up forwards alone, steady-state
-    forward-backward pairs, cool-down backwards alone. Otherwise one action each.
+    forward-backward pairs, cool-down backwards alone. Otherwise (also forward-only,
+    where every forward is a warm-up forward) one action each.
     """
     row = schedule.actions[stage]
     if schedule.name != "interleaved" or overlap_p2p_comm:

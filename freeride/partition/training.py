@@ -7,7 +7,7 @@ setup the task traces and times the model on its device and plans steps
 
 * ``f0`` .. ``fN``: the forward pass, a few atoms per step (``f0`` fetches the batch);
 * ``b0`` .. ``bM``: the backward pass, from the loss back to the input;
-* ``u0`` .. ``uK``: the optimizer step, a run of parameters per step.
+* ``u0`` .. ``uK``: the optimizer step, a run of parameters (or rows of a large one) per step.
 
 The parameters after each batch are those of ``opt.zero_grad();
 loss_fn(model(x), y).backward(); opt.step()`` on the same batch, up to the
@@ -19,7 +19,7 @@ and the model's buffers as they were then: batch-norm statistics are updated by
 the forward pass), so a restored task runs the batch again from ``f0`` and
 reaches the same numbers; parameters do not change before the update, and
 their gradients start from none. During the update the state holds the
-gradients and how many parameters are already updated.
+gradients and how many rows of the parameters are already updated.
 
 The data must be re-iterable (a list, a ``Dataset``-like or a class with
 ``__iter__``) and yield the same batches each time it is iterated from the
@@ -101,7 +101,8 @@ class PartitionedTraining(Partitioned):
         self.plan = make_plan(
             self.model, x, y, self.loss_fn, target_s=self.target_ms / 1e3, device=self.device, runs=self.profile_runs
         )
-        self.chunks = ChunkedUpdate.chunks(self.update.profile(self.device), self.target_ms / 1e3)
+        target_s = self.target_ms / 1e3
+        self.chunks = ChunkedUpdate.chunks(self.update.split(self.update.profile(self.device), target_s), target_s)
         # planning ran the model: undo what that changed
         restore_rng(rng, self.device)
         self._load_buffers(buffers)
@@ -125,7 +126,8 @@ class PartitionedTraining(Partitioned):
                 b.copy_(buffers[n])
 
     def _chunk(self) -> int:
-        return next(j for j, (lo, hi, _) in enumerate(self.chunks) if lo <= self._cursor < hi)
+        piece = self.update.piece_at(self._cursor)
+        return next(j for j, (lo, hi, _) in enumerate(self.chunks) if lo <= piece < hi)
 
     def _current(self) -> Step | None:
         assert self.plan is not None
@@ -170,9 +172,10 @@ class PartitionedTraining(Partitioned):
                 self._phase, self._cursor, self._start = "update", 0, None
         else:
             _, hi, _ = self.chunks[self._chunk()]
-            self.update.step(self._cursor, hi)
-            self._cursor = hi
-            if self._cursor >= len(self.update.params):
+            stop = self.update.pieces[hi - 1].hi
+            self.update.step(self._cursor, stop)
+            self._cursor = stop
+            if self._cursor >= self.update.rows:
                 self._end_batch()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -219,6 +222,8 @@ class PartitionedTraining(Partitioned):
             "position": position,
             "rng": rng,
             "update": self._cursor if updating else -1,
+            "update_in": "rows",
+            "update_pending": self.update.pending() if updating else None,
             "grads": [p.grad for p in self.update.params] if updating else None,
             "batches": self.batches_done,
             "loss": self.loss,
@@ -239,8 +244,13 @@ class PartitionedTraining(Partitioned):
         if int(state["update"]) >= 0:
             for param, grad in zip(self.update.params, state["grads"], strict=True):
                 param.grad = None if grad is None else grad.to(param.device)
-            self._phase, self._cursor = "update", int(state["update"])
+            at = int(state["update"])
+            if state.get("update_in") != "rows":  # written when positions counted parameters, not rows
+                at = self.update.param_start(at) if at < len(self.update.params) else self.update.rows
+            self.update.load_pending(state.get("update_pending"))
+            self._phase, self._cursor = "update", at
         else:
+            self.update.load_pending(None)
             self._phase, self._cursor = "forward", 0
         self.batches_done = int(state["batches"])
         self.loss, self.loss_ema = float(state["loss"]), float(state["loss_ema"])

@@ -38,7 +38,9 @@ class ServeConfig:
     trace: Path | None = None
     """Write a Chrome/Perfetto trace of bubbles and side-task work here."""
     metrics_port: int | None = None
-    """Serve Prometheus metrics on this port (127.0.0.1); 0 picks a free one."""
+    """Serve Prometheus metrics on this port (of ``metrics_host``); 0 picks a free one."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics bind: loopback unless told otherwise (read-only, but unauthenticated)."""
     side_priority: p.SidePriority = "low"
     """CPU priority of side tasks: ``low`` (nice 19, the default) or ``same`` as the stage (GPU-faithful on CPU)."""
     keys_dir: Path | None = None
@@ -101,6 +103,8 @@ class ServeConfig:
             )
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+        if not self.metrics_host:
+            raise ValueError("metrics_host must be an address, e.g. 127.0.0.1 or 0.0.0.0")
         if self.side_priority not in get_args(p.SidePriority):
             raise ValueError(f"side_priority must be one of {get_args(p.SidePriority)}, got {self.side_priority!r}")
         if self.profile is not None and not self.profile.is_file():

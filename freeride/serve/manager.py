@@ -26,7 +26,7 @@ from typing import assert_never
 import msgspec
 
 from freeride import protocol as p
-from freeride.auth import CurveServerKeys, ServeLock, ensure_private_dir, load_server_keys
+from freeride.auth import CurveServerKeys, ServeLock, ensure_private_dir, is_loopback_endpoint, load_server_keys
 from freeride.gpu.mps import MpsDaemon
 from freeride.gpu.nvml import NvmlMonitor
 from freeride.observe.base import Observers
@@ -139,7 +139,12 @@ class Manager:
             if self.config.metrics_port is not None:
                 from freeride.observe.metrics import MetricsExporter
 
-                self.observers.add(MetricsExporter(port=self.config.metrics_port, status=self.status))
+                host = self.config.metrics_host
+                if not is_loopback_endpoint(f"tcp://{host}:0"):
+                    logger.warning(
+                        "[metrics] bound to %s: other hosts can read them (no authentication; counters only)", host
+                    )
+                self.observers.add(MetricsExporter(port=self.config.metrics_port, addr=host, status=self.status))
         except Exception:
             await self.aclose()
             raise

@@ -233,7 +233,8 @@ class Supervisor:
             task_id=self._next_task,
             spec=spec,
             name=name,
-            checkpoint_path=self.config.checkpoint_dir / f"{name}.pt",
+            checkpoint_path=(Path(spec.checkpoint_dir) if spec.checkpoint_dir else self.config.checkpoint_dir)
+            / f"{name}.pt",
             max_loss_ns=int(self.config.max_loss_s * 1e9) if spec.kind == "iterative" else 0,
             max_loss_steps=self.config.max_loss_steps if spec.kind == "iterative" else 0,
         )
@@ -691,10 +692,21 @@ def _finite(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if math.isfinite(v)}
 
 
+def _checkpoint_dir_problem(checkpoint_dir: str) -> str:
+    """Why a task's own checkpoint directory cannot be used, or an empty string."""
+    if not checkpoint_dir:
+        return ""
+    if not os.path.isabs(checkpoint_dir) or "\0" in checkpoint_dir:
+        return f"checkpoint_dir must be an absolute path, got {checkpoint_dir!r}"
+    if not os.path.isdir(checkpoint_dir):
+        return f"checkpoint_dir {checkpoint_dir!r} is not a directory here (create it; shared storage must be mounted)"
+    return ""
+
+
 def _check_spec(spec: p.TaskSpec) -> str:
     """Why ``spec`` cannot run, or an empty string."""
     if spec.kind == "iterative":
-        problem = spec_problem(spec)
+        problem = spec_problem(spec) or _checkpoint_dir_problem(spec.checkpoint_dir)
         if problem:
             return problem
         from sidetasks import resolve

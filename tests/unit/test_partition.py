@@ -321,3 +321,21 @@ def test_bad_options_are_refused() -> None:
         _Task("mobilenet-sgd", target_ms=0)
     with pytest.raises(ValueError, match="steps"):
         _Task("mobilenet-sgd", steps=-1)
+
+
+@pytest.mark.parametrize("batch", [0, 1])
+def test_a_checkpoint_inside_one_parameters_update_restores_exactly(batch: int, tmp_path: Path) -> None:
+    # batch 0: the optimizer has no state yet for the parameter cut in slices; batch 1: it has
+    task = _started("skipnet-adam", target_ms=0.001)
+    assert any(not piece.whole for piece in task.update.pieces)  # the wide layer's update is cut in rows
+    _run_batches(task, batch)
+    while task.update.pending() is None:
+        task.step()
+    path = tmp_path / "ckpt.pt"
+    torch.save({"steps": 0, "state": task.state_dict()}, path)
+
+    restored = _Task("skipnet-adam")  # sized anew: its own pieces
+    restored.load_state_dict(load_checkpoint(path)["state"])
+    asyncio.run(restored.setup(_ctx()))
+    _run_batches(restored, 3)
+    _assert_same(_plain("skipnet-adam", 3), restored.model)

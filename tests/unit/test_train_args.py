@@ -63,6 +63,14 @@ def test_deepspeed_options(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
     with pytest.raises(SystemExit):
         ds.parse_args(["--layers", "3"])
     assert capsys.readouterr().err.strip().endswith("layers (3) must be a multiple of stages (2)")
+    assert ds.parse_args([]).schedule == "1f1b"
+    assert ds.parse_args(["--schedule", "dualpipev"]).schedule == "dualpipev"  # 4 layers, 4 micro-batches, 2 stages
+    with pytest.raises(SystemExit):
+        ds.parse_args(["--schedule", "dualpipev", "--layers", "6"])
+    assert capsys.readouterr().err.strip().endswith("layers (6) must be a multiple of 2 * stages (4)")
+    with pytest.raises(SystemExit):
+        ds.parse_args(["--schedule", "dualpipev", "--micro-batches", "3"])
+    assert capsys.readouterr().err.strip().endswith("micro_batches (3) must be >= 2 * stages (4) for dualpipev")
 
 
 def test_megatron_options(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

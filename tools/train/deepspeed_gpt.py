@@ -8,6 +8,14 @@ DeepSpeed pipeline job::
     torchrun --standalone --nproc_per_node 2 tools/train/deepspeed_gpt.py --steps 20
     deepspeed --num_gpus 2 tools/train/deepspeed_gpt.py --steps 20
     python tools/train/deepspeed_gpt.py --spawn 2 --steps 20        # starts its own ranks
+    python tools/train/deepspeed_gpt.py --spawn 2 --schedule dualpipev --micro-batches 8
+
+``--schedule dualpipev`` builds a ``DualPipeVModule`` (DeepSpeed picks its
+``DualPipeVEngine`` and ``DualPipeVSchedule`` from the module's type): every rank
+holds two stages of a V, rank 0 both the embedding and the loss; it needs
+``--layers`` a multiple of ``2 * --stages`` and ``--micro-batches >= 2 * --stages``.
+Its p2p goes through ``batch_isend_irecv``, committed by ``CommitP2P``;
+``--recv-timers`` then also reports the time spent there (``p2p_ms``).
 
 On CPU each rank is pinned to one core (rank ``r`` to core ``r % nproc``) and runs
 one thread, so a core plays a device. ``--compute sleep`` swaps the transformer
@@ -49,14 +57,24 @@ class TrainArgs(CommonArgs):
     stages: int
     """Pipeline stages; the world size must be a multiple."""
     gradient_clipping: float
+    schedule: str = "1f1b"
+    """``1f1b`` (DeepSpeed's ``TrainSchedule``) or ``dualpipev`` (two stages per rank in a V)."""
 
     def __post_init__(self) -> None:
         # not super(): slots=True rebuilds the class, which zero-argument super() does not follow (before 3.14)
         CommonArgs.__post_init__(self)
         if self.stages < 1:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
-        if self.layers % self.stages:
-            raise ValueError(f"layers ({self.layers}) must be a multiple of stages ({self.stages})")
+        if self.schedule not in ("1f1b", "dualpipev"):
+            raise ValueError(f"schedule must be '1f1b' or 'dualpipev', got {self.schedule!r}")
+        parts = 2 * self.stages if self.schedule == "dualpipev" else self.stages
+        if self.layers % parts:
+            what = "2 * stages" if self.schedule == "dualpipev" else "stages"
+            raise ValueError(f"layers ({self.layers}) must be a multiple of {what} ({parts})")
+        if self.schedule == "dualpipev" and self.micro_batches < 2 * self.stages:
+            raise ValueError(
+                f"micro_batches ({self.micro_batches}) must be >= 2 * stages ({2 * self.stages}) for dualpipev"
+            )
 
 
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
@@ -64,6 +82,7 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     add_common_args(ap)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--gradient-clipping", type=float, default=1.0)
+    ap.add_argument("--schedule", choices=("1f1b", "dualpipev"), default="1f1b")
     ap.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # `deepspeed` passes it
     ns = ap.parse_args(argv)
     values = {k: v for k, v in vars(ns).items() if k != "local_rank"}
@@ -143,10 +162,12 @@ class _CommClock:
 
     A test instrument: it wraps the module functions DeepSpeed's pipeline engine calls
     (``wall_clock_breakdown`` cannot serve here: in DeepSpeed 0.19.8 it trips an assertion
-    in pipeline training).
+    in pipeline training). Under DualPipeV it also sums ``p2p_ms``: the time in
+    ``deepspeed.comm.batch_isend_irecv`` and in waiting for the requests it returns
+    (what ``CommitP2P`` does).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, batched: bool = False) -> None:
         import deepspeed.comm
         from deepspeed.runtime.pipe import p2p
 
@@ -154,6 +175,14 @@ class _CommClock:
         p2p.recv = self._timed("recv_ms", p2p.recv)
         p2p.send = self._timed("send_ms", p2p.send)
         deepspeed.comm.all_reduce = self._timed("allreduce_ms", deepspeed.comm.all_reduce)
+        if batched:
+            self.totals["p2p_ms"] = 0.0
+            launch = self._timed("p2p_ms", deepspeed.comm.batch_isend_irecv)
+
+            def batch_isend_irecv(*args: Any, **kwargs: Any) -> list[_TimedWork]:
+                return [_TimedWork(work, self) for work in launch(*args, **kwargs)]
+
+            deepspeed.comm.batch_isend_irecv = batch_isend_irecv
 
     def _timed(self, name: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -170,6 +199,24 @@ class _CommClock:
         out = {k: round(v, 3) for k, v in self.totals.items()}
         self.totals = dict.fromkeys(self.totals, 0.0)
         return out
+
+
+class _TimedWork:
+    """A request of ``batch_isend_irecv`` whose ``wait`` counts towards ``p2p_ms``."""
+
+    def __init__(self, work: Any, clock: _CommClock) -> None:
+        self._work = work
+        self._clock = clock
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._clock.totals["p2p_ms"] += (time.perf_counter() - t0) * 1e3
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
 
 
 def _emit(record: dict[str, Any], out: TextIO | None) -> None:
@@ -189,7 +236,7 @@ def train(args: TrainArgs) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         _pin_cpu(local_rank)
     import deepspeed
-    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.pipe import DualPipeVModule, LayerSpec, PipelineModule
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend="gloo" if args.device == "cpu" else "nccl")
@@ -201,7 +248,8 @@ def train(args: TrainArgs) -> None:
         ]
     else:
         blocks = [LayerSpec(Block, args.hidden, args.heads) for _ in range(args.layers)]
-    model = PipelineModule(
+    module = DualPipeVModule if args.schedule == "dualpipev" else PipelineModule
+    model = module(
         layers=[LayerSpec(Embed, args.vocab, args.hidden, args.seq), *blocks, LayerSpec(Head, args.hidden, args.vocab)],
         num_stages=args.stages,
         loss_fn=_loss,
@@ -217,7 +265,7 @@ def train(args: TrainArgs) -> None:
         "gradient_clipping": args.gradient_clipping,
         "steps_per_print": 10**9,
     }
-    clock = _CommClock() if args.recv_timers else None
+    clock = _CommClock(batched=args.schedule == "dualpipev") if args.recv_timers else None
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     handle = None
     if args.attach:

@@ -10,6 +10,14 @@ as any megatron job, with 1F1B or interleaved 1F1B::
     torchrun --standalone --nproc_per_node 2 tools/train/megatron_gpt.py --steps 20
     torchrun --standalone --nproc_per_node 2 tools/train/megatron_gpt.py --schedule interleaved --vpp 2
     python tools/train/megatron_gpt.py --spawn 2 --steps 20        # starts its own ranks
+    python tools/train/megatron_gpt.py --spawn 1 --steps 20        # pipeline size 1: no bubbles
+
+``--eval-every N`` runs a forward-only call (``forward_only=True``, on held-out
+batches) after every N-th step and prints its record with ``"eval": true``.
+``--finalize`` sets a ``finalize_model_grads_func`` that all-reduces the squared
+gradient norm over the pipeline group (as gradient clipping does; the record's
+``grad_norm``), so every step ends with a pipeline-wide sync; with
+``--recv-timers`` the record's ``finalize`` is its ``[start_ns, duration_ns]``.
 
 The model is plain ``nn.Module`` chunks (embedding, pre-norm blocks, head) that
 carry what megatron's schedules need (``.config``, ``.model_type``,
@@ -71,6 +79,12 @@ class TrainArgs(CommonArgs):
     """Model chunks per rank with ``interleaved``."""
     overlap_p2p: bool
     """``overlap_p2p_comm`` (interleaved only; implies unbatched p2p)."""
+    eval_every: int
+    """Run a forward-only (evaluation) call after every this many steps; 0: never."""
+    finalize: bool
+    """Set a ``finalize_model_grads_func`` (a gradient-norm all-reduce over the pipeline group)."""
+    log_level: str
+    """Level of the ``logging`` root (FreeRide's attach line is INFO)."""
 
     def __post_init__(self) -> None:
         # not super(): slots=True rebuilds the class, which zero-argument super() does not follow (before 3.14)
@@ -81,6 +95,10 @@ class TrainArgs(CommonArgs):
             raise ValueError(f"schedule must be '1f1b' or 'interleaved', got {self.schedule!r}")
         if self.schedule == "1f1b" and (self.vpp != 1 or self.overlap_p2p):
             raise ValueError("vpp and overlap_p2p need --schedule interleaved")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+        if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
 
 
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
@@ -89,6 +107,9 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     ap.add_argument("--schedule", choices=("1f1b", "interleaved"), default="1f1b")
     ap.add_argument("--vpp", type=int, default=None, help="model chunks per rank (interleaved; default 2)")
     ap.add_argument("--overlap-p2p", action="store_true")
+    ap.add_argument("--eval-every", type=int, default=0, help="forward-only call after every N steps (0: none)")
+    ap.add_argument("--finalize", action="store_true", help="set a finalize_model_grads_func (grad-norm all-reduce)")
+    ap.add_argument("--log-level", default="WARNING", type=str.upper)
     ns = ap.parse_args(argv)
     if ns.vpp is None:
         ns.vpp = 2 if ns.schedule == "interleaved" else 1
@@ -161,13 +182,15 @@ def _forward_step(data: Iterator[tuple[torch.Tensor, torch.Tensor]], model: Chun
     return model(tokens if model.first else None), partial(_loss, labels)
 
 
-def _batches(args: TrainArgs, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(
+    args: TrainArgs, device: torch.device, *, seed: int | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Arithmetic token sequences (start, stride drawn per sample): learnable next-token data.
 
     Each model chunk draws from its own copy of the same stream, so the first
     virtual stage's inputs and the last one's labels belong together.
     """
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed if seed is None else seed)
     steps = torch.arange(args.seq + 1)
     while True:
         start = torch.randint(0, args.vocab, (args.micro_batch_size, 1), generator=gen)
@@ -208,6 +231,30 @@ class _Timer:
         t0 = self._owner._open.pop(self._name, None)
         if t0 is not None:
             self._owner.waits.append((t0, time.monotonic_ns() - t0))
+
+
+class GradNormFinalize:
+    """A ``finalize_model_grads_func``: the squared gradient norm, all-reduced over the pipeline group.
+
+    What megatron's gradient clipping computes at the end of a step; training
+    does not use it (the record reports it), so losses are those of a run
+    without it. ``timed`` keeps each call's ``(start_ns, duration_ns)``.
+    """
+
+    def __init__(self, model: list[Chunk]) -> None:
+        self._params = [p for chunk in model for p in chunk.parameters()]
+        self.norm: float | None = None
+        self.timed: list[tuple[int, int]] = []
+
+    def __call__(self, model: Any, num_tokens: Any = None, **kwargs: Any) -> None:
+        from megatron.core import parallel_state
+
+        t0 = time.monotonic_ns()
+        grads = [p.grad.detach().float().pow(2).sum() for p in self._params if p.grad is not None]
+        total = torch.stack(grads).sum() if grads else torch.zeros(())
+        torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+        self.norm = float(total.sqrt())
+        self.timed.append((t0, time.monotonic_ns() - t0))
 
 
 def _pin_cpu(rank: int) -> None:
@@ -262,7 +309,7 @@ def train(args: TrainArgs) -> None:
     else:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=args.log_level)
     torch.distributed.init_process_group("gloo" if args.device == "cpu" else "nccl")
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -285,10 +332,14 @@ def train(args: TrainArgs) -> None:
     timers = RecvTimers()
     if args.recv_timers:
         config.timers = timers
+    finalize = GradNormFinalize(model) if args.finalize else None
+    if finalize is not None:
+        config.finalize_model_grads_func = finalize
     params = [p for chunk in model for p in chunk.parameters()]
     optimizer = torch.optim.Adam(params, lr=args.lr)
     forward_backward = get_forward_backward_func()
     data = [_batches(args, device) for _ in model]
+    held_out = [_batches(args, device, seed=args.seed + 1) for _ in model]
     out = open(args.jsonl.format(rank=rank), "a", encoding="utf-8") if args.jsonl else None  # noqa: SIM115
     try:
         times: list[float] = []
@@ -311,11 +362,17 @@ def train(args: TrainArgs) -> None:
             record: dict[str, Any] = {"rank": rank, "stage": stage, "step": step, "loss": loss}
             record["step_ms"] = round(step_ms, 3)
             record["cpu_ms"] = round(cpu_ms, 3)
+            if finalize is not None:
+                record["grad_norm"] = finalize.norm
             if args.recv_timers:
                 waits = timers.take()
                 record["recv_ms"] = round(sum(d for _, d in waits) / 1e6, 3)
                 record["recv"] = waits
+                if finalize is not None:
+                    record["finalize"] = finalize.timed[-1]
             _emit(record, out)
+            if args.eval_every and (step + 1) % args.eval_every == 0:
+                _emit(_evaluate(args, forward_backward, model, held_out, timers, rank, stage, step), out)
         median = statistics.median(times[1:]) if len(times) > 1 else times[0]
         done: dict[str, Any] = {"rank": rank, "done": True, "median_step_ms": round(median, 3)}
         adapter = sys.modules.get("backends.megatron.adapter")
@@ -327,6 +384,37 @@ def train(args: TrainArgs) -> None:
             out.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def _evaluate(
+    args: TrainArgs,
+    forward_backward: Any,
+    model: list[Chunk],
+    data: list[Iterator[tuple[torch.Tensor, torch.Tensor]]],
+    timers: RecvTimers,
+    rank: int,
+    stage: int,
+    step: int,
+) -> dict[str, Any]:
+    """One forward-only call on held-out batches (as megatron's ``evaluate``): its record."""
+    interleaved = args.schedule == "interleaved"
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        losses = forward_backward(
+            forward_step_func=_forward_step,
+            data_iterator=data if interleaved else data[0],
+            model=model if interleaved else model[0],
+            num_microbatches=args.micro_batches,
+            seq_length=args.seq,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=True,
+        )
+    loss = float(torch.stack([x["loss"] for x in losses]).mean()) if losses else None
+    record: dict[str, Any] = {"rank": rank, "stage": stage, "step": step, "eval": True, "loss": loss}
+    record["step_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+    if args.recv_timers:
+        record["recv"] = timers.take()
+    return record
 
 
 def main(argv: list[str] | None = None) -> int:
