@@ -17,6 +17,7 @@ import msgspec
 
 from freeride import auth
 from freeride import protocol as p
+from freeride.plan_cli import add_plan_parser
 from freeride.profile_task import DEFAULT_SAMPLES, DEFAULT_STEPS
 from freeride.program_cli import PROGRAM_OPTIONS, add_program_options, cancel_outcome, program_spec
 from freeride.serve.config import ServeConfig
@@ -806,6 +807,8 @@ def build_parser() -> argparse.ArgumentParser:
     from freeride.cluster.cli import register as register_cluster
 
     register_cluster(subs, _add_runtime)
+
+    add_plan_parser(subs)
 
     for name, helptext in (
         ("sim", "run a simulated pipeline job against a running manager"),

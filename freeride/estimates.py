@@ -49,6 +49,7 @@ __all__ = [
     "estimates_path",
     "load_estimates",
     "measured_times",
+    "read_estimates_file",
     "save_estimates",
 ]
 
@@ -182,6 +183,22 @@ def load_estimates(path: Path, key: EstimatesKey) -> dict[str, KindTimes]:
         kind: KindTimes(recent=[d for d in times.recent if d > 0][-_KEEP:], first_ns=times.first_ns)
         for kind, times in stored.kinds.items()
     }
+
+
+def read_estimates_file(path: Path) -> tuple[EstimatesKey, dict[str, KindTimes]]:
+    """The key and step times of an estimates file, whatever task it was written for.
+
+    Raises:
+        OSError: The file cannot be read.
+        ValueError: It is not an estimates file of this format version (the message names it).
+    """
+    try:
+        stored = msgspec.json.decode(path.read_bytes(), type=_EstimatesFile)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"{path}: not a FreeRide estimates file: {exc}") from exc
+    if stored.version != FORMAT_VERSION:
+        raise ValueError(f"{path}: estimates format {stored.version}, expected {FORMAT_VERSION}")
+    return stored.key, stored.kinds
 
 
 def save_estimates(path: Path, key: EstimatesKey, kinds: dict[str, KindTimes]) -> None:

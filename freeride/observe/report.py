@@ -36,7 +36,9 @@ __all__ = [
     "StageReport",
     "TaskReport",
     "build_report",
+    "cost_saving",
     "parse_throughputs",
+    "price_ratio",
 ]
 
 # -- interval arithmetic ---------------------------------------------------------
@@ -98,6 +100,28 @@ class Prices:
                 raise ValueError(f"{name} must be a positive price, got {value}")
         if self.train_gpus < 0:
             raise ValueError(f"train_gpus must be >= 0, got {self.train_gpus}")
+
+
+def price_ratio(prices: Prices, train_gpus: int) -> float:
+    """``k`` of the formula: the price of ``train_gpus`` training GPUs over the price of one cheap GPU."""
+    return prices.train_gpu_per_hour * max(train_gpus, 1) / prices.side_gpu_per_hour
+
+
+def cost_saving(*, side_value_s: float, k: float, training_s: float, vanilla_s: float) -> float | None:
+    """FreeRide's cost saving, as a fraction of the training cost without FreeRide.
+
+    Args:
+        side_value_s: ``sum_i W_i / R_i``, the cheap-GPU seconds the side work would have taken.
+        k: See :func:`price_ratio`.
+        training_s: ``T_fr``, the training time with side tasks.
+        vanilla_s: ``T_van``, the same training without them.
+
+    Returns:
+        The saving, or None when ``vanilla_s`` is not positive.
+    """
+    if vanilla_s <= 0:
+        return None
+    return (side_value_s / k - (training_s - vanilla_s)) / vanilla_s
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -218,9 +242,9 @@ class Report:
     @property
     def saving(self) -> float | None:
         """FreeRide's cost saving, as a fraction of the training cost without FreeRide."""
-        if self.vanilla_s <= 0:
-            return None
-        return (self.side_value_s / self.k - (self.training_s - self.vanilla_s)) / self.vanilla_s
+        return cost_saving(
+            side_value_s=self.side_value_s, k=self.k, training_s=self.training_s, vanilla_s=self.vanilla_s
+        )
 
     def _total(self, what: str) -> int:
         return sum(int(getattr(s, what)) for s in self.stages)
@@ -403,7 +427,7 @@ def build_report(trace: Trace, options: ReportOptions, baseline: Trace | None = 
     if not counted:
         notes.append("no training steps in the trace: no step time, no saving")
     train_gpus = options.prices.train_gpus or len(trace.devices)
-    k = options.prices.train_gpu_per_hour * max(train_gpus, 1) / options.prices.side_gpu_per_hour
+    k = price_ratio(options.prices, train_gpus)
     return Report(
         stages=stages,
         tasks=tasks,
