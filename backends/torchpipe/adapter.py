@@ -64,13 +64,24 @@ the unit tests pin that these loops run exactly these orders)."""
 
 
 def device_name(device_type: str, device_index: int) -> str:
-    """``cuda:<index>``; on CPU ``cpu:<core>``, the core the rank is pinned to."""
+    """``cuda:<index>``; on CPU ``cpu:<core>``, the core the rank is pinned to.
+
+    A node with more ranks than cores (a deep pipeline tried on a small CPU
+    machine) pins several ranks to one core; each still trains as a device of
+    its own (a manager keeps one rank per device), named ``cpu:<local rank>``.
+    Its rank's ``Hello`` reports the core it really runs on, and its side tasks
+    are pinned there.
+    """
     if device_type != "cpu":
         return f"{device_type}:{device_index}"
+    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    ncpu = os.cpu_count() or 1
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) > ncpu:
+        return f"cpu:{local}"
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) == 1:
         return f"cpu:{cores[0]}"
-    return f"cpu:{int(os.environ.get('LOCAL_RANK', '0')) % (os.cpu_count() or 1)}"
+    return f"cpu:{local % ncpu}"
 
 
 def _memory(device_type: str, device_index: int) -> tuple[int, int]:
