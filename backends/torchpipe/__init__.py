@@ -4,7 +4,8 @@
 :func:`on_import` when ``torch.distributed.pipelining.schedules`` is imported
 (``import torch.distributed.pipelining`` does), and every schedule object of
 the job (``Schedule1F1B``, ``ScheduleGPipe``, ``ScheduleInterleaved1F1B``,
-``ScheduleLoopedBFS``, ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``)
+``ScheduleLoopedBFS``, ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
+``ScheduleDualPipeV``)
 is watched from its first ``step()``; ``eval()`` runs untouched. The training
 script does not change.
 

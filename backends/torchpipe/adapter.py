@@ -16,6 +16,9 @@ One :class:`TorchPipeAdapter` watches one schedule object. Each training
 * times the stage's ``perform_reduce_grad`` (the gradient reduction over the
   data-parallel group, where a rank waits for its slowest replica) as the wait
   at :data:`TAIL_REDUCE`;
+* on CUDA with NCCL, where ``_wait_batch_p2p`` returns to the host before the
+  compute stream has waited, times those waits on the device's timeline
+  (:mod:`backends.cuda_timing`) as the DeepSpeed and Megatron adapters do;
 * ends the step when ``step()`` returns. torch's schedules have no pipeline-wide
   sync of their own at the end, so a rank's tail lands in the next step's first
   receive (``merge_tail``).
@@ -35,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from backends.cuda_timing import DeviceTimeline, Timing, timeline_for
 from backends.launch import Mode, read_mode
 from backends.observations import ObservationLog
 from backends.schedule import Kind, Schedule, gpipe, one_f_one_b
@@ -60,13 +64,24 @@ the unit tests pin that these loops run exactly these orders)."""
 
 
 def device_name(device_type: str, device_index: int) -> str:
-    """``cuda:<index>``; on CPU ``cpu:<core>``, the core the rank is pinned to."""
+    """``cuda:<index>``; on CPU ``cpu:<core>``, the core the rank is pinned to.
+
+    A node with more ranks than cores (a deep pipeline tried on a small CPU
+    machine) pins several ranks to one core; each still trains as a device of
+    its own (a manager keeps one rank per device), named ``cpu:<local rank>``.
+    Its rank's ``Hello`` reports the core it really runs on, and its side tasks
+    are pinned there.
+    """
     if device_type != "cpu":
         return f"{device_type}:{device_index}"
+    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    ncpu = os.cpu_count() or 1
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) > ncpu:
+        return f"cpu:{local}"
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) == 1:
         return f"cpu:{cores[0]}"
-    return f"cpu:{int(os.environ.get('LOCAL_RANK', '0')) % (os.cpu_count() or 1)}"
+    return f"cpu:{local % ncpu}"
 
 
 def _memory(device_type: str, device_index: int) -> tuple[int, int]:
@@ -118,6 +133,11 @@ class TorchPipeAdapter:
         profile_dir: Where profile observations go (``rank-<rank>.json``).
         min_bubble_ns: Waits expected to be shorter are not announced.
         clock: Monotonic ns clock (injectable for tests).
+        timing: ``host`` or ``device`` forces how bubbles are timed; ``auto``
+            chooses by where waits block (the device's timeline on CUDA with
+            NCCL, whose ``Work.wait()`` returns to the host before the stream
+            has waited); None reads ``FREERIDE_BUBBLE_TIMING``.
+        timeline: A device timeline to use instead of building one (tests).
     """
 
     def __init__(
@@ -129,6 +149,8 @@ class TorchPipeAdapter:
         profile_dir: Path | None = None,
         min_bubble_ns: int = 1_000_000,
         clock: Callable[[], int] = time.monotonic_ns,
+        timing: Timing | None = None,
+        timeline: DeviceTimeline | None = None,
     ) -> None:
         env_mode, env_dir = read_mode()
         self.mode: Mode = env_mode if mode is None else mode
@@ -152,9 +174,18 @@ class TorchPipeAdapter:
                 )
             )
         self.session = session
+        if timeline is None:
+            timeline = timeline_for(session, device_type=self.facts.device_type, timing=timing)
+        self.timeline = timeline
+        """Device-timed bubbles (None: timed on the host); it then owns the session's socket."""
         # the first step runs slow (shape inference, buffers): it only primes the schedule's prediction
         self.tracker = StepTracker(
-            session, min_bubble_ns=min_bubble_ns, warmup_steps=1, clock=clock, on_step=self._step_finished
+            session if timeline is None else timeline,
+            min_bubble_ns=min_bubble_ns,
+            warmup_steps=1,
+            clock=clock,
+            on_step=self._step_finished,
+            device=timeline,
         )
         self.plan = self._build_plan(schedule)
         self.log: ObservationLog | None = None
@@ -231,7 +262,7 @@ class TorchPipeAdapter:
     def _begin(self) -> None:
         self._recv_works.clear()
         if self._clock() - self._last_event_ns > _HEARTBEAT_NS:
-            self.session.heartbeat()
+            (self.session if self.timeline is None else self.timeline).heartbeat()
         if self.mode == "profile" and self.log is None:
             self._open_log()
         self.tracker.begin_step(self.plan, spare_memory=self.spare_memory)
@@ -325,4 +356,7 @@ class TorchPipeAdapter:
             self._track(self.tracker.end_step)
         if self.log is not None:
             self.log.close()
-        self.session.close()
+        if self.timeline is not None:
+            self.timeline.close()
+        else:
+            self.session.close()

@@ -13,8 +13,10 @@ torchrun job::
 
 The model (embedding, pre-norm blocks, head) is cut by hand into one
 ``PipelineStage`` per virtual stage: one per rank for ``1f1b`` and ``gpipe``,
-``--vpp`` per rank for ``interleaved`` (stage ``s`` on rank ``s % p``) and two
-per rank for ``zbv`` (V-shaped: rank ``r`` holds ``r`` and ``2p-1-r``). On CPU
+``--vpp`` per rank for ``interleaved``, ``looped-bfs`` and ``interleaved-zb``
+(stage ``s`` on rank ``s % p``) and two per rank for ``zbv`` and ``dualpipev``
+(V-shaped: rank ``r`` holds ``r`` and ``2p-1-r``; ``dualpipev`` needs at least
+``2p`` micro-batches). On CPU
 each rank is pinned to one core and runs one thread. ``--compute sleep`` swaps
 the blocks for ones that sleep a fixed time per micro-batch, so bubbles are
 deterministic. Nothing here knows FreeRide: ``freeride launch`` attaches it.
@@ -40,9 +42,23 @@ from _layers import Block
 from _spawn import run_ranks
 from torch import nn
 
-__all__ = ["SCHEDULES", "SleepBlock", "StageModel", "TrainArgs", "main", "parse_args"]
+__all__ = ["SCHEDULES", "SCHEDULE_CLASSES", "SleepBlock", "StageModel", "TrainArgs", "main", "parse_args"]
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zbv")
+SCHEDULE_CLASSES = {
+    "1f1b": "Schedule1F1B",
+    "gpipe": "ScheduleGPipe",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "looped-bfs": "ScheduleLoopedBFS",
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+"""``--schedule`` -> the torch.distributed.pipelining class it runs."""
+SCHEDULES = tuple(SCHEDULE_CLASSES)
+SINGLE = ("1f1b", "gpipe")
+"""One stage per rank."""
+V_SHAPED = ("zbv", "dualpipev")
+"""Two stages per rank, V-shaped: rank ``r`` holds ``r`` and ``2p-1-r``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,10 +76,10 @@ class TrainArgs(CommonArgs):
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.vpp < 1:
             raise ValueError(f"vpp must be >= 1, got {self.vpp}")
-        if self.schedule in ("1f1b", "gpipe") and self.vpp != 1:
-            raise ValueError("vpp needs --schedule interleaved")
-        if self.schedule == "zbv" and self.vpp != 2:
-            raise ValueError("zbv runs exactly 2 stages per rank (--vpp 2)")
+        if self.schedule in SINGLE and self.vpp != 1:
+            raise ValueError(f"vpp needs a multi-stage schedule, not {self.schedule}")
+        if self.schedule in V_SHAPED and self.vpp != 2:
+            raise ValueError(f"{self.schedule} runs exactly 2 stages per rank (--vpp 2)")
 
     @property
     def stages_per_rank(self) -> int:
@@ -74,7 +90,9 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap)
     ap.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    ap.add_argument("--vpp", type=int, default=None, help="stages per rank (interleaved: default 2; zbv: 2)")
+    ap.add_argument(
+        "--vpp", type=int, default=None, help="stages per rank (multi-stage schedules: default 2; zbv, dualpipev: 2)"
+    )
     ap.add_argument(
         "--stages", type=int, default=0, help="pipeline ranks: spawned here unless a launcher started the ranks"
     )
@@ -86,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
         ns.spawn = ns.stages
     del ns.stages
     if ns.vpp is None:
-        ns.vpp = 2 if ns.schedule in ("interleaved", "zbv") else 1
+        ns.vpp = 1 if ns.schedule in SINGLE else 2
     try:
         return TrainArgs(**vars(ns))
     except ValueError as exc:
@@ -175,7 +193,7 @@ def _batch(args: TrainArgs, gen: torch.Generator) -> tuple[torch.Tensor, torch.T
 
 
 def _stage_indices(args: TrainArgs, rank: int, world: int) -> list[int]:
-    if args.schedule == "zbv":
+    if args.schedule in V_SHAPED:
         return [rank, 2 * world - 1 - rank]
     return [rank + c * world for c in range(args.stages_per_rank)]
 
@@ -191,14 +209,10 @@ def _build(args: TrainArgs, rank: int, world: int, device: torch.device) -> tupl
         torch.manual_seed(args.seed + index)  # the same weights whatever runs around them
         module = StageModel(args, first=index == 0, last=index == total - 1, blocks=args.layers // total).to(device)
         stages.append(pp.PipelineStage(module, index, total, device))
-    m = args.micro_batches
-    if args.schedule == "1f1b":
-        return pp.Schedule1F1B(stages[0], m, loss_fn=_loss), stages
-    if args.schedule == "gpipe":
-        return pp.ScheduleGPipe(stages[0], m, loss_fn=_loss), stages
-    if args.schedule == "interleaved":
-        return pp.ScheduleInterleaved1F1B(stages, m, loss_fn=_loss), stages
-    return pp.ScheduleZBVZeroBubble(stages, m, loss_fn=_loss), stages
+    cls = getattr(pp, SCHEDULE_CLASSES[args.schedule])
+    if args.schedule in SINGLE:
+        return cls(stages[0], args.micro_batches, loss_fn=_loss), stages
+    return cls(stages, args.micro_batches, loss_fn=_loss), stages
 
 
 # --------------------------------------------------------------------------
