@@ -30,7 +30,14 @@ from backends.launch import launch_env
 from backends.observations import ENV_PROFILE_STEPS
 from freeride.profile import Profile, RankObservations, build_profile, read_observations, write_profile
 
-__all__ = ["DEFAULT_PROFILE_STEPS", "ProfileOptions", "ProfileOutcome", "enough_steps", "run_profile"]
+__all__ = [
+    "DEFAULT_PROFILE_STEPS",
+    "ProfileOptions",
+    "ProfileOutcome",
+    "enough_steps",
+    "run_profile",
+    "without_pipeline",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +116,11 @@ def enough_steps(observations: list[RankObservations], steps: int) -> bool:
     return steps > 0 and _stages_complete(observations) and all(len(o.steps) >= steps for o in observations)
 
 
+def without_pipeline(observations: list[RankObservations]) -> bool:
+    """Every rank on record runs with pipeline size 1: the job has no pipeline bubbles to profile."""
+    return bool(observations) and all(o.num_stages == 1 for o in observations)
+
+
 def _read(directory: Path) -> list[RankObservations]:
     try:
         return read_observations(directory)
@@ -136,7 +148,11 @@ def _watch(proc: subprocess.Popen[bytes], directory: Path, options: ProfileOptio
             return proc.wait(options.poll_s), False
         except subprocess.TimeoutExpired:
             pass
-        if options.steps and enough_steps(_read(directory), options.steps):
+        observations = _read(directory) if options.steps else []
+        if without_pipeline(observations):
+            logger.info("[profile] the job runs with pipeline size 1: stopping it, it has no bubbles to measure")
+            return _end_group(proc, options.grace_s), True
+        if enough_steps(observations, options.steps):
             logger.info("[profile] every rank has %d steps: stopping the job", options.steps)
             return _end_group(proc, options.grace_s), True
 
@@ -166,6 +182,12 @@ def run_profile(options: ProfileOptions) -> ProfileOutcome:
         code, stopped = _run_job(options, directory)
         observations = _read(directory)
     exit_code = 0 if stopped else code
+    if without_pipeline(observations):
+        stop = "; the job was stopped" if stopped else ""
+        return ProfileOutcome(
+            exit_code=exit_code or 1, job_exit_code=code, stopped=stopped, profile=None,
+            message=f"the job runs with pipeline size 1: it has no pipeline bubbles, so no profile written{stop}",
+        )  # fmt: skip
     if not any(o.steps for o in observations):
         why = f"training command exited with {code}" if code else "training command recorded no training step"
         hint = "" if code else " (is it a DeepSpeed, Megatron-core or torch pipelining job, or `freeride sim`?)"

@@ -43,7 +43,7 @@ from backends.observations import ObservationLog
 from backends.schedule import Kind
 from backends.session import BackendConfig, BackendSession, events_endpoint_from_env
 from backends.tracker import StepPlan, StepTracker
-from freeride.profile import RankObservations, StepRecord
+from freeride.profile import RankObservations, StepRecord, write_observations
 
 __all__ = ["MegatronAdapter", "current_adapter", "reset_adapter"]
 
@@ -176,6 +176,20 @@ class MegatronAdapter:
         """A rank without a pipeline: say so once, and say hello with ``num_stages=1``."""
         config, _ = self._config(info)
         self._single = BackendSession(config)  # its attach line says: pipeline size 1, no pipeline bubbles
+        if self._mode == "profile" and self._profile_dir is not None:  # `freeride profile` learns there is
+            observations = RankObservations(  # nothing to measure, and stops the job
+                framework="megatron",
+                rank=config.rank,
+                stage=0,
+                num_stages=1,
+                device=config.device,
+                num_microbatches=info.num_microbatches,
+                schedule="no-pipelining",
+            )
+            try:
+                write_observations(observations, self._profile_dir)
+            except OSError:
+                logger.exception("[profile] rank %d: cannot write to %s", config.rank, self._profile_dir)
         logger.debug(
             "[attach] megatron rank %d on %s: pipeline size 1, so no pipeline bubbles; nothing to announce",
             config.rank,

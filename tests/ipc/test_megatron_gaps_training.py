@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -236,3 +237,14 @@ def test_pipeline_size_one_attaches_says_so_and_trains_unchanged(short_dir: Path
     assert stats["steps"] == 0 and stats["sent"] >= 1, stats  # nothing tracked; its Hello went out
     baseline = asyncio.run(launch(SINGLE_JOB, plain_env(), ranks=1))
     assert run.results() == baseline.results() and len(run.results()) == 4 + 2
+
+
+def test_profile_of_a_job_without_pipeline_says_so_and_stops_it(short_dir: Path) -> None:
+    """``freeride profile`` on a pipeline-size-1 job: no profile, one line why, the job stopped, not run out."""
+    out = short_dir / "single.json"
+    job = [sys.executable, str(SCRIPT), "--spawn", "1", *JOB, "--steps", "100000"]  # hours, unless stopped
+    cmd = [sys.executable, "-m", "freeride.cli", "profile", "--runtime-dir", str(short_dir), "--out", str(out)]
+    done = subprocess.run([*cmd, "--", *job], env=plain_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "pipeline size 1: it has no pipeline bubbles, so no profile written; the job was stopped" in done.stderr
+    assert not out.exists()
