@@ -8,6 +8,8 @@ last whole event).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,16 @@ import msgspec
 
 from freeride.observe.trace import SIDE_TASKS_PID, TRAINING_PID
 
-__all__ = ["DeviceTimeline", "GrantSpan", "Span", "TaskTimeline", "Trace", "load_trace", "parse_trace"]
+__all__ = [
+    "DeviceTimeline",
+    "GrantSpan",
+    "Span",
+    "TaskTimeline",
+    "Trace",
+    "load_trace",
+    "merge_traces",
+    "parse_trace",
+]
 
 Span = tuple[int, int]
 """``(start_ns, end_ns)``."""
@@ -132,3 +143,34 @@ def parse_trace(data: bytes) -> Trace:
 def load_trace(path: Path) -> Trace:
     """:func:`parse_trace` of a file."""
     return parse_trace(path.read_bytes())
+
+
+def merge_traces(nodes: Sequence[tuple[str, Trace]]) -> Trace:
+    """One trace of one job's traces from several nodes: devices named ``NODE/DEVICE``, task ids kept apart.
+
+    Each node's times stay on its own clock: a report compares times only
+    within one device (its steps, bubbles and the grants on it), and a step
+    number means the same pipeline step on every node of the job.
+
+    Raises:
+        ValueError: two nodes have the same name.
+    """
+    names = [name for name, _ in nodes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"node names must differ: {names}")
+    merged = Trace()
+    next_id = 0
+    for name, trace in nodes:
+        for device, timeline in trace.devices.items():
+            key = f"{name}/{device}"
+            merged.devices[key] = dataclasses.replace(timeline, device=key)
+        for task_id in sorted(trace.tasks):
+            task = trace.tasks[task_id]
+            merged.tasks[next_id] = dataclasses.replace(
+                task,
+                task_id=next_id,
+                device=f"{name}/{task.device}" if task.device else "",
+                grants=[dataclasses.replace(g, device=f"{name}/{g.device}") for g in task.grants],
+            )
+            next_id += 1
+    return merged

@@ -11,7 +11,7 @@ import pytest
 
 from freeride.cli import main
 from freeride.observe.report import Prices, ReportOptions, build_report, parse_throughputs
-from freeride.observe.timeline import parse_trace
+from freeride.observe.timeline import merge_traces, parse_trace
 
 MS = 1_000_000
 ROOT = Path(__file__).resolve().parents[2]
@@ -186,3 +186,24 @@ def test_interference_slices_are_counted_per_stage_and_task(tmp_path: Path) -> N
     assert [t.interference_ns for t in report.tasks] == [11 * MS, 2 * MS, 0]
     text = report.text()
     assert "interference" in text and "one run" not in text  # no baseline: no slowdown claimed
+
+
+def test_one_report_over_every_nodes_trace(traces: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """Two nodes of one job, each with its own trace (its own clock): one report, devices named by node."""
+    fr, _ = traces
+    nodes = []
+    for node in ("node-a", "node-b"):
+        (fr.parent / node).mkdir()
+        nodes.append(fr.parent / node / "trace.json")
+        nodes[-1].write_bytes(fr.read_bytes())
+    prices = ["--train-gpu-price", "4", "--side-gpu-price", "0.5"]
+    assert main(["report", *map(str, nodes), *prices, "--side-throughput", "pagerank-*=10", "sgd-b=3", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    one = build_report(parse_trace(fr.read_bytes()), OPTIONS)
+    assert [s["device"] for s in doc["stages"]] == ["node-a/cpu:0", "node-b/cpu:0", "node-a/cpu:1", "node-b/cpu:1"]
+    assert [s["harvested_ns"] for s in doc["stages"]] == [50 * MS, 50 * MS, 46 * MS, 46 * MS]
+    assert len(doc["tasks"]) == 2 * len(one.tasks) and len({t["task_id"] for t in doc["tasks"]}) == 6
+    assert sum(t["work"] for t in doc["tasks"]) == 2 * sum(t.work for t in one.tasks)
+    assert doc["k"] == pytest.approx(2 * one.k)  # four training devices, not two
+    with pytest.raises(ValueError, match="must differ"):
+        merge_traces([("a", parse_trace(fr.read_bytes())), ("a", parse_trace(fr.read_bytes()))])
