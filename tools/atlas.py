@@ -100,6 +100,8 @@ def _script(name: str, *, schedule_flag: bool) -> Callable[[Case, int, Path], li
                 cmd += ["--vpp", str(case.v)]
         else:
             cmd += ["--stages", str(case.p)]
+            if case.schedule != "1f1b":
+                cmd += ["--schedule", case.schedule]
         return cmd
 
     return command
@@ -123,6 +125,10 @@ CASES: list[Case] = [
     *(Case(backend="torchpipe", schedule="gpipe", p=p, m=m) for p in (2, 4) for m in (4, 8)),
     *(Case(backend="torchpipe", schedule="interleaved", p=p, m=m, v=2) for p in (2, 4) for m in (4, 8)),
     *(Case(backend="torchpipe", schedule="zbv", p=p, m=m, v=2, model="-") for p in (2, 4) for m in (4, 8)),
+    *(Case(backend="torchpipe", schedule="interleaved-zb", p=2, m=m, v=2, model="-") for m in (4, 8)),
+    *(Case(backend="torchpipe", schedule="looped-bfs", p=2, m=m, v=2, model="-") for m in (4, 8)),
+    *(Case(backend="torchpipe", schedule="dualpipev", p=2, m=m, v=2, model="-") for m in (4, 8)),
+    *(Case(backend="deepspeed", schedule="dualpipev", p=2, m=m, v=2, model="-") for m in (4, 8)),
 ]
 """The atlas' rows. ZBV has no model in backends.schedule (V placement, W passes): its theory is left out."""
 

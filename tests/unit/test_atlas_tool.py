@@ -37,11 +37,22 @@ def test_the_cases_cover_the_asked_backends_and_schedules(atlas: ModuleType) -> 
     assert kinds == {
         ("sim", "1f1b"), ("sim", "interleaved"), ("deepspeed", "1f1b"), ("megatron", "1f1b"),
         ("megatron", "interleaved"), ("torchpipe", "1f1b"), ("torchpipe", "interleaved"), ("torchpipe", "zbv"),
-        ("torchpipe", "gpipe"),
+        ("torchpipe", "gpipe"), ("torchpipe", "interleaved-zb"), ("torchpipe", "looped-bfs"),
+        ("torchpipe", "dualpipev"), ("deepspeed", "dualpipev"),
     }  # fmt: skip
     assert {(c.p, c.m) for c in atlas.CASES} == {(2, 4), (2, 8), (4, 4), (4, 8)}
     assert len({c.ident for c in atlas.CASES}) == len(atlas.CASES)
     assert all(c.backend in atlas.COMMANDS for c in atlas.CASES)
+
+
+def test_deepspeed_is_told_its_schedule_unless_1f1b(atlas: ModuleType, tmp_path: Path) -> None:
+    dualpipev = atlas.COMMANDS["deepspeed"](
+        atlas.Case(backend="deepspeed", schedule="dualpipev", p=2, m=4, v=2), 5, tmp_path
+    )
+    assert dualpipev[dualpipev.index("--schedule") + 1] == "dualpipev" and "--stages" in dualpipev
+    assert "--schedule" not in atlas.COMMANDS["deepspeed"](
+        atlas.Case(backend="deepspeed", schedule="1f1b", p=2, m=4), 5, tmp_path
+    )
 
 
 def test_commands_name_the_schedule_and_split_the_layers(atlas: ModuleType, tmp_path: Path) -> None:
