@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ChunkedUpdate", "Piece"]
+__all__ = ["MIN_SLICE_ELEMENTS", "ChunkedUpdate", "Piece"]
 
 _WHOLE_STEP = (torch.optim.LBFGS,)
 
@@ -49,6 +49,10 @@ _ELEMENTWISE: frozenset[type[torch.optim.Optimizer]] = frozenset(
     }
 )
 """Optimizers (exactly these classes, not subclasses) whose update of an element reads only that element."""
+
+
+MIN_SLICE_ELEMENTS = 1 << 16
+"""The fewest elements a slice has: below that the optimizer's own cost per call (~20-50 us) dominates."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,13 +110,14 @@ class ChunkedUpdate:
     def split(self, costs: list[float], target_s: float) -> list[float]:
         """Cut parameters whose update (``costs[i]`` seconds) is over ``target_s`` into row slices; pieces' costs.
 
-        Only for an element-by-element optimizer and parameters with 2 or more rows;
-        otherwise every parameter stays one piece.
+        Only for an element-by-element optimizer, and into slices of at least
+        :data:`MIN_SLICE_ELEMENTS` elements; otherwise a parameter stays one piece.
         """
         self.pieces, out = [], []
         for i, ((p, start), cost) in enumerate(zip(self._each(), costs, strict=True)):
             rows = _rows(p)
-            parts = min(rows, math.ceil(cost / target_s)) if self.sliceable and p.dim() >= 1 else 1
+            most = min(rows, p.numel() // MIN_SLICE_ELEMENTS)
+            parts = min(most, math.ceil(cost / target_s)) if self.sliceable and p.dim() >= 1 else 1
             if parts <= 1:
                 self.pieces.append(Piece(i, start, start + rows, True))
                 out.append(cost)

@@ -14,6 +14,7 @@ from _torchfix import deterministic_one_thread  # noqa: F401 - autouse fixture
 from torch import nn
 
 from freeride.partition import InferenceParts, PartitionedInference, PartitionedTraining, TrainingParts
+from freeride.partition import update as update_module
 from freeride.partition.plan import group
 from freeride.sidetask import TaskContext
 from freeride.worker.checkpoint import load_checkpoint
@@ -324,8 +325,11 @@ def test_bad_options_are_refused() -> None:
 
 
 @pytest.mark.parametrize("batch", [0, 1])
-def test_a_checkpoint_inside_one_parameters_update_restores_exactly(batch: int, tmp_path: Path) -> None:
+def test_a_checkpoint_inside_one_parameters_update_restores_exactly(
+    batch: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # batch 0: the optimizer has no state yet for the parameter cut in slices; batch 1: it has
+    monkeypatch.setattr(update_module, "MIN_SLICE_ELEMENTS", 1024)  # the model is small: slices of its wide layer
     task = _started("skipnet-adam", target_ms=0.001)
     assert any(not piece.whole for piece in task.update.pieces)  # the wide layer's update is cut in rows
     _run_batches(task, batch)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from freeride.partition.update import ChunkedUpdate
+from freeride.partition import update as update_module
+from freeride.partition.update import MIN_SLICE_ELEMENTS, ChunkedUpdate
 
 Make = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -27,6 +28,12 @@ OPTIMIZERS: dict[str, Make] = {
     "rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-2),
     "asgd": lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=1.0),
 }
+
+
+@pytest.fixture(autouse=True)
+def small_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These parameters are tiny: let a slice be one row (the floor has a test of its own)."""
+    monkeypatch.setattr(update_module, "MIN_SLICE_ELEMENTS", 1)
 
 
 def _params() -> list[nn.Parameter]:
@@ -132,3 +139,12 @@ def test_slices_follow_the_cost_and_never_exceed_the_rows() -> None:
     assert sum(costs) == pytest.approx(2.5 + 100.0 + 9.0 + 0.5)
     assert [piece.lo for piece in update.pieces][:4] == [0, 4, 8, 13]  # rows counted over all parameters
     assert update.pieces[-1].hi == update.rows == 13 + 7 + 1 + 9
+
+
+def test_slices_keep_enough_elements_to_be_worth_a_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(update_module, "MIN_SLICE_ELEMENTS", MIN_SLICE_ELEMENTS)
+    big = nn.Parameter(torch.zeros(64, 4 * MIN_SLICE_ELEMENTS // 64))  # room for 4 slices at the floor
+    small = nn.Parameter(torch.zeros(1000, 3))  # under the floor: one piece however slow
+    update = ChunkedUpdate(torch.optim.SGD([big, small], lr=0.1))
+    update.split([100.0, 100.0], 1.0)
+    assert [sum(1 for piece in update.pieces if piece.param == i) for i in (0, 1)] == [4, 1]

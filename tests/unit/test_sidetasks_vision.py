@@ -114,7 +114,7 @@ async def test_training_resumes_from_disk_on_the_same_trajectory(tmp_path: Path)
 
 
 async def test_training_resumes_from_a_mid_batch_checkpoint(tmp_path: Path) -> None:
-    opts = {**SMALL, "batch_size": 8, "target_ms": 0.01}  # every piece its own step: many steps per batch
+    opts = {**SMALL, "batch_size": 8, "target_ms": 2.0}  # several steps per batch (far below it, thousands)
     straight = ResNet18Training(**opts)
     expected = await _losses(straight, 3, _ctx(tmp_path))
 

@@ -37,8 +37,9 @@ async def test_resnet50_resumes_on_the_same_trajectory(tmp_path: Path) -> None:
     second.load_state_dict(torch.load(tmp_path / "ckpt.pt"))
     await second.setup(_ctx(tmp_path))
     await _batches(second, 1, _ctx(tmp_path))
-    # two timed plans may sum gradients in another order: equal up to that rounding
-    assert second.metrics()["loss"] == pytest.approx(straight.metrics()["loss"], rel=2e-3)
+    # two timed plans may sum gradients in another order: equal up to that rounding, which batch norm over 4
+    # images of 1x1 pixels in the last blocks amplifies: the same straight run gave 2.511-2.526 in five processes
+    assert second.metrics()["loss"] == pytest.approx(straight.metrics()["loss"], rel=1e-2)
     assert math.isfinite(second.metrics()["loss"]) and second.metrics()["steps"] == 2.0
 
 
