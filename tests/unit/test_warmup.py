@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from _sidetaskfix import cpu_context, deterministic_one_thread  # noqa: F401 - autouse fixture
 
-from freeride.sidetask import IterativeTask, run_alone
+from freeride.sidetask import IterativeTask, TaskStopped, UnboundedGate, run_alone
 from freeride.worker.warmup import RUNS_PER_KIND, warm_up
 from sidetasks.vision import ResNet18Training
 
@@ -69,16 +71,32 @@ async def test_a_task_without_state_or_that_opts_out_is_not_warmed_up() -> None:
     assert await warm_up(OptsOut()) is None
 
 
+class BatchesGate(UnboundedGate):
+    """Stops a task once it has finished ``batches`` whole batches, however its timed plan cut them."""
+
+    def __init__(self, task: ResNet18Training, batches: int) -> None:
+        super().__init__()
+        self.task, self.batches = task, batches
+
+    @asynccontextmanager
+    async def step(self, kind: str = "") -> AsyncIterator[None]:
+        if self.task.batches_done >= self.batches:
+            raise TaskStopped(f"finished {self.batches} batches")
+        async with super().step(kind):
+            yield
+
+
 async def test_a_warmed_up_resnet_trains_exactly_as_one_that_was_not(tmp_path: Path) -> None:
     opts: dict[str, Any] = {"batch_size": 4, "image_size": 16, "target_ms": 20.0, "train_size": 64, "seed": 3}
+    # the plan is timed, so two instances may cut a batch into different pieces: compare after whole batches
     plain = ResNet18Training(**opts)
-    await run_alone(plain, steps=40, ctx=cpu_context(tmp_path))
+    await run_alone(plain, steps=10_000, ctx=cpu_context(tmp_path), gate=BatchesGate(plain, 4))
     warmed = ResNet18Training(**opts)
     await warmed.setup(cpu_context(tmp_path))
     record = await warm_up(warmed)
     assert record is not None and len(record.seen) > 3  # forward, backward and update pieces
-    await run_alone(warmed, steps=40, ctx=cpu_context(tmp_path))
-    assert warmed.metrics()["samples"] == plain.metrics()["samples"] > 0
+    await run_alone(warmed, steps=10_000, ctx=cpu_context(tmp_path), gate=BatchesGate(warmed, 4))
+    assert warmed.metrics()["samples"] == plain.metrics()["samples"] == 16
     # two timed plans may sum gradients in another order: equal up to that rounding
     # parameters only: batch-norm statistics move with each forward piece, and two plans pause at different pieces
     for (name, a), b in zip(plain.model.named_parameters(), warmed.model.parameters(), strict=True):
