@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 _PROGRESS_EVERY_NS = 250_000_000
 _RETRY_MAX_NS = 5_000_000_000
 """A failed checkpoint is tried again after the checkpoint period, or this, whichever is shorter."""
+_OVERRUN_LOG_NS = 2_000_000
+"""A step that ends this far past its bubble's end is logged with its kind, time and estimate."""
 
 _T = TypeVar("_T")
 
@@ -475,13 +477,13 @@ class GrantGate:
             bound = retry and self._loss_bound_reached()
             need = self.checkpoint_estimate_ns() if due or bound else -1
             if need >= 0 and self._fits(now, need):
-                self._g_busy += self._timed(self.checkpoint)
+                self._g_busy += self._timed_checkpoint()
                 continue
             if bound and self._at_grant_start(now):
                 # No bubble fits the checkpoint: take it at the start of one, overrunning
                 # its end once, rather than let a crash lose more than the bound.
                 logger.info("[worker] checkpoint forced at step %d (loss bound reached)", self._steps)
-                self._g_busy += self._timed(self.checkpoint)
+                self._g_busy += self._timed_checkpoint()
                 continue
             if not bound:
                 self._pack(now)
@@ -512,11 +514,14 @@ class GrantGate:
             if kind is not None:
                 self._kind = kind
 
-    def _timed(self, fn: Callable[[], object]) -> int:
+    def _timed_checkpoint(self) -> int:
+        expected = self.checkpoint_estimate_ns()
+        delay0 = self._run_delay.ns()
         t0 = self._clock.now_ns()
-        fn()
+        self.checkpoint()
         t1 = self._clock.now_ns()
         self._note_end(t1)
+        self._log_overrun("checkpoint", t0, t1, self._run_delay.ns() - delay0, expected)
         return t1 - t0
 
     def _note_end(self, end: int) -> None:
@@ -561,18 +566,38 @@ class GrantGate:
         if not self._resumed:
             self._resumed = True
             self._task.on_resume()
+        expected = self.estimates.estimate_ns(self._kind)
         yield
         if self._device_sync is not None:
             self._device_sync()  # the step's kernels, not just their launches
         t1 = self._clock.now_ns()
         # the kind that ran: a packing task may have chosen another piece than the one asked for
-        self.estimates.observe(self._kind, max(1, t1 - t0 - (self._run_delay.ns() - delay0)))
+        waited = self._run_delay.ns() - delay0
+        ran_kind = self._kind
+        self.estimates.observe(ran_kind, max(1, t1 - t0 - waited))
         self._kind = self._task.step_kind()
+        self._log_overrun(ran_kind, t0, t1, waited, expected)
         self._steps += 1
         self._g_steps += 1
         self._g_busy += t1 - t0
         self._unsaved_ns += t1 - t0
         self._note_end(t1)
+
+    def _log_overrun(self, kind: str, t0: int, t1: int, waited: int, expected: int) -> None:
+        """Name a step that ran well past its bubble's end: which kind, for how long, against what estimate."""
+        grant = self._grant
+        if grant is None or t1 - grant.deadline_ns <= _OVERRUN_LOG_NS:
+            return
+        logger.info(
+            "[worker] %r ran %.1f ms past its bubble's end: it took %.1f ms (%.1f ms of it waiting for the CPU) "
+            "against %s, and started %.1f ms before the deadline",
+            kind,
+            (t1 - grant.deadline_ns) / 1e6,
+            (t1 - t0) / 1e6,
+            waited / 1e6,
+            f"an estimate of {expected / 1e6:.1f} ms" if expected >= 0 else "no estimate yet",
+            (grant.deadline_ns - t0) / 1e6,
+        )
 
     def checkpoint_at_stop(self) -> bool:
         """The checkpoint of a stopped task, if its state is consistent; else the last one is kept, and said so."""

@@ -8,6 +8,7 @@ a step "takes" exactly as long as the test advances the clock inside it.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,6 +236,21 @@ async def test_a_probe_or_unknown_estimate_does_not_start_once_the_grant_is_clos
     await rig.link.parked()
     assert rig.link.done_brief() == [(1, "no_fit", 0)]
     await cancel(stepping)
+
+
+async def test_a_step_far_past_its_bubbles_end_is_logged_with_its_kind_time_and_estimate(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig = make_rig(tmp_path)
+    caplog.set_level(logging.INFO, logger="freeride.worker.gate")
+    rig.link.push(rig.grant(1, 100 * STEP))
+    await rig.step(kind="fwd")  # well inside: not logged
+    assert not [r for r in caplog.records if "past its bubble's end" in r.message]
+    rig.link.push(rig.grant(2, STEP + MARGIN))
+    await rig.step(took_ns=40 * STEP, kind="fwd")  # a 10 ms step that took 400 ms
+    (record,) = [r for r in caplog.records if "past its bubble's end" in r.message]
+    assert record.message.startswith("[worker] 'fwd' ran 389.0 ms past its bubble's end: it took 400.0 ms")
+    assert "against an estimate of 10.0 ms, and started 11.0 ms before the deadline" in record.message
 
 
 async def test_a_revoke_gives_the_grant_back_as_revoked(tmp_path: Path) -> None:
