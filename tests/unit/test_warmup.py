@@ -88,19 +88,22 @@ class BatchesGate(UnboundedGate):
 
 async def test_a_warmed_up_resnet_trains_exactly_as_one_that_was_not(tmp_path: Path) -> None:
     opts: dict[str, Any] = {"batch_size": 4, "image_size": 16, "target_ms": 20.0, "train_size": 64, "seed": 3}
-    # the plan is timed, so two instances may cut a batch into different pieces: compare after whole batches
+    # The plan is timed, so two instances may cut a batch into other pieces and sum gradients in another order:
+    # compare after 2 whole batches. Later, batch norm over 1x1 maps amplifies that rounding chaotically (1e-6
+    # after 2 batches became 1e-2 after 3 with one plan of 10 pieces and one of 177), while a rehearsal left in
+    # the state (another batch, the optimizer's momentum, the random stream) shows at once.
     plain = ResNet18Training(**opts)
-    await run_alone(plain, steps=10_000, ctx=cpu_context(tmp_path), gate=BatchesGate(plain, 4))
+    await run_alone(plain, steps=10_000, ctx=cpu_context(tmp_path), gate=BatchesGate(plain, 2))
     warmed = ResNet18Training(**opts)
     await warmed.setup(cpu_context(tmp_path))
     record = await warm_up(warmed)
     assert record is not None and len(record.seen) > 3  # forward, backward and update pieces
-    await run_alone(warmed, steps=10_000, ctx=cpu_context(tmp_path), gate=BatchesGate(warmed, 4))
-    assert warmed.metrics()["samples"] == plain.metrics()["samples"] == 16
-    # two timed plans may sum gradients in another order: equal up to that rounding
+    await run_alone(warmed, steps=10_000, ctx=cpu_context(tmp_path), gate=BatchesGate(warmed, 2))
+    assert warmed.metrics()["samples"] == plain.metrics()["samples"] == 8
+    assert abs(warmed.loss - plain.loss) <= 1e-4 * abs(plain.loss)
     # parameters only: batch-norm statistics move with each forward piece, and two plans pause at different pieces
     for (name, a), b in zip(plain.model.named_parameters(), warmed.model.parameters(), strict=True):
-        assert float((a - b).detach().norm()) <= 0.05 * float(a.detach().norm()) + 1e-6, name
+        assert float((a - b).detach().norm()) <= 1e-3 * float(a.detach().norm()) + 1e-6, name
 
 
 async def test_a_rehearsal_ends_where_the_task_waits_for_its_input() -> None:
