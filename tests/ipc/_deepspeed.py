@@ -65,7 +65,9 @@ class TrainRun:
 
 
 def train_cmd(*args: str, ranks: int = 2) -> list[str]:
-    return [sys.executable, str(SCRIPT), "--spawn", str(ranks), *args]
+    """The training script's command; without DeepSpeed's shm all-reduce op, whose JIT build in a fresh
+    install (1-2 minutes) tests nothing of FreeRide's."""
+    return [sys.executable, str(SCRIPT), "--spawn", str(ranks), "--no-shm-op", *args]
 
 
 def plain_env() -> dict[str, str]:

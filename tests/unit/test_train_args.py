@@ -64,6 +64,7 @@ def test_deepspeed_options(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
         ds.parse_args(["--layers", "3"])
     assert capsys.readouterr().err.strip().endswith("layers (3) must be a multiple of stages (2)")
     assert ds.parse_args([]).schedule == "1f1b"
+    assert ds.parse_args([]).shm_op and not ds.parse_args(["--no-shm-op"]).shm_op
     assert ds.parse_args(["--schedule", "dualpipev"]).schedule == "dualpipev"  # 4 layers, 4 micro-batches, 2 stages
     with pytest.raises(SystemExit):
         ds.parse_args(["--schedule", "dualpipev", "--layers", "6"])

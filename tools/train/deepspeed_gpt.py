@@ -59,6 +59,9 @@ class TrainArgs(CommonArgs):
     gradient_clipping: float
     schedule: str = "1f1b"
     """``1f1b`` (DeepSpeed's ``TrainSchedule``) or ``dualpipev`` (two stages per rank in a V)."""
+    shm_op: bool = True
+    """Let DeepSpeed build its shared-memory all-reduce op on CPU (a C++ build of 1-2 minutes, once per
+    machine and install); without it gloo's all-reduce serves, as on a platform the op does not support."""
 
     def __post_init__(self) -> None:
         # not super(): slots=True rebuilds the class, which zero-argument super() does not follow (before 3.14)
@@ -83,6 +86,12 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--gradient-clipping", type=float, default=1.0)
     ap.add_argument("--schedule", choices=("1f1b", "dualpipev"), default="1f1b")
+    ap.add_argument(
+        "--no-shm-op",
+        dest="shm_op",
+        action="store_false",
+        help="on CPU, skip the build of DeepSpeed's shared-memory all-reduce op (gloo's serves)",
+    )
     ap.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # `deepspeed` passes it
     ns = ap.parse_args(argv)
     values = {k: v for k, v in vars(ns).items() if k != "local_rank"}
@@ -239,6 +248,11 @@ def train(args: TrainArgs) -> None:
     from deepspeed.pipe import DualPipeVModule, LayerSpec, PipelineModule
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    if not args.shm_op:
+        import deepspeed.ops
+
+        # the one switch DeepSpeed reads before it builds the op (its compatibility table, probed once)
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo" if args.device == "cpu" else "nccl")
     torch.manual_seed(args.seed)
     if args.compute == "sleep":
