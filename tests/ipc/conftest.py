@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -94,6 +94,37 @@ def poll(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(0.05)
+
+
+def submit_spin_steps(runtime_dir: Path, devices: Sequence[str], step_ms: float) -> None:
+    """Pin one ``_tasks:SpinSteps`` side task to each device with `freeride submit`, and wait until all run.
+
+    Through the CLI, as a user would, so that the tests using it cover the submit path too.
+    """
+    for device in devices:
+        submitted = subprocess.run(
+            freeride_cmd(
+                "submit",
+                "--runtime-dir",
+                str(runtime_dir),
+                "_tasks:SpinSteps",
+                "--opt",
+                f"step_ms={step_ms}",
+                "--step-time",
+                f"{step_ms}ms",
+                "--device",
+                device,
+            ),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert submitted.returncode == 0, submitted.stderr
+    poll(
+        lambda: sum(t.state == "running" for t in status(runtime_dir).tasks) == len(devices),
+        90,
+        f"side tasks set up on all {len(devices)} devices",
+    )
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from _deepspeed import TrainRun, plain_env, run_training, train_cmd
-from conftest import freeride_cmd, poll, serving, status
+from conftest import freeride_cmd, serving, status, submit_spin_steps
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from backends.deepspeed import _compat, dualpipev
@@ -191,30 +191,7 @@ def test_side_tasks_run_in_the_bubbles_of_dualpipev(
     profile = build_profile(observations)
     write_profile(profile, profile_path)
     with serving(runtime_dir, "--profile", str(profile_path)):
-        for device in profile.devices:
-            submitted = subprocess.run(
-                freeride_cmd(
-                    "submit",
-                    "--runtime-dir",
-                    str(runtime_dir),
-                    "_tasks:SpinSteps",
-                    "--opt",
-                    f"step_ms={STEP_MS}",
-                    "--step-time",
-                    f"{STEP_MS}ms",
-                    "--device",
-                    device,
-                ),
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            assert submitted.returncode == 0, submitted.stderr
-        poll(
-            lambda: sum(t.state == "running" for t in status(runtime_dir).tasks) == len(profile.devices),
-            90,
-            "side tasks set up on both devices",
-        )
+        submit_spin_steps(runtime_dir, profile.devices, STEP_MS)
         cmd = [
             *freeride_cmd("launch", "--runtime-dir", str(runtime_dir), "--"),
             *train_cmd(*TRAIN, "--steps", str(STEPS)),

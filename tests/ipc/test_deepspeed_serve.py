@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from _deepspeed import SCRIPT, TrainRun
-from conftest import freeride_cmd, poll, serving, status
+from conftest import freeride_cmd, serving, status, submit_spin_steps
 
 from freeride import protocol as p
 from freeride.profile import load_profile
@@ -72,30 +72,7 @@ def test_side_tasks_run_in_the_bubbles_of_a_deepspeed_job(
     runtime_dir: Path, profiled: Path, served_with_profile: subprocess.Popen[bytes]
 ) -> None:
     devices = load_profile(profiled).devices
-    for device in devices:
-        submitted = subprocess.run(
-            freeride_cmd(
-                "submit",
-                "--runtime-dir",
-                str(runtime_dir),
-                "_tasks:SpinSteps",
-                "--opt",
-                f"step_ms={STEP_MS}",
-                "--step-time",
-                f"{STEP_MS}ms",
-                "--device",
-                device,
-            ),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert submitted.returncode == 0, submitted.stderr
-    poll(
-        lambda: sum(t.state == "running" for t in status(runtime_dir).tasks) == len(devices),
-        90,
-        "side tasks set up on both devices",
-    )
+    submit_spin_steps(runtime_dir, devices, STEP_MS)
 
     steps = 20
     launched = subprocess.run(

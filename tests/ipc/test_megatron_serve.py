@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import freeride_cmd, poll, serving, status
+from conftest import freeride_cmd, serving, status, submit_spin_steps
 
 from backends.megatron.plan import iterations, megatron_schedule
 from backends.schedule import Durations
@@ -123,30 +123,7 @@ def test_side_tasks_run_in_the_bubbles_of_a_megatron_job(
     schedule: str, runtime_dir: Path, profiled: tuple[Path, list[float]], served_with_profile: None
 ) -> None:
     devices = load_profile(profiled[0]).devices
-    for device in devices:
-        submitted = subprocess.run(
-            freeride_cmd(
-                "submit",
-                "--runtime-dir",
-                str(runtime_dir),
-                "_tasks:SpinSteps",
-                "--opt",
-                f"step_ms={STEP_MS}",
-                "--step-time",
-                f"{STEP_MS}ms",
-                "--device",
-                device,
-            ),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert submitted.returncode == 0, submitted.stderr
-    poll(
-        lambda: sum(t.state == "running" for t in status(runtime_dir).tasks) == len(devices),
-        90,
-        "side tasks set up on both devices",
-    )
+    submit_spin_steps(runtime_dir, devices, STEP_MS)
 
     steps = 20
     launched = subprocess.run(

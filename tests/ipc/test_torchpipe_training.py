@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import freeride_cmd, poll, serving, status
+from conftest import freeride_cmd, poll, serving, status, submit_spin_steps
 
 from freeride import protocol as p
 from freeride.observe.timeline import load_trace
@@ -183,30 +183,7 @@ def test_bubbles_match_waits_and_side_tasks_run_in_them(
     devices = load_profile(profiled).devices
     trace_path = runtime_dir / "trace.json"
     with serving(runtime_dir, "--profile", str(profiled), "--trace", str(trace_path), env=_plain_env()):
-        for device in devices:
-            submitted = subprocess.run(
-                freeride_cmd(
-                    "submit",
-                    "--runtime-dir",
-                    str(runtime_dir),
-                    "_tasks:SpinSteps",
-                    "--opt",
-                    f"step_ms={STEP_MS}",
-                    "--step-time",
-                    f"{STEP_MS}ms",
-                    "--device",
-                    device,
-                ),
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            assert submitted.returncode == 0, submitted.stderr
-        poll(
-            lambda: sum(t.state == "running" for t in status(runtime_dir).tasks) == len(devices),
-            90,
-            "side tasks set up on every device",
-        )
+        submit_spin_steps(runtime_dir, devices, STEP_MS)
         launched = _run(
             freeride_cmd("launch", "--runtime-dir", str(runtime_dir), "--", *_train(schedule, STEPS, "--recv-timers"))
         )

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -45,6 +45,7 @@ from sidetasks import resolve
 __all__ = [
     "SKIP_STEPS",
     "TASK_DEFAULTS",
+    "HOW_IT_RUNS",
     "BenchOptions",
     "Job",
     "PlannedRun",
@@ -57,6 +58,9 @@ __all__ = [
     "side_tasks",
     "bench",
     "bench_options",
+    "bench_parser",
+    "parse_bench_args",
+    "parse_schedules",
     "parse_steps",
     "plan",
     "serve_cmd",
@@ -71,6 +75,31 @@ PROFILE_STEPS = 8
 _NO_SIDE_PRIORITY = "this `freeride serve` has no --side-priority: side tasks ran at nice 19"
 
 SidePriority = Literal["same", "low"]
+
+HOW_IT_RUNS = """\
+How the runs go (the same in every pipeline benchmark):
+
+Before the runs, the job is profiled (by ``freeride profile``, or by itself for
+the simulated job) and ``freeride serve --profile`` is started with the profile;
+one iterative side task is submitted per stage, pinned to its stage's device (on
+CPU: the stage's core, shared with the side task as a GPU would be).
+
+A warm-up run of each kind comes first (per schedule, where there are several)
+and is left out; then ``--pairs`` pairs (alone and with side tasks, the order
+alternating) and ``--controls`` A/A pairs (alone and alone: the noise floor),
+interleaved in time. Side tasks run at the stage's own priority
+(``--side-priority same``: an overrun delays training as it would on a GPU)
+unless ``--side-priority low`` is given.
+
+Reports, as markdown: the training slowdown per pair (step time, and the
+training ranks' CPU time per step) as a median with a bootstrap 95 % interval,
+the A/A floor beside it and whether the interval lies below the 0.5 % goal;
+interference (side-task compute while the stage trained), the share of bubble
+time the side tasks spent in steps (from ``freeride status``), their
+throughput, grant latency and overruns. A pair whose side tasks finished,
+failed or did no steps is named and left out.
+"""
+"""The ``--help`` epilog of every benchmark on this harness: what :func:`bench` does, said once."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -224,6 +253,43 @@ def add_bench_args(ap: argparse.ArgumentParser, *, steps: int = 25) -> None:
         help="only N runs with side tasks, no warm-up and no runs alone: bubble use, interference and latency "
         "(no slowdown figure); --pairs and --controls are then ignored",
     )
+
+
+def bench_parser(description: str | None, *, steps: int) -> argparse.ArgumentParser:
+    """A benchmark's parser: its own ``description``, :data:`HOW_IT_RUNS` below the flags, and the shared flags.
+
+    The flags are those of :func:`add_bench_args` (``steps``: this benchmark's default) and
+    :func:`add_side_task_args`; the benchmark adds its own.
+    """
+    ap = argparse.ArgumentParser(
+        description=description, epilog=HOW_IT_RUNS, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_bench_args(ap, steps=steps)
+    add_side_task_args(ap)
+    return ap
+
+
+def parse_bench_args(
+    ap: argparse.ArgumentParser, argv: Sequence[str]
+) -> tuple[argparse.Namespace, list[SideTask], BenchOptions]:
+    """``argv`` parsed by ``ap`` (from :func:`bench_parser`), with the side tasks and options it names.
+
+    A side task or option that :func:`side_tasks` or :class:`BenchOptions` refuses exits as a usage error,
+    as argparse's own errors do.
+    """
+    ns = ap.parse_args(argv)
+    try:
+        return ns, side_tasks(ns), bench_options(ns)
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
+def parse_schedules(ap: argparse.ArgumentParser, names: str, known: Collection[str]) -> tuple[str, ...]:
+    """The comma-separated ``--schedules`` ``names``, each one of ``known``; anything else exits as a usage error."""
+    schedules = tuple(s.strip() for s in names.split(",") if s.strip())
+    if not schedules or set(schedules) - set(known):
+        ap.error(f"schedules must be among {sorted(known)}, got {schedules}")
+    return schedules
 
 
 def bench_options(ns: argparse.Namespace) -> BenchOptions:

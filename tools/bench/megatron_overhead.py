@@ -2,41 +2,24 @@
 
 For each schedule (1F1B, interleaved 1F1B), runs the same 2-stage training
 (``tools/train/megatron_gpt.py``) for N steps, alternately alone (no FreeRide at
-all) and under ``freeride launch`` with one iterative side task per stage, each
-pinned to its stage's device (on CPU: the stage's core, shared with the side task
-as a GPU would be). Before that, the job is profiled with ``freeride profile``
-and a manager is started with the profile::
+all) and under ``freeride launch`` with one iterative side task per stage in its
+bubbles::
 
     python tools/bench/megatron_overhead.py --pairs 8 --steps 25 -- --hidden 256 --seq 64
-
-Per schedule, a warm-up run of each kind comes first and is left out; then
-``--pairs`` pairs (alone and with side tasks, the order alternating) and
-``--controls`` A/A pairs (alone and alone: the noise floor), interleaved in
-time. Side tasks run at the stage's own priority (``--side-priority same``)
-unless ``--side-priority low`` is given.
-
-Reports, as markdown: the training slowdown per pair (step time, and the
-training ranks' CPU time per step) as a median with a bootstrap 95 % interval,
-the A/A floor beside it and whether the interval lies below the 0.5 % goal;
-interference, the share of bubble time the side tasks spent in steps (from
-``freeride status``), their throughput, grant latency and overruns. A pair whose
-side tasks finished, failed or did no steps is named and left out.
 """
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
 from pathlib import Path
 
 from _pipeline_bench import (  # tools/bench is the script's directory
     Job,
-    add_bench_args,
-    add_side_task_args,
     bench,
-    bench_options,
-    side_tasks,
+    bench_parser,
+    parse_bench_args,
+    parse_schedules,
 )
 
 __all__ = ["main"]
@@ -47,22 +30,12 @@ SCHEDULE_ARGS = {"1f1b": ("--schedule", "1f1b"), "interleaved": ("--schedule", "
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_bench_args(ap, steps=25)
+    ap = bench_parser(__doc__, steps=25)
     ap.add_argument("--schedules", default="1f1b,interleaved", help="comma-separated: 1f1b, interleaved")
-    add_side_task_args(ap)
     ap.add_argument("train_args", nargs="*", help="after --: arguments for tools/train/megatron_gpt.py")
-    ns = ap.parse_args(argv)
-    schedules = tuple(s.strip() for s in ns.schedules.split(",") if s.strip())
-    unknown = set(schedules) - SCHEDULE_ARGS.keys()
-    if not schedules or unknown:
-        ap.error(f"schedules must be among {sorted(SCHEDULE_ARGS)}, got {schedules}")
+    ns, task, options = parse_bench_args(ap, argv)
+    schedules = parse_schedules(ap, ns.schedules, SCHEDULE_ARGS)
     command = shlex.join(["python", "tools/bench/megatron_overhead.py", *argv])
-    try:
-        task = side_tasks(ns)
-        options = bench_options(ns)
-    except ValueError as exc:
-        ap.error(str(exc))
     sections = ["## megatron-core: training with side tasks in its bubbles"]
     for schedule in schedules:
         job = Job(

@@ -8,11 +8,6 @@ the same harness as the DeepSpeed and megatron benchmarks::
 
     python tools/bench/sim_overhead.py --pairs 8 --steps 40
 
-A warm-up run of each kind comes first and is left out; then ``--pairs`` pairs
-(alone and with side tasks, the order alternating) and ``--controls`` A/A pairs,
-interleaved in time. Side tasks run at the stage's own priority (``--side-priority
-same``) unless ``--side-priority low`` is given.
-
 What it shows: with ``--compute cpu`` (the default) a stage's compute lasts
 until it has had its CPU time, so a side-task step running past a bubble's end
 at the stage's priority delays the stage by the core time it takes, as a side
@@ -28,14 +23,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from _pipeline_bench import (  # tools/bench is the script's directory
-    Job,
-    add_bench_args,
-    add_side_task_args,
-    bench,
-    bench_options,
-    side_tasks,
-)
+from _pipeline_bench import Job, bench, bench_parser, parse_bench_args  # tools/bench is the script's directory
 
 __all__ = ["main", "sim_job_args"]
 
@@ -60,9 +48,7 @@ def sim_job_args(ns: argparse.Namespace) -> tuple[str, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_bench_args(ap, steps=40)
-    add_side_task_args(ap)
+    ap = bench_parser(__doc__, steps=40)
     ap.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--forward", default="10ms", help="forward time per micro-batch and stage (default 10ms)")
@@ -73,13 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=["cpu", "spin", "sleep"],
         help="cpu: a stage computes until it has had its CPU time (default, GPU-faithful); spin: until a wall deadline",
     )
-    ns = ap.parse_args(argv)
+    ns, task, options = parse_bench_args(ap, argv)
     command = shlex.join(["python", "tools/bench/sim_overhead.py", *argv])
-    try:
-        task = side_tasks(ns)
-        options = bench_options(ns)
-    except ValueError as exc:
-        ap.error(str(exc))
     if ns.microbatches < 1:
         ap.error(f"microbatches must be >= 1, got {ns.microbatches}")
     job = Job(
