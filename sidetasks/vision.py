@@ -370,6 +370,7 @@ class _Training(_Options, PartitionedTraining):
         check_fingerprint(state.get("extra") or {}, self._fingerprint())  # before weights of another shape fail
         super()._restore(state)
 
+
 class _Inference(_VisionTask):
     """Classify the held-out split batch by batch; one step is one batch.
 
