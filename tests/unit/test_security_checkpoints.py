@@ -27,7 +27,7 @@ TINY: dict[str, Any] = {"image_size": 16, "num_classes": 4, "batch_size": 4, "tr
 
 SAMPLES: dict[str, tuple[type[IterativeTask], dict[str, Any], int]] = {
     "training": (ResNet18Training, TINY, 2),
-    "training-mid-batch": (ResNet18Training, {**TINY, "steps": 2, "target_ms": 0.01}, 7),
+    "training-mid-batch": (ResNet18Training, {**TINY, "steps": 2, "target_ms": 2.0}, 7),  # ~100 pieces a batch
     "inference": (ResNet18Inference, {**TINY, "eval_size": 16, "fit_steps": 2}, 3),
     "graph-sgd": (GraphSGD, {}, 3),
     "pagerank": (PageRank, {"nodes": 300, "avg_degree": 6.0, "seed": 1}, 2),

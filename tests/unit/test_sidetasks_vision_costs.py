@@ -27,7 +27,7 @@ async def _kinds_run(task: IterativeTask, steps: int, tmp_path: Path) -> list[st
 @pytest.mark.parametrize(
     ("make", "steps"),
     [
-        (lambda: ResNet18Training(**TINY, target_ms=0.01), 60),
+        (lambda: ResNet18Training(**TINY), 150),  # 5 ms pieces (~50 a batch): forward, backward and update
         (lambda: ResNet18Inference(**TINY, fit_steps=1, layer_steps=True), 60),
         (lambda: ResNet18Inference(**TINY, fit_steps=1), 3),
     ],
