@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from _sidetaskfix import cpu_context, deterministic_one_thread  # noqa: F401 - autouse fixture
 
+from freeride.partition import plan as plan_module
 from freeride.sidetask import IterativeTask, TaskStopped, UnboundedGate, run_alone
 from freeride.worker.warmup import RUNS_PER_KIND, warm_up
 from sidetasks.vision import ResNet18Training
@@ -86,24 +89,25 @@ class BatchesGate(UnboundedGate):
             yield
 
 
-async def test_a_warmed_up_resnet_trains_exactly_as_one_that_was_not(tmp_path: Path) -> None:
-    opts: dict[str, Any] = {"batch_size": 4, "image_size": 16, "target_ms": 20.0, "train_size": 64, "seed": 3}
-    # The plan is timed, so two instances may cut a batch into other pieces and sum gradients in another order:
-    # compare after 2 whole batches. Later, batch norm over 1x1 maps amplifies that rounding chaotically (1e-6
-    # after 2 batches became 1e-2 after 3 with one plan of 10 pieces and one of 177), while a rehearsal left in
-    # the state (another batch, the optimizer's momentum, the random stream) shows at once.
+async def test_a_warmed_up_resnet_trains_exactly_as_one_that_was_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every piece timed at 0.1 ms by a counting clock: the same pieces in both tasks whatever this machine's
+    # timing (a slow node is opened and a wide layer split by its measured time, and other pieces sum gradients
+    # in another order, which batch norm over 1x1 maps amplifies to several % in 4 batches).
+    monkeypatch.setattr(plan_module, "timer", lambda device: itertools.count(0.0, 1e-4).__next__)
+    opts: dict[str, Any] = {"batch_size": 4, "image_size": 16, "target_ms": 0.5, "train_size": 64, "seed": 3}
     plain = ResNet18Training(**opts)
-    await run_alone(plain, steps=10_000, ctx=cpu_context(tmp_path), gate=BatchesGate(plain, 2))
+    await run_alone(plain, steps=10_000, ctx=cpu_context(tmp_path), gate=BatchesGate(plain, 4))
     warmed = ResNet18Training(**opts)
     await warmed.setup(cpu_context(tmp_path))
     record = await warm_up(warmed)
     assert record is not None and len(record.seen) > 3  # forward, backward and update pieces
-    await run_alone(warmed, steps=10_000, ctx=cpu_context(tmp_path), gate=BatchesGate(warmed, 2))
-    assert warmed.metrics()["samples"] == plain.metrics()["samples"] == 8
-    assert abs(warmed.loss - plain.loss) <= 1e-4 * abs(plain.loss)
-    # parameters only: batch-norm statistics move with each forward piece, and two plans pause at different pieces
-    for (name, a), b in zip(plain.model.named_parameters(), warmed.model.parameters(), strict=True):
-        assert float((a - b).detach().norm()) <= 1e-3 * float(a.detach().norm()) + 1e-6, name
+    await run_alone(warmed, steps=10_000, ctx=cpu_context(tmp_path), gate=BatchesGate(warmed, 4))
+    assert warmed.metrics()["samples"] == plain.metrics()["samples"] == 16
+    assert warmed.loss == plain.loss
+    for (name, a), b in zip(plain.model.state_dict().items(), warmed.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name  # batch-norm statistics too: the rehearsal's forward pieces are undone
 
 
 async def test_a_rehearsal_ends_where_the_task_waits_for_its_input() -> None:
