@@ -4,6 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install.sh
 .venv/bin/ruff check freeride backends sidetasks tools tests
+.venv/bin/ruff format --check freeride backends sidetasks tools tests
 .venv/bin/mypy
 set +e
 .venv/bin/python -m pytest "$@"
