@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _deepspeed import SCRIPT, TrainRun
+from _deepspeed import TrainRun, train_cmd
 from conftest import freeride_cmd, serving, status, submit_spin_steps
 
 from freeride import protocol as p
@@ -26,11 +25,11 @@ from freeride.profile import load_profile
 pytestmark = pytest.mark.slow
 
 STEP_MS = 2.0
-TRAIN = ["--spawn", "2", "--compute", "sleep", "--micro-batches", "4"]
+TRAIN = ["--compute", "sleep", "--micro-batches", "4"]
 
 
 def _train(*extra: str) -> list[str]:
-    return [sys.executable, str(SCRIPT), *TRAIN, *extra]
+    return train_cmd(*TRAIN, *extra)
 
 
 @pytest.fixture(scope="module")

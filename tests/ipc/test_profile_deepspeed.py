@@ -10,11 +10,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _deepspeed import SCRIPT
+from _deepspeed import train_cmd
 from conftest import freeride_cmd, poll, serving, status
 
 from freeride.profile import load_profile
@@ -26,7 +25,7 @@ TRAIN = ["--compute", "sleep", "--micro-batches", "4", "--sleep-forward-ms", "2"
 
 
 def _train(stages: int, steps: int) -> list[str]:
-    return [sys.executable, str(SCRIPT), "--spawn", str(stages), "--stages", str(stages), "--steps", str(steps), *TRAIN]
+    return train_cmd("--stages", str(stages), "--steps", str(steps), *TRAIN, ranks=stages)
 
 
 def test_profile_stops_a_deepspeed_job_after_the_steps_it_needs(runtime_dir: Path) -> None:
