@@ -99,6 +99,12 @@ def test_a_checkpoint_between_slices_of_one_parameter_restores_exactly(name: str
         update.pending(),
     )
     assert saved[3] is not None and saved[3]["fresh"] is first_update
+    if first_update:  # the new state so far: the rows two slices wrote, and zeros (not stale memory) after them
+        written = saved[3]["written"]
+        assert 0 < written < _rows_of(params[0])
+        for v in saved[3]["partial"].values():
+            if isinstance(v, torch.Tensor) and v.dim() >= 1:
+                assert not torch.any(v[written:]) and torch.any(v[:written])
 
     # a new process: new parameters and optimizer, loaded from what was saved
     values, grads, state, pending = saved
@@ -115,6 +121,28 @@ def test_a_checkpoint_between_slices_of_one_parameter_restores_exactly(name: str
     restored.step(cut, restored.rows)
     for got, want in zip(fresh, _full(OPTIMIZERS[name], steps), strict=True):
         torch.testing.assert_close(got.detach(), want, rtol=1e-6, atol=1e-7)
+
+
+def _rows_of(p: torch.Tensor) -> int:
+    return int(p.shape[0]) if p.dim() else 1
+
+
+def test_a_large_parameters_new_state_is_not_written_whole_by_its_first_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its first slice allocates the state, and writes only its own rows (VGG-19: a 412 MB momentum buffer)."""
+    allocated: list[str] = []
+    real_zeros = torch.zeros
+
+    def zeros(*args: object, **kwargs: object) -> torch.Tensor:
+        allocated.append("zeros")
+        return real_zeros(*args, **kwargs)  # type: ignore[call-overload,no-any-return]
+
+    params = _params()
+    update = ChunkedUpdate(OPTIMIZERS["sgd-dampened"](params))
+    _sliced(update)
+    _grads(0, params)
+    monkeypatch.setattr(torch, "zeros", zeros)
+    update.step(0, update.pieces[0].hi)
+    assert allocated == []
 
 
 def test_slices_only_for_element_by_element_optimizers() -> None:
