@@ -280,18 +280,6 @@ class GrantGate:
             return self._g_steps == 0 and room_ns(now, grant.deadline_ns, margin) > 0
         return fits(now, need_ns, grant.deadline_ns, margin)
 
-    def _checkpoint_fits(self, now: int, need_ns: int) -> bool:
-        """Whether a periodic checkpoint of ``need_ns`` fits the room left, in any grant.
-
-        Never by the probe rule: a probe grant lets one step of unknown length
-        start at a bubble's start, but a checkpoint's length is known (VGG-19's
-        1.1 GB state took 3-9 s, and in a probe grant ran seconds into training).
-        """
-        grant = self._grant
-        if grant is None or self._revoked:
-            return False
-        return fits(now, need_ns, grant.deadline_ns, self._margin(grant))
-
     def _step_fits(self, now: int) -> bool:
         """Whether the pending step may start now.
 
@@ -488,7 +476,7 @@ class GrantGate:
             due = retry and now - self._last_checkpoint >= self._assign.checkpoint_every_ns
             bound = retry and self._loss_bound_reached()
             need = self.checkpoint_estimate_ns() if due or bound else -1
-            if need >= 0 and self._checkpoint_fits(now, need):
+            if need >= 0 and self._fits(now, need):
                 self._g_busy += self._timed_checkpoint()
                 continue
             if bound and self._at_grant_start(now):

@@ -360,19 +360,6 @@ async def test_a_periodic_checkpoint_runs_only_when_its_last_duration_fits(tmp_p
     assert [m.steps for m in rig.link.sent if isinstance(m, p.Checkpointed)] == [0, 1]
 
 
-async def test_a_probe_grant_does_not_fit_a_checkpoint_that_its_room_does_not(tmp_path: Path) -> None:
-    rig = make_rig(tmp_path, checkpoint_every_ns=100 * MS, save_ns=20 * MS)
-    rig.gate.checkpoint()  # a save takes 20 ms
-    rig.clock.advance(200 * MS)  # a checkpoint is due
-    rig.link.push(rig.grant(1, STEP + MARGIN, probe=True))  # a probe: one step, whatever its estimate
-    await rig.step()
-    assert rig.saver.saved_at_steps == [0]  # the step ran; the checkpoint waits for a bubble it fits
-    rig.link.push(rig.grant(2, 20 * MS + STEP + MARGIN, probe=True))
-    await rig.step()
-    rig.gate.finish("finished")
-    assert rig.saver.saved_at_steps == [0, 1]
-
-
 class Growing(IterativeTask):
     """A task whose state grows tenfold at its first step, as an optimizer's buffers appear at its first update."""
 
