@@ -477,13 +477,13 @@ class GrantGate:
             bound = retry and self._loss_bound_reached()
             need = self.checkpoint_estimate_ns() if due or bound else -1
             if need >= 0 and self._fits(now, need):
-                self._g_busy += self._timed_checkpoint()
+                self._g_busy += self._timed_checkpoint(need)
                 continue
             if bound and self._at_grant_start(now):
                 # No bubble fits the checkpoint: take it at the start of one, overrunning
                 # its end once, rather than let a crash lose more than the bound.
                 logger.info("[worker] checkpoint forced at step %d (loss bound reached)", self._steps)
-                self._g_busy += self._timed_checkpoint()
+                self._g_busy += self._timed_checkpoint(need)
                 continue
             if not bound:
                 self._pack(now)
@@ -514,8 +514,7 @@ class GrantGate:
             if kind is not None:
                 self._kind = kind
 
-    def _timed_checkpoint(self) -> int:
-        expected = self.checkpoint_estimate_ns()
+    def _timed_checkpoint(self, expected: int) -> int:
         delay0 = self._run_delay.ns()
         t0 = self._clock.now_ns()
         self.checkpoint()
@@ -566,17 +565,16 @@ class GrantGate:
         if not self._resumed:
             self._resumed = True
             self._task.on_resume()
-        expected = self.estimates.estimate_ns(self._kind)
         yield
         if self._device_sync is not None:
             self._device_sync()  # the step's kernels, not just their launches
         t1 = self._clock.now_ns()
         # the kind that ran: a packing task may have chosen another piece than the one asked for
         waited = self._run_delay.ns() - delay0
-        ran_kind = self._kind
-        self.estimates.observe(ran_kind, max(1, t1 - t0 - waited))
+        if self._grant is not None and t1 - self._grant.deadline_ns > _OVERRUN_LOG_NS:  # rare: not on every step
+            self._log_overrun(self._kind, t0, t1, waited, self.estimates.estimate_ns(self._kind))
+        self.estimates.observe(self._kind, max(1, t1 - t0 - waited))
         self._kind = self._task.step_kind()
-        self._log_overrun(ran_kind, t0, t1, waited, expected)
         self._steps += 1
         self._g_steps += 1
         self._g_busy += t1 - t0
