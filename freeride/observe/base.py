@@ -26,8 +26,14 @@ class Observer:
     def grant_done(self, device: str, task_id: int, task_name: str, done: p.GrantDone) -> None:
         """A side task gave a grant back: its work inside that bubble."""
 
-    def interference(self, device: str, task_id: int, task_name: str, t_ns: int, dur_ns: int) -> None:
-        """A side task ran ``dur_ns`` of compute after its bubble ended at ``t_ns`` (time taken from training)."""
+    def interference(
+        self, device: str, task_id: int, task_name: str, t_ns: int, dur_ns: int, *, stage_wait_ns: int = 0
+    ) -> None:
+        """A side task took ``dur_ns`` from training after its bubble ended at ``t_ns``.
+
+        ``stage_wait_ns`` of it was the stage waiting for its core while the side step held it
+        (on CPU); the rest is the task's compute after the end.
+        """
 
     def task_status(self, status: p.TaskStatus) -> None:
         """A side task changed state (submitted, running, finished, failed, cancelled)."""
@@ -61,9 +67,14 @@ class Observers:
         if self._observers:
             self._each("grant_done", lambda obs: obs.grant_done(device, task_id, task_name, done))
 
-    def interference(self, device: str, task_id: int, task_name: str, t_ns: int, dur_ns: int) -> None:
+    def interference(
+        self, device: str, task_id: int, task_name: str, t_ns: int, dur_ns: int, *, stage_wait_ns: int = 0
+    ) -> None:
         if self._observers:
-            self._each("interference", lambda obs: obs.interference(device, task_id, task_name, t_ns, dur_ns))
+            self._each(
+                "interference",
+                lambda obs: obs.interference(device, task_id, task_name, t_ns, dur_ns, stage_wait_ns=stage_wait_ns),
+            )
 
     def task_status(self, status: p.TaskStatus) -> None:
         if self._observers:

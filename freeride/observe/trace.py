@@ -210,7 +210,9 @@ class TraceWriter(Observer):
         }
         self._put(("X", task_name, "side_task", SIDE_TASKS_PID, task_id, start, end - start, args))
 
-    def interference(self, device: str, task_id: int, task_name: str, t_ns: int, dur_ns: int) -> None:
+    def interference(
+        self, device: str, task_id: int, task_name: str, t_ns: int, dur_ns: int, *, stage_wait_ns: int = 0
+    ) -> None:
         # Drawn from the bubble's end, as a GPU would run it: the work a side task did
         # after its bubble ended, which on a GPU would have held back training.
         self._task_track(task_id, task_name, device)
@@ -219,7 +221,13 @@ class TraceWriter(Observer):
         # next bubble) is drawn after the previous one; its length, the figure, is kept.
         start = max(t_ns, self._interference_end.get(task_id, 0))
         self._interference_end[task_id] = start + dur_ns
-        args = {"device": device, "task_id": task_id, "interference_ns": dur_ns, "bubble_end_ns": t_ns}
+        args = {
+            "device": device,
+            "task_id": task_id,
+            "interference_ns": dur_ns,
+            "stage_wait_ns": stage_wait_ns,
+            "bubble_end_ns": t_ns,
+        }
         self._put(("X", f"{task_name} past bubble end", "interference", SIDE_TASKS_PID, tid, start, dur_ns, args))
 
     def task_status(self, status: p.TaskStatus) -> None:

@@ -451,7 +451,12 @@ class DeviceScheduler:
             self._task_interference[task.task_id] = _sat(self._task_interference.get(task.task_id, 0), interference)
             if self._observers is not None:
                 self._observers.interference(
-                    self.device, task.task_id, task.name, end or state.last_step_end_ns - late, interference
+                    self.device,
+                    task.task_id,
+                    task.name,
+                    end or state.last_step_end_ns - late,
+                    interference,
+                    stage_wait_ns=state.stage_waited_ns,
                 )
 
     def _revoke_current(self) -> None:

@@ -173,6 +173,19 @@ def test_checkpoint_time_is_side_task_work(tmp_path: Path) -> None:
     ]
 
 
+def test_interference_is_drawn_from_the_bubble_end_with_the_stages_wait_in_its_args(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    writer = TraceWriter(path)
+    writer.interference("cpu:0", 1, "t", T0, 3 * MS, stage_wait_ns=2 * MS)
+    writer.interference("cpu:0", 1, "t", T0 + MS, MS)  # overlaps the first: drawn after it, its length kept
+    writer.close()
+    drawn = slices(load_checked(path), SIDE_TASKS_PID, "interference")
+    assert [(s, e, a["interference_ns"], a["stage_wait_ns"], a["bubble_end_ns"]) for s, e, a in drawn] == [
+        (T0, T0 + 3 * MS, 3 * MS, 2 * MS, T0),
+        (T0 + 3 * MS, T0 + 4 * MS, MS, 0, T0 + MS),
+    ]
+
+
 def test_a_second_writer_of_the_same_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "t.json"
     path.write_text("old contents")

@@ -244,7 +244,11 @@ def add_bench_args(ap: argparse.ArgumentParser, *, steps: int = 25) -> None:
         help="side tasks at the stage's own CPU priority, so an overrun delays training as on a GPU "
         "(same, default), or at nice 19, the production default on CPU (low)",
     )
-    ap.add_argument("--keep", action="store_true", help="keep the runtime directory (logs, profile)")
+    ap.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the runtime directory (logs, profile, and trace.json: every bubble and grant)",
+    )
     ap.add_argument(
         "--with-only",
         type=int,
@@ -553,9 +557,10 @@ def bench(
         profile_path = _profile(job, runtime)
         profile = load_profile(profile_path)
         supported = _serve_knows_side_priority()
+        trace = ["--trace", str(runtime / "trace.json")] if options.keep else []
         with open(runtime / "serve.log", "wb") as log:
             serve = subprocess.Popen(
-                [*serve_cmd(runtime, profile_path, options.side_priority, supported=supported), *serve_args],
+                [*serve_cmd(runtime, profile_path, options.side_priority, supported=supported), *trace, *serve_args],
                 env=_plain_env(),
                 stdout=subprocess.DEVNULL,
                 stderr=log,
