@@ -21,6 +21,7 @@ from freeride.plan_cli import add_plan_parser
 from freeride.profile_task import DEFAULT_SAMPLES, DEFAULT_STEPS
 from freeride.program_cli import PROGRAM_OPTIONS, add_program_options, cancel_outcome, program_spec
 from freeride.serve.config import ServeConfig
+from freeride.serve.guard import describe as describe_guard
 from freeride.submission import await_start, check_submission, report_start, task_details
 from freeride.transport import ControlClient, Endpoints, ManagerUnreachable, curve_keypair, default_runtime_dir
 from freeride.units import format_ns, parse_bytes, parse_duration_ns, parse_share, printable
@@ -287,10 +288,7 @@ def _liveness_shown(t: p.TaskStatus) -> str:
 
 def _guard_line(d: p.DeviceStatus) -> str:
     """What the device's interference guard set, and why."""
-    return (
-        f"{printable(d.device):10} guard: margin {format_ns(d.margin_ns)}, bubbles predicted x{d.prediction_factor:.2f}"
-        f" ({printable(d.guard_reason) or 'no reason given'})"
-    )
+    return f"{printable(d.device):10} guard: {describe_guard(d)} ({printable(d.guard_reason) or 'no reason given'})"
 
 
 def format_status(status: p.StatusReply) -> str:

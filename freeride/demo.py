@@ -18,6 +18,7 @@ from pathlib import Path
 from backends.sim import SimConfig, SimPipeline, StageResult
 from freeride import protocol as p
 from freeride.serve.config import ServeConfig
+from freeride.serve.guard import describe as describe_guard
 from freeride.serve.manager import Manager
 from freeride.transport import Endpoints
 from freeride.units import format_ns
@@ -81,10 +82,7 @@ class DemoReport:
         lines.append(f"(bubble share measured after step 0; the schedule's {formula} is {theory:.1%})")
         for d in sorted(self.status.devices, key=lambda d: d.stage):
             if d.margin_ns >= 0:  # what each device's interference guard settled on, and why
-                lines.append(
-                    f"guard {d.device}: margin {format_ns(d.margin_ns)}, bubbles predicted x{d.prediction_factor:.2f}"
-                    f" ({d.guard_reason})"
-                )
+                lines.append(f"guard {d.device}: {describe_guard(d)} ({d.guard_reason})")
         lines.append("")
         for t in self.status.tasks:
             metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(t.metrics.items()))

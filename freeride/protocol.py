@@ -363,6 +363,8 @@ class Arm(_Msg, frozen=True, tag="arm"):
     """The margin the grant carries (the device's guard sets it; -1: the assigned one)."""
     prediction_factor: float = 1.0
     """What the event's expected length is multiplied by for the deadline (the device's guard sets it)."""
+    min_bubble_ns: int = 0
+    """A bubble whose length so set is shorter than this is not the armed one: the worker waits for the next."""
 
 
 class Disarm(_Msg, frozen=True, tag="disarm"):
@@ -547,6 +549,10 @@ class DeviceStatus(_Msg, frozen=True, tag="device_status"):
     """The safety margin grants carry now (set by the device's interference guard); -1 unknown."""
     prediction_factor: float = 1.0
     """What each bubble's expected length is multiplied by when a grant's deadline is set."""
+    min_bubble_ns: int = 0
+    """Bubbles expected (factor applied) to be shorter get no grant: the guard found them too costly."""
+    left_out: int = 0
+    """Bubbles so left out."""
     guard_reason: str = ""
     """Why the margin and factor are what they are, in one line."""
     no_bubbles: str = ""

@@ -17,7 +17,24 @@ a share of the training time that passed, with a target, and
   length over their prediction), so a deadline only moves later where bubbles
   have kept ending later still;
 * pulls a factor above 1 back as soon as bubbles stop lasting that long
-  (more than a tenth of the window ended before the deadline said).
+  (more than a tenth of the window ended before the deadline said);
+* leaves the shortest bubbles out instead of widening, where they cost far
+  more interference per millisecond they give than the rest. A bubble that
+  ends while a step runs costs about the same (the rest of the step, and on
+  CPU the stage's wait for its core) whatever its length, while what it gives
+  is its length: in a 2-stage DeepSpeed job, bubbles expected at 2-4 ms gave
+  200 ms of side work for 112 ms of interference, those of 16 ms and more
+  5.6 s for 0.17 s. Grants are grouped by their bubble's expected length in
+  classes that double (1-2 ms, 2-4 ms, ...); when the guard would widen and
+  the shortest class still granted took more than :data:`COSTLY_RATIO` times
+  the interference per used millisecond of all longer classes together while
+  giving at most :data:`SMALL_SHARE` of the used time, that class is no
+  longer granted (:attr:`InterferenceGuard.min_bubble_ns`). (Without the
+  second condition classes went one after the other, up to bubbles of 16-32 ms
+  that gave a third of the used time, since each class is long next to the
+  one below it and short next to the one above.) A
+  margin at its floor with a factor of 1 or more, well below the target, lets
+  the longest class left out back in.
 
 A wait of tens of bubbles between two changes makes it settle instead of
 hunting; narrowing is as quick as widening, so one noisy stretch does not leave
@@ -36,13 +53,36 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_TARGET", "GuardConfig", "InterferenceGuard"]
+from freeride import protocol as p
+
+__all__ = [
+    "COSTLY_RATIO",
+    "DEFAULT_TARGET",
+    "SMALL_SHARE",
+    "GuardConfig",
+    "InterferenceGuard",
+    "class_floor_ns",
+    "describe",
+    "length_class",
+]
 
 DEFAULT_TARGET = 0.005
 """Interference the guard aims below: 0.5 % of training time."""
 
 _MIN_WIDENED_NS = 10_000
 """A margin of 0 widens to this (doubling 0 would not widen it)."""
+
+COSTLY_RATIO = 3.0
+"""A class of short bubbles is left out where its interference per used ns is this many times the longer ones'..."""
+
+SMALL_SHARE = 0.25
+"""...and it gave at most this share of the used time: a class that gives much is kept, and the margin widens."""
+
+_CLASS_GRANTS = 10
+"""Grants of a class (and of the longer ones) needed before it can be judged."""
+
+_SETTLED_WINDOW = 400
+"""Settled grants whose use and interference the classes are judged on."""
 
 _RELIABLE_QUANTILE = 0.1
 """A bubble length "reliably" reached is one at least this share of bubbles fell short of."""
@@ -107,6 +147,23 @@ class GuardConfig:
             )
 
 
+def length_class(expected_ns: int) -> int:
+    """The class of a bubble expected to last ``expected_ns``: k for [2^k, 2^(k+1)) ms, -1 below 1 ms."""
+    return max(-1, (max(0, expected_ns) // 1_000_000).bit_length() - 1)
+
+
+def class_floor_ns(k: int) -> int:
+    """The shortest expected length of class ``k`` (0 for -1)."""
+    return 0 if k < 0 else (1 << k) * 1_000_000
+
+
+@dataclass(slots=True)
+class _Settled:
+    length_class: int
+    used_ns: int
+    interference_ns: int
+
+
 @dataclass(slots=True)
 class _Bubble:
     since_ns: int
@@ -131,8 +188,11 @@ class InterferenceGuard:
         """What each bubble's expected length is multiplied by when a grant's deadline is set."""
         self.reason = f"learning: 0 of {c.widen_after} bubbles seen"
         """Why the margin and factor are what they are (one line)."""
+        self.min_bubble_ns = 0
+        """Bubbles expected (with the factor applied) to last less than this get no grant."""
         self.widenings = 0
         self.narrowings = 0
+        self._settled: deque[_Settled] = deque(maxlen=_SETTLED_WINDOW)
         self._epoch: deque[_Bubble] = deque(maxlen=c.window)
         """Bubbles since the last change (at most a window of them)."""
         self._ratios: deque[float] = deque(maxlen=c.window)
@@ -145,6 +205,15 @@ class InterferenceGuard:
     def add_interference(self, ns: int) -> None:
         """Side work ran ``ns`` past a bubble's end (counted with the next bubble that ends)."""
         self._pending_ns += max(0, ns)
+
+    def settled(self, expected_ns: int, used_ns: int, interference_ns: int) -> None:
+        """A grant in a bubble expected (factor applied) to last ``expected_ns`` used ``used_ns`` and cost
+        ``interference_ns`` (also given to :meth:`add_interference`): what judges short bubbles."""
+        self._settled.append(_Settled(length_class(expected_ns), max(0, used_ns), max(0, interference_ns)))
+
+    def grants(self, expected_ns: int) -> bool:
+        """Whether a bubble expected (factor applied) to last ``expected_ns`` gets a grant."""
+        return expected_ns >= self.min_bubble_ns
 
     def expected_ns(self, predicted_ns: int) -> int:
         """The bubble length a grant's deadline is set by, for a bubble predicted to last ``predicted_ns``."""
@@ -201,6 +270,18 @@ class InterferenceGuard:
             self.reason = f"prediction pulled back: {early:.0%} of bubbles ended before their deadline"
             return
         if share > c.target and seen >= c.widen_after:
+            costly = self._costly_class()
+            if costly is not None:
+                k, ratio, rest = costly
+                self.min_bubble_ns = class_floor_ns(k + 1)
+                self._settled.clear()
+                self._epoch.clear()
+                self.widenings += 1
+                self.reason = (
+                    f"short bubbles left out: {over.format('>')}; bubbles expected at {_class_name(k)} cost"
+                    f" {ratio:.3f} ms of interference per ms used, the longer ones {rest:.3f}"
+                )
+                return
             margin = min(self._cap, max(round(c.widen_by * self.margin_ns), _MIN_WIDENED_NS))
             # The deadline moves earlier only where bubbles often end before it (or the margin can
             # widen no more): a factor costs a share of every bubble, the margin a fixed slice.
@@ -222,6 +303,14 @@ class InterferenceGuard:
             elif reliable > factor:
                 factor = min(c.factor_max, factor + c.factor_step, reliable)
             margin = max(self._floor, round(c.narrow_by * self.margin_ns))
+            if margin == self.margin_ns and factor == self.factor and self.min_bubble_ns > 0:
+                k = length_class(self.min_bubble_ns) - 1
+                self.min_bubble_ns = class_floor_ns(k)
+                self._settled.clear()
+                self._epoch.clear()
+                self.narrowings += 1
+                self.reason = f"bubbles expected at {_class_name(k)} let back in: {over.format('<')}{self._bounds()}"
+                return
             if margin == self.margin_ns and factor == self.factor:
                 self.reason = f"narrowest: {over.format('<')}{self._bounds()}"
                 self._epoch.clear()  # nothing to change: look at the next stretch on its own
@@ -241,6 +330,29 @@ class InterferenceGuard:
             waits = f"{used} of {c.narrow_after} bubbles with side work before narrowing"
             self.reason = f"holding: {over.format('<')}; {waits}"
 
+    def _costly_class(self) -> tuple[int, float, float] | None:
+        """The shortest class still granted, its interference per used ns and the longer classes', if it is costly."""
+        by: dict[int, list[int]] = {}
+        for g in self._settled:
+            if class_floor_ns(g.length_class) >= self.min_bubble_ns:
+                row = by.setdefault(g.length_class, [0, 0, 0])
+                row[0] += 1
+                row[1] += g.used_ns
+                row[2] += g.interference_ns
+        if len(by) < 2:
+            return None
+        k = min(by)
+        n, used, taken = by[k]
+        rest = [row for cls, row in by.items() if cls != k]
+        rest_n, rest_used, rest_taken = (sum(row[i] for row in rest) for i in range(3))
+        if n < _CLASS_GRANTS or rest_n < _CLASS_GRANTS or rest_used <= 0 or taken <= 0:
+            return None
+        ratio = taken / max(used, 1)
+        rest_ratio = rest_taken / rest_used
+        if ratio <= COSTLY_RATIO * rest_ratio or used > SMALL_SHARE * (used + rest_used):
+            return None
+        return k, ratio, rest_ratio
+
     def _change(self, *, margin_ns: int, factor: float) -> None:
         self.margin_ns, self.factor = margin_ns, factor
         self._epoch.clear()
@@ -257,3 +369,13 @@ class InterferenceGuard:
         elif self.factor >= c.factor_max:
             parts.append("factor at its cap")
         return f" ({', '.join(parts)})" if parts else ""
+
+
+def _class_name(k: int) -> str:
+    return "under 1 ms" if k < 0 else f"{1 << k}-{1 << (k + 1)} ms"
+
+
+def describe(d: p.DeviceStatus) -> str:
+    """What a device's guard has set, as its status reports it (without the reason)."""
+    left_out = f", bubbles under {d.min_bubble_ns / 1e6:g} ms left out ({d.left_out})" if d.min_bubble_ns > 0 else ""
+    return f"margin {d.margin_ns / 1e6:.2f} ms, bubbles predicted x{d.prediction_factor:.2f}{left_out}"

@@ -139,6 +139,8 @@ class DeviceScheduler:
         self._deadline_ns = 0
         self._tried: set[int] = set()
         self._granted_in_bubble = False
+        self._left_out = False
+        """The current bubble is too short for the guard: no grant in it."""
         self._starved: dict[int, int] = {}
         """Consecutive bubbles a task's estimate kept it out of."""
         self._no_fit: dict[int, tuple[int, str]] = {}
@@ -154,6 +156,8 @@ class DeviceScheduler:
         self._armed: _Armed | None = None
         self._last_start_ns = 0
         self.armed_grants = 0
+        self.left_out = 0
+        """Bubbles that got no grant because the guard found bubbles that short too costly."""
         """Grants whose first step started on the rank's own event."""
         # accounting
         self.bubbles = 0
@@ -195,6 +199,8 @@ class DeviceScheduler:
             armed_grants=self.armed_grants,
             margin_ns=self.guard.margin_ns,
             prediction_factor=self.guard.factor,
+            min_bubble_ns=self.guard.min_bubble_ns,
+            left_out=self.left_out,
             guard_reason=self.guard.reason,
             no_bubbles=no_bubbles(info),
         )
@@ -258,13 +264,17 @@ class DeviceScheduler:
         self._first_event_ns = self._first_event_ns or ev.t_ns
         self._last_event_ns = max(self._last_event_ns, ev.t_ns)
         self._bubble = ev
-        self._deadline_ns = min(p.I64_MAX, ev.t_ns + self.guard.expected_ns(ev.expected_ns))
+        expected = self.guard.expected_ns(ev.expected_ns)
+        self._deadline_ns = min(p.I64_MAX, ev.t_ns + expected)
         self._last_start_ns = max(self._last_start_ns, ev.t_ns)
         self._tried.clear()
         self._kept_out.clear()
         self._granted_in_bubble = False
         self.bubbles += 1
-        if not self._honour_arm():
+        self._left_out = not self.guard.grants(expected)
+        if self._left_out:
+            self.left_out += 1  # too short to be worth its risk (the guard's judgement): an armed task waits on
+        elif not self._honour_arm():
             self._grant_next(fresh=True)
 
     def on_bubble_ended(self, ev: p.BubbleEnded) -> None:
@@ -289,9 +299,12 @@ class DeviceScheduler:
         self._revoke_current()
         bubble, self._bubble = self._bubble, None
         if bubble is not None and bubble.index == ev.index and bubble.step == ev.step:
+            shortest = self.guard.min_bubble_ns
             self.guard.bubble_ended(
                 ev.t_ns, ev.duration_ns - waited, bubble.expected_ns, granted=self._granted_in_bubble
             )
+            if self.guard.min_bubble_ns != shortest:
+                self._disarm()  # armed with the old shortest bubble: armed again with the new one
         self._arm_next()
 
     def _charge_stage_wait(self, free_until_ns: int, waited_ns: int) -> None:
@@ -430,13 +443,11 @@ class DeviceScheduler:
             self.overrun_ns = _sat(self.overrun_ns, late)
         # the side work that held the core while the stage waited for it was not used bubble time
         inside_wall = max(0, state.busy_ns - late - state.stage_waited_ns)
-        work = -1
+        used = inside_wall
         if state.cpu_done >= 0 and state.cpu_at_grant >= 0:
             upto = state.cpu_done if state.cpu_at_end < 0 else min(state.cpu_done, state.cpu_at_end)
-            work = max(0, upto - state.cpu_at_grant)
-            self.used_ns = _sat(self.used_ns, min(work, inside_wall))
-        else:
-            self.used_ns = _sat(self.used_ns, inside_wall)
+            used = min(max(0, upto - state.cpu_at_grant), inside_wall)
+        self.used_ns = _sat(self.used_ns, used)
         if state.cpu_done >= 0 and state.cpu_at_end >= 0:
             interference = max(0, state.cpu_done - state.cpu_at_end)
         elif late > 0 and state.cpu_done >= 0 and state.cpu_at_grant >= 0:
@@ -444,6 +455,7 @@ class DeviceScheduler:
         else:
             interference = late
         interference += state.stage_waited_ns
+        self.guard.settled(state.deadline_ns - state.bubble_t_ns, used, interference)
         if interference > 0:
             task = state.task
             self.interference_ns = _sat(self.interference_ns, interference)
@@ -508,6 +520,7 @@ class DeviceScheduler:
                 after_ns=self._last_start_ns,
                 margin_ns=self.guard.margin_ns,
                 prediction_factor=self.guard.factor,
+                min_bubble_ns=self.guard.min_bubble_ns,
             )
             if not task.runner.arm(arm):
                 continue  # a program, or the worker's socket refused
@@ -562,7 +575,7 @@ class DeviceScheduler:
         return sorted(range(n), key=lambda k: self.tasks[(self._rr + k) % n].spec.fill)
 
     def _grant_next(self, *, fresh: bool) -> None:
-        if self._bubble is None or self._holder is not None or not self.tasks:
+        if self._bubble is None or self._holder is not None or not self.tasks or self._left_out:
             return
         margin = self.guard.margin_ns
         remaining = room_ns(self._clock.now_ns(), self._deadline_ns, margin)

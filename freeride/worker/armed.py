@@ -101,8 +101,10 @@ class Arming:
         arm, ev = self.arm, self._latest
         if arm is None or ev is None or ev.t_ns <= arm.after_ns:
             return None
-        self.arm = None
         expected = max(0, round(ev.expected_ns * arm.prediction_factor))  # as the manager's guard sets it
+        if expected < arm.min_bubble_ns:
+            return None  # too short for the guard: the manager grants it to no one, the arm waits for the next
+        self.arm = None
         self._taken = p.Grant(
             grant_id=arm.grant_id,
             bubble_t_ns=ev.t_ns,

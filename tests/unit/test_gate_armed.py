@@ -283,3 +283,17 @@ def test_an_armed_grant_takes_the_guards_margin_and_prediction_factor() -> None:
     assert grant is not None
     # as the manager's Grant for the same bubble: t + round(expected * factor), the guard's margin
     assert (grant.grant_id, grant.deadline_ns, grant.margin_ns) == (5, 100 + 20_000_000, 2_000_000)
+
+
+def test_an_armed_worker_lets_a_bubble_the_guard_leaves_out_pass_and_takes_the_next() -> None:
+    from freeride.worker.armed import Arming
+
+    arming = Arming()
+    arming.armed(p.Arm(grant_id=5, endpoint="ipc:///x", after_ns=0, prediction_factor=0.5, min_bubble_ns=4_000_000))
+    # 7 ms at x0.5: 3.5 ms, under the guard's 4 ms (the manager grants it to no one)
+    arming.seen(p.BubbleStarted(rank=0, stage=0, device="cpu:0", step=1, index=0, t_ns=100, expected_ns=7_000_000))
+    assert arming.take() is None
+    assert arming.arm is not None  # still armed, for the next bubble
+    arming.seen(p.BubbleStarted(rank=0, stage=0, device="cpu:0", step=1, index=1, t_ns=900, expected_ns=8_000_000))
+    grant = arming.take()
+    assert grant is not None and (grant.grant_id, grant.bubble_t_ns, grant.deadline_ns) == (5, 900, 900 + 4_000_000)

@@ -210,3 +210,59 @@ def test_by_default_a_noisy_stretch_does_not_leave_the_margin_wide() -> None:
     feed.bubbles(2 * g.config.widen_after)  # as long again, under target
     assert g.margin_ns <= 300 * US
     assert g.factor == 1.0
+
+
+def mixed_bubbles(feed: Feed, n: int, *, short_ns: int, long_ns: int, short_taken_ns: int, long_taken_ns: int) -> None:
+    """``n`` pairs of a short and a long bubble, each grant settled with what it used and cost."""
+    for _ in range(n):
+        for length, taken in ((short_ns, short_taken_ns), (long_ns, long_taken_ns)):
+            feed.clock.advance(PERIOD)
+            feed.guard.settled(length, length // 2, taken)
+            feed.guard.add_interference(taken)
+            feed.guard.bubble_ended(feed.clock.now_ns(), length, length)
+
+
+def test_short_bubbles_that_cost_far_more_per_ms_used_are_left_out_instead_of_widening() -> None:
+    g = guard()
+    feed = Feed(g)
+    # 3 ms bubbles: 1.5 ms used for 0.5 ms of interference (0.33 per ms); 40 ms ones: 20 ms for 0.1 ms (0.005)
+    mixed_bubbles(feed, 10, short_ns=3 * MS, long_ns=40 * MS, short_taken_ns=500 * US, long_taken_ns=100 * US)
+    assert g.min_bubble_ns == 4 * MS  # the 2-4 ms class is out
+    assert g.margin_ns == 300 * US and g.factor == 1.0  # and nothing else moved
+    assert g.reason.startswith("short bubbles left out")
+    assert "2-4 ms" in g.reason
+    assert not g.grants(3 * MS) and g.grants(4 * MS) and g.grants(40 * MS)
+
+
+def test_short_bubbles_that_cost_about_what_long_ones_do_are_kept_and_the_margin_widens() -> None:
+    g = guard()
+    feed = Feed(g)
+    # per ms used: 0.2 / 1.5 = 0.13 in short bubbles, 2 / 20 = 0.1 in long ones: not 3x
+    mixed_bubbles(feed, 10, short_ns=3 * MS, long_ns=40 * MS, short_taken_ns=200 * US, long_taken_ns=2 * MS)
+    assert g.min_bubble_ns == 0
+    assert g.margin_ns == 600 * US
+    assert g.reason.startswith("widened")
+
+
+def test_a_class_is_judged_only_on_enough_grants() -> None:
+    g = guard()
+    feed = Feed(g)
+    # the costly short class has only 5 grants: the guard widens as before
+    mixed_bubbles(feed, 5, short_ns=3 * MS, long_ns=40 * MS, short_taken_ns=500 * US, long_taken_ns=100 * US)
+    feed.bubbles(15, interference_ns=1 * MS, duration_ns=40 * MS, predicted_ns=40 * MS)
+    assert g.min_bubble_ns == 0
+    assert g.margin_ns == 600 * US
+
+
+def test_short_bubbles_come_back_once_nothing_else_is_left_to_narrow() -> None:
+    g = guard()
+    feed = Feed(g)
+    mixed_bubbles(feed, 10, short_ns=3 * MS, long_ns=40 * MS, short_taken_ns=500 * US, long_taken_ns=100 * US)
+    assert g.min_bubble_ns == 4 * MS
+    margins = []
+    while g.min_bubble_ns == 4 * MS:  # no interference: the margin narrows first, to its floor
+        margins.append(g.margin_ns)
+        feed.bubbles(50, duration_ns=40 * MS, predicted_ns=40 * MS)
+    assert margins[0] == 300 * US and margins[-1] == g.margin_ns == 100 * US and g.factor == 1.0
+    assert g.min_bubble_ns == 2 * MS  # then the class left out last comes back, one class at a time
+    assert g.reason.startswith("bubbles expected at 2-4 ms let back in")

@@ -284,3 +284,44 @@ def test_bubbles_held_by_armed_grants_count_as_used_for_the_guard() -> None:
     assert [t for t, _ in h.grants()] == [1] * 60  # every bubble went by an arm
     # with no interference the guard narrows, down to its floor (no margin here): only over granted bubbles
     assert h.sched.guard.reason.startswith("narrowest")
+
+
+def test_a_bubble_the_guard_leaves_out_gets_no_grant_and_the_armed_task_waits_for_the_next() -> None:
+    h = Harness()
+    t1 = h.task(1, 1 * MS)
+    h.task(2, 1 * MS, armable=False)  # one that only a Grant reaches
+    [(_, arm)] = h.arms()
+    h.sched.guard.min_bubble_ns = 4 * MS  # as the guard sets it once short bubbles proved too costly
+    short = h.started(3 * MS)
+    h.ended(short, 3 * MS)
+    assert h.grants() == [] and h.of(p.Revoke) == [] and h.of(p.Disarm) == []
+    assert len(h.arms()) == 1  # the arm stands
+    status = h.sched.status(_info())
+    assert (status.left_out, status.min_bubble_ns) == (1, 4 * MS)
+    long = h.started(20 * MS)
+    [(tid, grant)] = h.grants()
+    assert (tid, grant.grant_id, grant.bubble_t_ns) == (1, arm.grant_id, long.t_ns)
+    h.ended(long, 20 * MS)
+    h.report(t1, done(t1, arm.grant_id, reason="revoked", busy=15 * MS, end=long.t_ns + 16 * MS))
+    assert h.sched.status(_info()).left_out == 1
+
+
+def test_short_bubbles_that_overrun_are_left_out_by_the_guard_and_the_next_arm_says_so() -> None:
+    """Settled grants feed the guard by their bubble's expected length (3 ms ones overrun, 40 ms ones do not)."""
+    h = Harness()
+    t1 = h.task(1, 1 * MS)
+    for i in range(200):
+        length = 3 * MS if i % 2 else 40 * MS
+        arm = h.arms()[-1][1]
+        ev = h.started(length)
+        if h.sched.guard.min_bubble_ns > length:
+            h.ended(ev, length)
+            continue
+        late = 1 * MS if length == 3 * MS else 0
+        h.ended(ev, length)
+        h.report(t1, done(t1, arm.grant_id, reason="revoked", busy=length, end=ev.t_ns + length + late))
+        if h.sched.guard.min_bubble_ns:
+            break
+    assert h.sched.guard.min_bubble_ns == 4 * MS, h.sched.guard.reason
+    assert h.sched.guard.reason.startswith("short bubbles left out")
+    assert h.arms()[-1][1].min_bubble_ns == 4 * MS  # the next arm carries it to the worker

@@ -38,6 +38,7 @@ from _bench_report import Role, RunKind, RunResult, Section, render  # tools/ben
 
 from freeride import protocol as p
 from freeride.profile import load_profile
+from freeride.serve.guard import describe as describe_guard
 from freeride.transport import ControlClient, Endpoints, ManagerUnreachable
 from freeride.units import parse_duration_ns
 from sidetasks import resolve
@@ -585,8 +586,7 @@ def bench(
             print(f"{label} {result.kind}: step {result.step_ms:.2f} ms{cpu}{flags}", file=sys.stderr)
             if result.kind == "with":  # where each device's interference guard stands, and why
                 for d in _status(endpoints).devices:
-                    guard = f"margin {d.margin_ns / 1e6:.2f} ms, bubbles predicted x{d.prediction_factor:.2f}"
-                    print(f"  guard {d.device}: {guard} ({d.guard_reason})", file=sys.stderr)
+                    print(f"  guard {d.device}: {describe_guard(d)} ({d.guard_reason})", file=sys.stderr)
         section = Section(
             title=job.title,
             command=command,
