@@ -172,6 +172,15 @@ class StageReport:
     """Side-task busy time inside those bubbles."""
     interference_ns: int = 0
     """Side-task compute after bubble ends during those steps (what a GPU would take from training)."""
+    idle_ns: int = 0
+    """Bubble time of bubbles no side-task work reached (nothing fit, none granted, or left out)."""
+    lead_ns: int = 0
+    """In bubbles with side-task work: from the bubble's start to the first work (the start latency)."""
+    tail_ns: int = 0
+    """In bubbles with side-task work: from the last work's end to the bubble's end (a deadline before the
+    bubble's real end, or a next step that did not fit)."""
+    gap_ns: int = 0
+    """In bubbles with side-task work: between two grants' work."""
 
     @property
     def bubble_share(self) -> float | None:
@@ -289,6 +298,14 @@ class Report:
             f"{format_ns(bubble_ns):>11} {_pct(self._total('harvested_ns') / bubble_ns if bubble_ns else None):>9}"
             f" {format_ns(interference_ns):>12} {_pct(interference_ns / step_ns if step_ns else None, 2):>11}"
         )
+        lines += ["", f"{'stage':>5} {'device':10} bubble time not harvested, by where it lies"]
+        for s in self.stages:
+            if s.bubble_ns:
+                lines.append(
+                    f"{s.stage:>5} {s.device:10} no side work {_pct(s.idle_ns / s.bubble_ns)}, before the first"
+                    f" step {_pct(s.lead_ns / s.bubble_ns)}, after the last {_pct(s.tail_ns / s.bubble_ns)},"
+                    f" between grants {_pct(s.gap_ns / s.bubble_ns)}"
+                )
         lines += [
             "",
             f"{'task':>4} {'name':28} {'device':10} {'steps':>8} {'busy':>10} {'interference':>12}"
@@ -308,6 +325,10 @@ class Report:
             " for its core counts here but not there, so 'used' is the lower of the two.",
             "interference: side-task compute after bubble ends; a GPU does not preempt a running kernel, so on a GPU"
             " this time is taken from training. Its share is of the counted steps' time.",
+            "not harvested: bubble time outside the grants' spans (first step start to last step end): in bubbles"
+            " no work reached, before the first step (start latency), after the last (a deadline set before the"
+            " bubble's real end, or a next step that did not fit), between grants. Time inside the spans but not"
+            " busy (the worker's own work between steps) is in none of them.",
             "",
         ]
         if self.median_step_ns is not None:
@@ -338,6 +359,22 @@ class Report:
 
 def _pct(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}%}"
+
+
+def _unused(bubbles: list[Span], work: list[Span]) -> tuple[int, int, int, int]:
+    """Where the bubble time that no work span covers lies: (no work at all, before the first, after the last,
+    between two), summed over ``bubbles`` (sorted, disjoint; ``work`` likewise)."""
+    idle = lead = tail = gap = 0
+    starts = [w[0] for w in work]
+    for b0, b1 in bubbles:
+        inside = _intersect([(b0, b1)], work[max(0, bisect.bisect_right(starts, b0) - 1) :])
+        if not inside:
+            idle += b1 - b0
+            continue
+        lead += inside[0][0] - b0
+        tail += b1 - inside[-1][1]
+        gap += inside[-1][1] - inside[0][0] - sum(end - start for start, end in inside)
+    return idle, lead, tail, gap
 
 
 def _pipeline_steps(trace: Trace, warmup: int) -> dict[int, int]:
@@ -401,8 +438,13 @@ def build_report(trace: Trace, options: ReportOptions, baseline: Trace | None = 
                 interference_ns=taken,
             )
         )
+    work_on: dict[str, list[Span]] = {}
+    for task in trace.tasks.values():
+        for g in task.grants:
+            work_on.setdefault(g.device, []).append((g.start_ns, g.end_ns))
     for timeline in sorted(trace.devices.values(), key=lambda t: (t.stage, t.device)):
         steps = [span for s, span in timeline.steps.items() if s in counted]
+        idle, lead, tail, gap = _unused(regions[timeline.device], _merge(work_on.get(timeline.device, [])))
         stages.append(
             StageReport(
                 device=timeline.device,
@@ -412,6 +454,10 @@ def build_report(trace: Trace, options: ReportOptions, baseline: Trace | None = 
                 bubble_ns=sum(end - start for start, end in regions[timeline.device]),
                 harvested_ns=harvested[timeline.device],
                 interference_ns=interfered[timeline.device],
+                idle_ns=idle,
+                lead_ns=lead,
+                tail_ns=tail,
+                gap_ns=gap,
             )
         )
     median = int(statistics.median(counted.values())) if counted else None

@@ -115,6 +115,23 @@ def test_report_numbers_by_hand(traces: tuple[Path, Path]) -> None:
     assert any("other" in note for note in report.notes)
 
 
+def test_bubble_time_not_harvested_is_split_by_where_it_lies(traces: tuple[Path, Path], tmp_path: Path) -> None:
+    fr, _ = traces
+    s0, s1 = build_report(parse_trace(fr.read_bytes()), OPTIONS).stages
+    # stage 0: [150, 180] worked to 170 (10 after), [250, 280] all, [350, 380] none (30), [395, 400] from 396 to 399
+    assert (s0.idle_ns, s0.lead_ns, s0.tail_ns, s0.gap_ns) == (30 * MS, 1 * MS, 11 * MS, 0)
+    # stage 1: [100, 120] to 118, [200, 220] to 210, [310, 330] from 312
+    assert (s1.idle_ns, s1.lead_ns, s1.tail_ns, s1.gap_ns) == (0, 2 * MS, 12 * MS, 0)
+    # two tasks' grants in one bubble, 5 ms apart
+    events = training_events({"cpu:0": {0: (0, 100), 1: (100, 200)}}, {"cpu:0": [(120, 160)]})
+    for task_id, start, end in ((1, 121, 130), (2, 135, 150)):
+        args = {"device": "cpu:0", "task_id": task_id, "steps": 1, "busy_ns": (end - start) * MS}
+        events.append(event("X", f"t{task_id}", "side_task", 2, task_id, start, dur=(end - start) * 1000, args=args))
+    [one] = build_report(parse_trace(write(tmp_path / "two.json", events).read_bytes()), OPTIONS).stages
+    assert (one.idle_ns, one.lead_ns, one.tail_ns, one.gap_ns) == (0, 1 * MS, 10 * MS, 5 * MS)
+    assert "after the last 25.0%" in build_report(parse_trace((tmp_path / "two.json").read_bytes()), OPTIONS).text()
+
+
 def test_without_baseline_the_saving_assumes_no_slowdown(traces: tuple[Path, Path]) -> None:
     fr, _ = traces
     options = ReportOptions(
