@@ -272,14 +272,15 @@ class InterferenceGuard:
         if share > c.target and seen >= c.widen_after:
             costly = self._costly_class()
             if costly is not None:
-                k, ratio, rest = costly
+                k, taken, used, rest = costly
                 self.min_bubble_ns = class_floor_ns(k + 1)
                 self._settled.clear()
                 self._epoch.clear()
                 self.widenings += 1
+                cost = f"{taken / used:.3f} ms of interference per ms used" if used else "interference and gave no work"
                 self.reason = (
                     f"short bubbles left out: {over.format('>')}; bubbles expected at {_class_name(k)} cost"
-                    f" {ratio:.3f} ms of interference per ms used, the longer ones {rest:.3f}"
+                    f" {cost}, the longer ones {rest:.3f}"
                 )
                 return
             margin = min(self._cap, max(round(c.widen_by * self.margin_ns), _MIN_WIDENED_NS))
@@ -330,8 +331,9 @@ class InterferenceGuard:
             waits = f"{used} of {c.narrow_after} bubbles with side work before narrowing"
             self.reason = f"holding: {over.format('<')}; {waits}"
 
-    def _costly_class(self) -> tuple[int, float, float] | None:
-        """The shortest class still granted, its interference per used ns and the longer classes', if it is costly."""
+    def _costly_class(self) -> tuple[int, int, int, float] | None:
+        """The shortest class still granted, if it is costly: its class, interference and use, and the
+        interference per used ns of the longer classes."""
         by: dict[int, list[int]] = {}
         for g in self._settled:
             if class_floor_ns(g.length_class) >= self.min_bubble_ns:
@@ -347,11 +349,10 @@ class InterferenceGuard:
         rest_n, rest_used, rest_taken = (sum(row[i] for row in rest) for i in range(3))
         if n < _CLASS_GRANTS or rest_n < _CLASS_GRANTS or rest_used <= 0 or taken <= 0:
             return None
-        ratio = taken / max(used, 1)
         rest_ratio = rest_taken / rest_used
-        if ratio <= COSTLY_RATIO * rest_ratio or used > SMALL_SHARE * (used + rest_used):
+        if taken <= COSTLY_RATIO * rest_ratio * used or used > SMALL_SHARE * (used + rest_used):
             return None
-        return k, ratio, rest_ratio
+        return k, taken, used, rest_ratio
 
     def _change(self, *, margin_ns: int, factor: float) -> None:
         self.margin_ns, self.factor = margin_ns, factor

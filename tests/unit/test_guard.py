@@ -212,12 +212,14 @@ def test_by_default_a_noisy_stretch_does_not_leave_the_margin_wide() -> None:
     assert g.factor == 1.0
 
 
-def mixed_bubbles(feed: Feed, n: int, *, short_ns: int, long_ns: int, short_taken_ns: int, long_taken_ns: int) -> None:
-    """``n`` pairs of a short and a long bubble, each grant settled with what it used and cost."""
+def mixed_bubbles(
+    feed: Feed, n: int, *, short_ns: int, long_ns: int, short_taken_ns: int, long_taken_ns: int, short_used: bool = True
+) -> None:
+    """``n`` pairs of a short and a long bubble, each grant settled with what it used (half of it) and cost."""
     for _ in range(n):
         for length, taken in ((short_ns, short_taken_ns), (long_ns, long_taken_ns)):
             feed.clock.advance(PERIOD)
-            feed.guard.settled(length, length // 2, taken)
+            feed.guard.settled(length, length // 2 if short_used or length == long_ns else 0, taken)
             feed.guard.add_interference(taken)
             feed.guard.bubble_ended(feed.clock.now_ns(), length, length)
 
@@ -266,3 +268,14 @@ def test_short_bubbles_come_back_once_nothing_else_is_left_to_narrow() -> None:
     assert margins[0] == 300 * US and margins[-1] == g.margin_ns == 100 * US and g.factor == 1.0
     assert g.min_bubble_ns == 2 * MS  # then the class left out last comes back, one class at a time
     assert g.reason.startswith("bubbles expected at 2-4 ms let back in")
+
+
+def test_short_bubbles_that_gave_no_work_at_all_are_left_out_and_said_so() -> None:
+    g = guard()
+    feed = Feed(g)
+    # steps too long for 3 ms bubbles: only probes ran there, each past the bubble's end
+    mixed_bubbles(
+        feed, 10, short_ns=3 * MS, long_ns=40 * MS, short_taken_ns=500 * US, long_taken_ns=100 * US, short_used=False
+    )
+    assert g.min_bubble_ns == 4 * MS
+    assert "2-4 ms cost interference and gave no work" in g.reason
