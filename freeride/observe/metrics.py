@@ -105,6 +105,14 @@ def _device_metrics(status: p.StatusReply) -> Iterator[Metric]:
             "What bubbles' expected lengths are multiplied by when a grant's deadline is set",
             labels=labels,
         ),
+        "min_bubble": GaugeMetricFamily(
+            "freeride_min_bubble_seconds",
+            "Bubbles expected to be shorter get no grant: the interference guard left them out (0: none)",
+            labels=labels,
+        ),
+        "left_out": CounterMetricFamily(
+            "freeride_bubbles_left_out", "Bubbles the interference guard left out as too short", labels=labels
+        ),
     }
     for d in status.devices:
         values = {
@@ -121,6 +129,8 @@ def _device_metrics(status: p.StatusReply) -> Iterator[Metric]:
             "spare": d.spare_memory,
             "margin": d.margin_ns / 1e9,
             "factor": d.prediction_factor,
+            "min_bubble": d.min_bubble_ns / 1e9,
+            "left_out": d.left_out,
         }
         for key, family in families.items():
             family.add_metric([d.device, str(d.stage)], float(values[key]))

@@ -71,6 +71,17 @@ def test_status_shows_each_devices_margin_factor_and_reason() -> None:
     assert f"cpu:0      guard: margin 0.60 ms, bubbles predicted x0.90 ({reason})" in text.splitlines()
 
 
+def test_status_shows_the_bubbles_a_guard_leaves_out() -> None:
+    reason = "short bubbles left out: interference 0.67% > target 0.50% over last 50 bubbles"
+    status = _status(margin_ns=500_000, prediction_factor=1.0, guard_reason=reason, min_bubble_ns=4_000_000, left_out=9)
+    line = f"cpu:0      guard: margin 0.50 ms, bubbles predicted x1.00, bubbles under 4 ms left out (9) ({reason})"
+    assert line in format_status(status).splitlines()
+    families = {f.name: f for f in StatusCollector(lambda: status, dict).collect()}
+    [shortest] = families["freeride_min_bubble_seconds"].samples
+    assert shortest.value == pytest.approx(0.004)
+    assert [s.value for s in families["freeride_bubbles_left_out"].samples if s.name.endswith("_total")] == [9]
+
+
 def test_status_of_a_manager_without_a_guard_shows_no_guard_line() -> None:
     assert "guard:" not in format_status(_status())
 
