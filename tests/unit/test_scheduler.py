@@ -281,6 +281,24 @@ def test_a_task_shut_out_by_its_estimate_gets_a_probe_now_and_then() -> None:
     assert not h.grants()[-1][1].probe
 
 
+def test_a_probe_waits_for_one_of_the_longer_bubbles() -> None:
+    """A step that may be long goes where it can best end in time: not to a 4 ms bubble between 40 ms ones."""
+    h = Harness()
+    h.task(1, 80 * MS)  # a stale estimate, larger than any bubble
+    h.task(2, -1)  # a step time not measured yet
+    granted: list[tuple[int, int, bool]] = []
+    for i in range(3 * PROBE_AFTER_BUBBLES):
+        length = 40 * MS if i % 5 == 0 else 4 * MS
+        before = len(h.grants())
+        b = h.started(length, index=i)
+        granted += [(tid, length, g.probe) for tid, g in h.grants()[before:]]
+        h.ended(b, length)
+    assert granted  # both got their start ...
+    assert {tid for tid, _, _ in granted} == {1, 2}
+    assert all(length == 40 * MS for _, length, _ in granted)  # ... in the long bubbles only
+    assert all(probe for tid, _, probe in granted if tid == 1)
+
+
 class FakeProgram:
     """Stands in for an ImperativeProcess (no process): counts busy time by the manual clock."""
 
