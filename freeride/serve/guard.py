@@ -54,6 +54,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from freeride import protocol as p
+from freeride.units import format_ns
 
 __all__ = [
     "COSTLY_RATIO",
@@ -273,9 +274,7 @@ class InterferenceGuard:
             costly = self._costly_class()
             if costly is not None:
                 k, taken, used, rest = costly
-                self.min_bubble_ns = class_floor_ns(k + 1)
-                self._settled.clear()
-                self._epoch.clear()
+                self._leave_out_below(class_floor_ns(k + 1))
                 self.widenings += 1
                 cost = f"{taken / used:.3f} ms of interference per ms used" if used else "interference and gave no work"
                 self.reason = (
@@ -306,9 +305,7 @@ class InterferenceGuard:
             margin = max(self._floor, round(c.narrow_by * self.margin_ns))
             if margin == self.margin_ns and factor == self.factor and self.min_bubble_ns > 0:
                 k = length_class(self.min_bubble_ns) - 1
-                self.min_bubble_ns = class_floor_ns(k)
-                self._settled.clear()
-                self._epoch.clear()
+                self._leave_out_below(class_floor_ns(k))
                 self.narrowings += 1
                 self.reason = f"bubbles expected at {_class_name(k)} let back in: {over.format('<')}{self._bounds()}"
                 return
@@ -358,6 +355,12 @@ class InterferenceGuard:
         self.margin_ns, self.factor = margin_ns, factor
         self._epoch.clear()
 
+    def _leave_out_below(self, min_bubble_ns: int) -> None:
+        """Grant only bubbles expected to last ``min_bubble_ns`` or more; judge the new set afresh."""
+        self.min_bubble_ns = min_bubble_ns
+        self._settled.clear()
+        self._epoch.clear()
+
     def _bounds(self) -> str:
         c = self.config
         parts = []
@@ -379,4 +382,4 @@ def _class_name(k: int) -> str:
 def describe(d: p.DeviceStatus) -> str:
     """What a device's guard has set, as its status reports it (without the reason)."""
     left_out = f", bubbles under {d.min_bubble_ns / 1e6:g} ms left out ({d.left_out})" if d.min_bubble_ns > 0 else ""
-    return f"margin {d.margin_ns / 1e6:.2f} ms, bubbles predicted x{d.prediction_factor:.2f}{left_out}"
+    return f"margin {format_ns(d.margin_ns)}, bubbles predicted x{d.prediction_factor:.2f}{left_out}"

@@ -165,9 +165,9 @@ class DeviceScheduler:
         self._armed: _Armed | None = None
         self._last_start_ns = 0
         self.armed_grants = 0
+        """Grants whose first step started on the rank's own event."""
         self.left_out = 0
         """Bubbles that got no grant because the guard found bubbles that short too costly."""
-        """Grants whose first step started on the rank's own event."""
         # accounting
         self.bubbles = 0
         self.bubble_ns = 0
