@@ -514,16 +514,24 @@ class DeviceScheduler:
         }
 
     def _arm_next(self) -> None:
-        """Between bubbles, arm the task next in turn whose step is known, unless one is armed."""
+        """Between bubbles, arm the task next in turn, unless one is armed.
+
+        A task next in turn that cannot be armed (its step time unknown, due for
+        a probe, a program) leaves the next bubble unarmed: its start is granted
+        in turn, where that task can get it. Arming the task after it instead
+        would hand that one every bubble's start, and the first none at all.
+        """
         if self._armed is not None or self._bubble is not None or not self.bubbles_endpoint or not self.tasks:
             return
         stuck = self._stuck(self._clock.now_ns())
         for k in self._turns():
             task = self.tasks[(self._rr + k) % len(self.tasks)]
-            if not task.runnable or task.runner is None or task.task_id in stuck or task.estimate_ns < 0:
+            if not task.runnable or task.runner is None or task.task_id in stuck:
                 continue
+            if task.estimate_ns < 0 or task.spec.kind != "iterative":
+                return  # a probe or a program: only a Grant at a bubble's start serves it
             if self._starved.get(task.task_id, 0) + 1 >= PROBE_AFTER_BUBBLES:
-                continue  # due for a probe, which only a Grant gives
+                return  # due for a probe, which only a Grant gives
             arm = p.Arm(
                 grant_id=self._next_grant,
                 endpoint=self.bubbles_endpoint,
@@ -533,7 +541,7 @@ class DeviceScheduler:
                 min_bubble_ns=self.guard.min_bubble_ns,
             )
             if not task.runner.arm(arm):
-                continue  # a program, or the worker's socket refused
+                continue  # the worker's socket refused
             self._next_grant += 1
             self._rr = (self._rr + k + 1) % len(self.tasks)
             self._armed = _Armed(task=task, grant_id=arm.grant_id)

@@ -71,10 +71,17 @@ class Harness:
     def grants(self) -> list[tuple[int, p.Grant]]:
         return [(t, m) for t, m in self.sent if isinstance(m, p.Grant)]
 
-    def task(self, task_id: int, estimate_ns: int, *, armable: bool = True, fill: bool = False) -> TaskRecord:
+    def task(
+        self, task_id: int, estimate_ns: int, *, armable: bool = True, fill: bool = False, program: bool = False
+    ) -> TaskRecord:
+        spec = (
+            p.TaskSpec(kind="imperative", argv=["prog"], fill=fill)
+            if program
+            else p.TaskSpec(kind="iterative", target="m:C", fill=fill)
+        )
         t = TaskRecord(
             task_id=task_id,
-            spec=p.TaskSpec(kind="iterative", target="m:C", fill=fill),
+            spec=spec,
             name=f"t{task_id}",
             checkpoint_path=Path("/x"),
         )
@@ -228,15 +235,49 @@ def test_no_arm_without_a_rank_that_publishes_its_bubbles() -> None:
 
 def test_a_program_or_an_unknown_step_time_is_not_armed_and_a_lost_rank_disarms() -> None:
     h = Harness()
-    h.task(1, 2 * MS, armable=False)  # a program's runner refuses arms
+    h.task(1, 2 * MS, armable=False)  # a worker whose socket refuses the arm is passed over
     h.task(2, -1)  # unknown: it probes at a bubble's start, by Grant
-    assert h.arms() == []
     h.task(3, 2 * MS)
-    [(tid, arm)] = h.arms()
-    assert tid == 3
+    assert h.arms() == []  # the unknown one is next in turn: the next bubble is left unarmed for it
     h.sched.backend_lost()
-    assert h.of(p.Disarm) == [(3, p.Disarm(grant_id=arm.grant_id))]
-    assert h.sched.bubbles_endpoint == ""
+    h2 = Harness()
+    h2.task(1, 2 * MS, program=True)  # a program is resumed by the manager, never armed
+    h2.task(2, 2 * MS)
+    assert h2.arms() == [] and h2.grants() == []  # its turn comes with the next bubble's start
+    h2.started(20 * MS)
+    assert [t for t, _ in h2.grants()] == [1]
+    h3 = Harness()
+    h3.task(3, 2 * MS)
+    [(tid, arm)] = h3.arms()
+    assert tid == 3
+    h3.sched.backend_lost()
+    assert h3.of(p.Disarm) == [(3, p.Disarm(grant_id=arm.grant_id))]
+    assert h3.sched.bubbles_endpoint == ""
+
+
+def test_an_armed_task_does_not_keep_a_task_of_unknown_step_time_out_of_every_bubble() -> None:
+    """A task restarted from its checkpoint knows no step time; one armed for every bubble once kept it out."""
+    h = Harness()
+    known = h.task(1, 2 * MS)
+    [(_, arm)] = h.arms()
+    b = h.started(20 * MS)
+    h.ended(b, 20 * MS)
+    h.report(known, done(known, arm.grant_id, reason="revoked", busy=18 * MS))
+    fresh = h.task(2, -1)  # (re)started: its step time is unknown
+    answered = {g.grant_id for _, g in h.grants()}
+    for _ in range(4):
+        b = h.started(20 * MS)
+        for tid, g in h.grants():
+            if g.grant_id not in answered:
+                answered.add(g.grant_id)
+                t = fresh if tid == 2 else known
+                t.estimate_ns = t.estimate_ns if t.estimate_ns > 0 else 3 * MS  # what its first step tells
+                h.report(t, done(t, g.grant_id, reason="revoked", busy=18 * MS, armed=tid == 1))
+        h.ended(b, 20 * MS)
+    served = [t for t, _ in h.grants()]
+    assert 2 in served, served
+    # once its step time is known, the two take turns at being armed
+    assert [t for t, _ in h.arms()][-2:] in ([1, 2], [2, 1])
 
 
 def test_a_task_due_for_a_probe_is_not_armed() -> None:
