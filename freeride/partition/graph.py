@@ -197,6 +197,8 @@ class Executor:
         self._saved: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         self._slices: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
         self._slice_leaf: dict[int, torch.Tensor] = {}
+        self._written: set[int] = set()
+        """Parameters (by id) whose gradient this batch's slices allocated: each slice writes its own rows."""
         self._inputs: tuple[object, object] = (None, None)
         self.output: object = None
         self.loss: torch.Tensor | None = None
@@ -212,6 +214,7 @@ class Executor:
         self._saved = [[] for _ in self.atoms]
         self._slices.clear()
         self._slice_leaf.clear()
+        self._written.clear()
         self.output = self.loss = None
 
     # -- forward
@@ -343,6 +346,13 @@ class Executor:
             if param is None or piece is None or piece.grad is None:
                 continue
             if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            param.grad[lo:hi] += piece.grad
+                # Not zeros_like: zero-filling the whole layer's gradient (411 MB for VGG-19's
+                # first Linear) made the first slice's step 190 ms against 3 ms for the others.
+                # The slices cover every row, each writes its own.
+                param.grad = torch.empty_like(param)
+                self._written.add(id(param))
+            if id(param) in self._written:
+                param.grad[lo:hi].copy_(piece.grad)
+            else:
+                param.grad[lo:hi] += piece.grad
         parts[atom.part] = (out.detach(), weight, bias)  # the slice's graph is spent
