@@ -38,12 +38,17 @@ class Feed:
             self.guard.bubble_ended(self.clock.now_ns(), duration_ns, predicted_ns)
 
 
-def guard(*, margin_cap_ns: int = 20 * MS) -> InterferenceGuard:
-    """A guard with round steps (x2 out, x0.9 in, 20 bubbles to widen, 50 to narrow) that the figures below follow."""
+def guard(*, margin_cap_ns: int = 20 * MS, min_bubble_ns: int = 0) -> InterferenceGuard:
+    """A guard with round steps (x2 out, x0.9 in, 20 bubbles to widen, 50 to narrow) that the figures below follow.
+
+    It grants every bubble from the start (the default leaves the shortest out: see
+    :func:`test_the_shortest_bubbles_are_left_out_from_the_start_and_come_back_when_quiet`).
+    """
     return InterferenceGuard(
         GuardConfig(
             margin_ns=300 * US,
             margin_cap_ns=margin_cap_ns,
+            min_bubble_ns=min_bubble_ns,
             widen_after=20,
             narrow_after=50,
             widen_by=2.0,
@@ -267,6 +272,18 @@ def test_short_bubbles_come_back_once_nothing_else_is_left_to_narrow() -> None:
         feed.bubbles(50, duration_ns=40 * MS, predicted_ns=40 * MS)
     assert margins[0] == 300 * US and margins[-1] == g.margin_ns == 100 * US and g.factor == 1.0
     assert g.min_bubble_ns == 2 * MS  # then the class left out last comes back, one class at a time
+    assert g.reason.startswith("bubbles expected at 2-4 ms let back in")
+
+
+def test_the_shortest_bubbles_are_left_out_from_the_start_and_come_back_when_quiet() -> None:
+    default = InterferenceGuard()
+    assert default.min_bubble_ns == 4 * MS and not default.grants(3 * MS) and default.grants(4 * MS)
+    g = guard(min_bubble_ns=4 * MS)
+    feed = Feed(g)
+    assert g.reason.startswith("learning") and not g.grants(3 * MS)
+    while g.min_bubble_ns == 4 * MS:  # no interference: the margin narrows to its floor first
+        feed.bubbles(50, duration_ns=40 * MS, predicted_ns=40 * MS)
+    assert g.margin_ns == 100 * US and g.min_bubble_ns == 2 * MS and g.grants(3 * MS)
     assert g.reason.startswith("bubbles expected at 2-4 ms let back in")
 
 

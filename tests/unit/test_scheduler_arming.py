@@ -316,6 +316,7 @@ def test_a_filler_is_armed_only_when_no_other_task_can_be() -> None:
 def test_bubbles_held_by_armed_grants_count_as_used_for_the_guard() -> None:
     """The guard narrows only over bubbles side work was granted in: an honoured arm is such a grant."""
     h = Harness()
+    h.sched.guard.min_bubble_ns = 0  # no class left out to let back in: narrowing ends at "narrowest"
     t1 = h.task(1, 2 * MS)
     for _ in range(60):
         arm = h.arms()[-1][1]
@@ -350,6 +351,7 @@ def test_a_bubble_the_guard_leaves_out_gets_no_grant_and_the_armed_task_waits_fo
 def test_short_bubbles_that_overrun_are_left_out_by_the_guard_and_the_next_arm_says_so() -> None:
     """Settled grants feed the guard by their bubble's expected length (3 ms ones overrun, 40 ms ones do not)."""
     h = Harness()
+    h.sched.guard.min_bubble_ns = 0  # every bubble granted, as once the short ones were let back in
     t1 = h.task(1, 1 * MS)
     for i in range(200):
         length = 3 * MS if i % 2 else 40 * MS
