@@ -108,5 +108,10 @@ async def test_status_shows_the_guard_widening_a_margin_that_lets_side_work_spil
     assert device.guard_reason.endswith("; 100% of bubbles ended before their deadline")  # 10 ms of the 60 announced
     # the stage's wait at each end was charged (on top of the steps' compute past the ends)
     assert device.interference_ns >= guard.config.widen_after * WAITED
-    shown = f"margin {device.margin_ns / 1e6:.2f} ms, bubbles predicted x{c.widen_factor_by:.2f}"
+    # bubbles under 4 ms are left out from the start; these are 60 ms
+    assert (device.min_bubble_ns, device.left_out) == (c.min_bubble_ns, 0)
+    shown = (
+        f"margin {device.margin_ns / 1e6:.2f} ms, bubbles predicted x{c.widen_factor_by:.2f},"
+        f" bubbles under {c.min_bubble_ns / 1e6:g} ms left out (0)"
+    )
     assert f"guard: {shown} ({device.guard_reason})" in format_status(reply_status)
