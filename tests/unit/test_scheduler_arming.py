@@ -233,26 +233,31 @@ def test_no_arm_without_a_rank_that_publishes_its_bubbles() -> None:
     assert [t for t, _ in h.grants()] == [1]
 
 
-def test_a_program_or_an_unknown_step_time_is_not_armed_and_a_lost_rank_disarms() -> None:
+def test_an_unknown_step_time_next_in_turn_leaves_the_next_bubble_unarmed() -> None:
     h = Harness()
-    h.task(1, 2 * MS, armable=False)  # a worker whose socket refuses the arm is passed over
+    h.task(1, 2 * MS, armable=False)  # a worker whose socket refuses the arm
     h.task(2, -1)  # unknown: it probes at a bubble's start, by Grant
     h.task(3, 2 * MS)
-    assert h.arms() == []  # the unknown one is next in turn: the next bubble is left unarmed for it
-    h.sched.backend_lost()
-    h2 = Harness()
-    h2.task(1, 2 * MS, program=True)  # a program is resumed by the manager, never armed
-    h2.task(2, 2 * MS)
-    assert h2.arms() == [] and h2.grants() == []  # its turn comes with the next bubble's start
-    h2.started(20 * MS)
-    assert [t for t, _ in h2.grants()] == [1]
-    h3 = Harness()
-    h3.task(3, 2 * MS)
-    [(tid, arm)] = h3.arms()
+    assert h.arms() == []  # task 3 is not armed in task 2's place
+
+
+def test_a_program_is_never_armed_and_gets_its_turn_at_a_bubbles_start() -> None:
+    h = Harness()
+    h.task(1, 2 * MS, program=True)  # a program is resumed by the manager, never armed
+    h.task(2, 2 * MS)
+    assert h.arms() == [] and h.grants() == []  # its turn comes with the next bubble's start
+    h.started(20 * MS)
+    assert [t for t, _ in h.grants()] == [1]
+
+
+def test_a_lost_rank_disarms() -> None:
+    h = Harness()
+    h.task(3, 2 * MS)
+    [(tid, arm)] = h.arms()
     assert tid == 3
-    h3.sched.backend_lost()
-    assert h3.of(p.Disarm) == [(3, p.Disarm(grant_id=arm.grant_id))]
-    assert h3.sched.bubbles_endpoint == ""
+    h.sched.backend_lost()
+    assert h.of(p.Disarm) == [(3, p.Disarm(grant_id=arm.grant_id))]
+    assert h.sched.bubbles_endpoint == ""
 
 
 def test_an_armed_task_does_not_keep_a_task_of_unknown_step_time_out_of_every_bubble() -> None:
