@@ -17,6 +17,7 @@ import atexit
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -240,14 +241,17 @@ class BackendSession:
             t_ns=time.monotonic_ns() if t_ns is None else t_ns,
             expected_ns=expected_ns,
             spare_memory=self.config.spare_memory if spare_memory is None else spare_memory,
+            thread=threading.get_native_id(),
         )
         self._open = event
         self._index += 1
         if self._publisher is not None:
             self._publisher.publish(event)  # first: an armed worker starts on it
-        # a bubble timed on the device ends on the device's clock: the host thread's waits do not apply
-        self._delay_at_start = self._run_delay.ns() if t_ns is None else -1
         self._emitter.emit(event)
+        # Read last, as the rank is about to block (the worker the announcement woke on this core lets it
+        # block first: freeride.worker.courtesy). A bubble timed on the device ends on the device's
+        # clock: the host thread's waits do not apply.
+        self._delay_at_start = self._run_delay.ns() if t_ns is None else -1
         return True
 
     def bubble_ended(self, *, t_ns: int | None = None) -> int:

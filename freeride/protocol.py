@@ -177,6 +177,9 @@ class BubbleStarted(_Msg, frozen=True, tag="bubble_started"):
     """Predicted duration, from the profile or a running estimate."""
     spare_memory: Bytes = -1
     """Bytes of device memory the stage leaves free, -1 if unknown."""
+    thread: Position = 0
+    """Native id of the rank's thread that announced it and now blocks, 0 if unknown: a side worker on
+    its core lets it block before the first step (see :mod:`freeride.worker.courtesy`)."""
 
 
 class BubbleEnded(_Msg, frozen=True, tag="bubble_ended"):

@@ -92,6 +92,11 @@ class Arming:
             return True
         return False
 
+    @property
+    def rank_thread(self) -> int:
+        """Native id of the rank's announcing thread, from its latest bubble start (0: none seen)."""
+        return self._latest.thread if self._latest is not None else 0
+
     def seen(self, event: p.BubbleStarted) -> None:
         if self._latest is None or event.t_ns > self._latest.t_ns:
             self._latest = event

@@ -28,6 +28,7 @@ from freeride.sidetask import IterativeTask, StepEstimates, TaskStopped
 from freeride.transport import BadFrame
 from freeride.worker.armed import Arming, BubbleFeed
 from freeride.worker.checkpoint import state_bytes as state_bytes_of
+from freeride.worker.courtesy import Courtesy
 from freeride.worker.waiting import race_link
 
 __all__ = ["GateLink", "GrantGate", "RunDelay", "SaveCheckpoint", "ThreadRunDelay"]
@@ -100,6 +101,8 @@ class GrantGate:
             without one, an :class:`~freeride.protocol.Arm` is ignored and Grants alone start steps.
         idle: Called each time the gate parks the task between grants, for
             housekeeping that must not run inside a bubble (keeping estimates).
+        courtesy: Lets the rank's thread block before a grant's first step takes the
+            core it shares (see :mod:`freeride.worker.courtesy`); None: no such wait.
     """
 
     def __init__(
@@ -117,8 +120,10 @@ class GrantGate:
         state_bytes: Callable[[IterativeTask], int] = lambda task: state_bytes_of(task.state_dict()),
         feed: BubbleFeed | None = None,
         idle: Callable[[], None] | None = None,
+        courtesy: Courtesy | None = None,
     ) -> None:
         self._link = link
+        self._courtesy = courtesy
         self._idle = idle
         self._feed = feed
         self._arming = Arming()
@@ -554,6 +559,9 @@ class GrantGate:
         self._kind = kind
         while True:
             await self._wait_for_fit()
+            if self._g_steps == 0 and self._courtesy is not None:
+                self._courtesy.follow(self._arming.rank_thread)
+                self._courtesy.defer()
             delay0 = self._run_delay.ns()
             t0 = self._clock.now_ns()
             # checked again with the step's own start time: the worker runs at the lowest
@@ -613,3 +621,5 @@ class GrantGate:
         """Give back the grant held (if any) for ``reason`` and release the CPU wait counter."""
         self._give_back(reason)
         self._run_delay.close()
+        if self._courtesy is not None:
+            self._courtesy.close()

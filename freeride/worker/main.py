@@ -28,6 +28,7 @@ from freeride.sidetask import IterativeTask, TaskContext, TaskStopped
 from freeride.transport import BubbleListener, WorkerLink, new_async_context
 from freeride.worker.armed import RankFeed
 from freeride.worker.checkpoint import load_checkpoint, state_bytes
+from freeride.worker.courtesy import RankCourtesy
 from freeride.worker.gate import GrantGate
 from freeride.worker.warmup import warm_up
 
@@ -216,6 +217,7 @@ async def _serve(link: WorkerLink, assign: p.Assign, feed: RankFeed) -> int:
             device_sync=step_end_sync(stream),
             feed=feed,
             idle=None if store is None else lambda: store.save_if_due(running.estimates),
+            courtesy=RankCourtesy(),
         )
         if store is not None:
             store.seed(gate.estimates)

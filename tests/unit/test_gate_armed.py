@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from freeride import protocol as p
@@ -103,7 +104,29 @@ class NoDelay:
         pass
 
 
-def make_gate(tmp_path: Path, clock: ManualClock, wires: Wires, *, feed: bool = True) -> GrantGate:
+class Courtesy:
+    """Records what the gate asked of its :class:`~freeride.worker.courtesy.RankCourtesy`."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        self.clock = clock
+        self.followed: list[int] = []
+        self.deferred_at: list[int] = []
+        self.closed = False
+
+    def follow(self, tid: int) -> None:
+        self.followed.append(tid)
+
+    def defer(self) -> int:
+        self.deferred_at.append(self.clock.now_ns())
+        return 0
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def make_gate(
+    tmp_path: Path, clock: ManualClock, wires: Wires, *, feed: bool = True, courtesy: Courtesy | None = None
+) -> GrantGate:
     assign = p.Assign(
         task_id=7,
         spec=p.TaskSpec(kind="iterative", target="tests:Task", step_time_ns=STEP),
@@ -122,6 +145,7 @@ def make_gate(tmp_path: Path, clock: ManualClock, wires: Wires, *, feed: bool = 
         cpu_clock=lambda: clock.now_ns() + 5,  # the process's CPU clock, offset to tell it apart
         run_delay=NoDelay(),
         feed=Feed(wires) if feed else None,
+        courtesy=courtesy,
     )
 
 
@@ -297,3 +321,20 @@ def test_an_armed_worker_lets_a_bubble_the_guard_leaves_out_pass_and_takes_the_n
     arming.seen(p.BubbleStarted(rank=0, stage=0, device="cpu:0", step=1, index=1, t_ns=900, expected_ns=8_000_000))
     grant = arming.take()
     assert grant is not None and (grant.grant_id, grant.bubble_t_ns, grant.deadline_ns) == (5, 900, 900 + 4_000_000)
+
+
+async def test_the_first_step_of_a_grant_lets_the_ranks_announcing_thread_block_first(tmp_path: Path) -> None:
+    clock, wires = ManualClock(), Wires()
+    courtesy = Courtesy(clock)
+    gate = make_gate(tmp_path, clock, wires, courtesy=courtesy)
+    wires.push(p.Arm(grant_id=5, endpoint=ENDPOINT, after_ns=clock.now_ns() - 1))
+    clock.advance(MS)
+    wires.publish(msgspec.structs.replace(started(clock, 4 * STEP), thread=4321))
+    await run_one_step(gate, clock)
+    await run_one_step(gate, clock)  # the same grant's second step: the rank has long blocked
+    gate.finish("finished")
+    assert courtesy.followed == [4321]
+    assert len(courtesy.deferred_at) == 1
+    assert courtesy.closed
+    [done] = wires.done()
+    assert (done.grant_id, done.steps) == (5, 2)
