@@ -7,7 +7,10 @@ kernel lets the step go. The stage stamps its bubble's end only once it runs
 again, so that wait would count as bubble time. Linux keeps, per thread, the
 total time it waited runnable (``/proc/thread-self/schedstat``, field 2): read
 at a bubble's start and end, the difference is that wait (a blocked thread
-accrues none). The manager counts it as interference.
+accrues none). The manager counts it as interference. That holds only if the
+stage did not also wait between its announcement and its blocking receive: the
+side worker the announcement wakes lets it block first
+(:mod:`freeride.worker.courtesy`).
 
 The side task's: a worker at the lowest priority on its stage's core waits
 whenever the stage wakes up mid-step. That wait says nothing about what the
