@@ -40,28 +40,29 @@ class MeasuredUse:
 
 
 _DS_JOB = "DeepSpeed CPU job, 2 stages, m=4, ~0.29 s steps, side tasks at the stage's priority"
-_DS_SOURCE = "docs/benchmarks.md, 'Bubble use of every workload', 2026-11-23"
+_DS_SOURCE = "docs/benchmarks.md, 'Bubble use of every workload', 2026-11-27"
 
 MEASURED: tuple[MeasuredUse, ...] = (
-    # the 200-step rows: the guard has settled, which a long job sees too
-    MeasuredUse(task="graph-sgd", use=0.520, interference=0.0081, job=_DS_JOB, steps=200, source=_DS_SOURCE),
-    MeasuredUse(task="pagerank", use=0.364, interference=0.0061, job=_DS_JOB, steps=200, source=_DS_SOURCE),
-    MeasuredUse(task="imaging", use=0.598, interference=0.0065, job=_DS_JOB, steps=200, source=_DS_SOURCE),
-    MeasuredUse(task="resnet18-train", use=0.547, interference=0.0063, job=_DS_JOB, steps=200, source=_DS_SOURCE),
-    MeasuredUse(task="resnet50-train", use=0.554, interference=0.0070, job=_DS_JOB, steps=200, source=_DS_SOURCE),
-    MeasuredUse(task="vgg19-train", use=0.089, interference=0.0649, job=_DS_JOB, steps=200, source=_DS_SOURCE),
+    # the 200-step rows: the guard has settled, which a long job sees too (VGG-19's
+    # varies most between runs: a second one gave 44.5 % at 0.87 %)
+    MeasuredUse(task="graph-sgd", use=0.689, interference=0.0025, job=_DS_JOB, steps=200, source=_DS_SOURCE),
+    MeasuredUse(task="pagerank", use=0.537, interference=0.0026, job=_DS_JOB, steps=200, source=_DS_SOURCE),
+    MeasuredUse(task="imaging", use=0.663, interference=0.0021, job=_DS_JOB, steps=200, source=_DS_SOURCE),
+    MeasuredUse(task="resnet18-train", use=0.657, interference=0.0018, job=_DS_JOB, steps=200, source=_DS_SOURCE),
+    MeasuredUse(task="resnet50-train", use=0.625, interference=0.0028, job=_DS_JOB, steps=200, source=_DS_SOURCE),
+    MeasuredUse(task="vgg19-train", use=0.314, interference=0.0020, job=_DS_JOB, steps=200, source=_DS_SOURCE),
 )
 """Per side task, its measured bubble use in the DeepSpeed CPU job (the 200-step run)."""
 
 DEMO = MeasuredUse(
     task="graph-sgd",
-    use=0.79,
+    use=0.847,
     interference=None,
     job="freeride demo: simulated 2-stage 1F1B (sleep), m=4, 10/20 ms, side tasks at nice 19",
-    steps=60,
-    source="docs/benchmarks.md, 'Bubble use of every workload' (the demo: 77-81 % in three runs), 2026-11-23",
+    steps=40,
+    source="docs/benchmarks.md, 'Bubble use of every workload' (the demo: 80-86 % in twelve runs), 2026-11-27",
 )
-"""The demo's measured use (the middle of its three runs); its interference was not given."""
+"""The demo's measured use (the median of its twelve runs); its interference was not given."""
 
 
 def measured_for(task: str) -> MeasuredUse | None:

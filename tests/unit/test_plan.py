@@ -268,7 +268,7 @@ def test_cli_takes_a_use_measured_elsewhere(capsys: pytest.CaptureFixture[str]) 
     base = ["plan", "--pp", "2", "--micro-batches", "4", "--forward", "10ms", "--backward", "20ms", "--json"]
     assert main([*base, "--task", "graph-sgd", "--use", "graph-sgd=demo"]) == 0
     use = json.loads(capsys.readouterr().out)["tasks"][0]["use"]
-    assert use["use"] == pytest.approx(0.79) and "the demo" in use["source"]
+    assert use["use"] == pytest.approx(0.847) and "the demo" in use["source"]
     assert main([*base, "--task", "my-task", "--use", "my-task=40%", "--interference", "my-task=1%"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["job"]["interference"] == pytest.approx(0.01)
