@@ -208,6 +208,20 @@ def test_slow_children_are_opened_and_wide_layers_split() -> None:
     assert {"wide", "conv2"} <= sliced
 
 
+def test_a_sliced_layers_gradient_keeps_its_storage_from_batch_to_batch() -> None:
+    # fresh storage each batch costs its pages again on CPU (a page fault per 4 KB written)
+    task = _started("skipnet-adam", target_ms=0.005)
+    weight = task.model.get_submodule("wide").weight
+    grads: dict[int, torch.Tensor] = {}  # held, so that a freed gradient's memory could not come back by chance
+    while task.batches_done < 3:
+        if task.step_kind().startswith("u") and weight.grad is not None:
+            grads.setdefault(task.batches_done, weight.grad)
+        task.step()
+    assert sorted(grads) == [0, 1, 2] and len({g.data_ptr() for g in grads.values()}) == 1
+    assert weight.grad is None  # between batches, as after plain training's zero_grad(set_to_none=True)
+    _assert_same(_plain("skipnet-adam", 3), task.model)
+
+
 def test_kinds_name_the_pieces_and_each_has_a_cost() -> None:
     task = _started("mobilenet-sgd")
     kinds = []
