@@ -8,6 +8,7 @@ manager status replies are made up here; no training job or manager starts.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import json
 from collections.abc import Callable
@@ -419,6 +420,31 @@ def test_low_priority_and_missing_cpu_time_are_said(report: ModuleType) -> None:
     assert "(this `freeride serve` has no --side-priority: side tasks ran at nice 19)" in text
     assert "| slowdown, training ranks' CPU time per step | none: timed by the wall clock | | 0 | |" in text
     assert "By the training ranks' CPU time" not in text
+
+
+# -- one side task alone ------------------------------------------------------------------------------
+
+
+def test_the_profile_takes_resource_usage_as_the_first_measured_step_starts(
+    mod: Callable[[str], ModuleType],
+) -> None:
+    gate = mod("sidetask_profile")._MeasuredGate(2)
+
+    async def steps() -> list[bool]:
+        taken = []
+        for _ in range(4):
+            async with gate.step("k"):
+                taken.append(gate.start is not None)
+        return taken
+
+    assert asyncio.run(steps()) == [False, False, True, True] and gate.steps == 4
+
+
+def test_the_profile_gives_page_faults_and_system_time_per_measured_step(mod: Callable[[str], ModuleType]) -> None:
+    options = {"nodes": 1000, "tol": 1e-30, "max_iters": 1000}
+    r = mod("sidetask_profile")._child("pagerank", options, steps=4, warmup=1, threads=0, device="cpu")
+    assert r["steps"] == 5 and r["faults_per_step"] >= 0 and r["sys_ms_per_step"] >= 0
+    assert r["median_ms"] > 0 and r["peak_bytes"] >= 0
 
 
 # -- the slowly converging PageRank graph ------------------------------------------------------------

@@ -6,6 +6,10 @@ another's) through :func:`freeride.sidetask.run_alone`: construct, set up, run
 
 * setup: seconds from construction to the first step (building models, graphs);
 * step median / p90 / max: over the steps after ``--warmup`` warm-up steps;
+* page faults and system time per step: over the measured steps
+  (``getrusage``): on a CPU device, a task whose tensors come from fresh pages
+  each step pays for it here (glibc maps allocations over 32 MB anew and
+  returns them on free; the first write to each 4 KB page faults);
 * slowest kind: for a task whose steps come in kinds (see
   ``IterativeTask.step_kind``), the kind with the longest median step: the
   piece that must fit in a bubble;
@@ -19,7 +23,9 @@ optional fitting steps cost what the training task's steps cost).
 
 Run: ``python tools/bench/sidetask_profile.py --steps 10 --threads 1`` (all
 iterative catalog entries), or name some: ``... pagerank graph-sgd --opt
-pagerank:nodes=1000000``.
+pagerank:nodes=1000000``. A partitioned task's steps differ by piece: measure
+whole batches, e.g. ``... vgg19-train --opt vgg19-train:batch_size=1 --warmup
+400 --steps 900`` (about 300 pieces a batch).
 """
 
 from __future__ import annotations
@@ -27,12 +33,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
+
+from freeride.sidetask import UnboundedGate  # no torch: the parent process stays light
 
 __all__ = ["main"]
 
@@ -52,12 +63,28 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+class _MeasuredGate(UnboundedGate):
+    """Takes the process's resource usage as the first measured step starts."""
+
+    def __init__(self, warmup: int) -> None:
+        super().__init__()
+        self.warmup = warmup
+        self.start: resource.struct_rusage | None = None
+
+    @asynccontextmanager
+    async def step(self, kind: str = "") -> AsyncIterator[None]:
+        if self.start is None and self.steps >= self.warmup:
+            self.start = resource.getrusage(resource.RUSAGE_SELF)
+        async with super().step(kind):
+            yield
+
+
 def _child(name: str, options: dict[str, Any], steps: int, warmup: int, threads: int, device: str) -> dict[str, Any]:
     import importlib
 
     import torch
 
-    from freeride.sidetask import TaskContext, UnboundedGate, run_alone
+    from freeride.sidetask import TaskContext, run_alone
     from sidetasks import CATALOG
 
     if threads:
@@ -74,8 +101,11 @@ def _child(name: str, options: dict[str, Any], steps: int, warmup: int, threads:
     ctx = TaskContext(task_id=0, device=name_of_device, torch_device=device, workdir=Path.cwd())
     asyncio.run(task.setup(ctx))  # the sample tasks build once; run_alone's setup() is then a no-op
     setup_s = time.perf_counter() - t0
-    gate = UnboundedGate()
+    gate = _MeasuredGate(warmup)
     durations = asyncio.run(run_alone(task, steps=steps + warmup, ctx=ctx, gate=gate))
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    before = gate.start or after
+    measured_steps = max(1, len(durations) - warmup)
     peak = (
         torch.cuda.max_memory_allocated(device)
         if device.startswith("cuda")
@@ -96,6 +126,8 @@ def _child(name: str, options: dict[str, Any], steps: int, warmup: int, threads:
         "slowest_kind": slowest[0],
         "slowest_kind_ms": statistics.median(slowest[1]),
         "peak_bytes": peak,
+        "faults_per_step": (after.ru_minflt + after.ru_majflt - before.ru_minflt - before.ru_majflt) / measured_steps,
+        "sys_ms_per_step": (after.ru_stime - before.ru_stime) * 1e3 / measured_steps,
         "metrics": task.metrics(),
     }
 
@@ -143,8 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         f"device {args.device}, torch threads {args.threads or 'default'}, "
         f"{args.steps} measured steps after {args.warmup} warm-up\n"
     )
-    print("| task | options | setup s | step median ms | p90 ms | max ms | slowest kind (ms) | peak memory MiB |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | --- | ---: |")
+    print(
+        "| task | options | setup s | step median ms | p90 ms | max ms | page faults / step | system ms / step "
+        "| slowest kind (ms) | peak memory MiB |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
     for name in names:
         payload = json.dumps({"__name": name, **overrides[name]})
         cmd = [
@@ -164,13 +199,14 @@ def main(argv: list[str] | None = None) -> int:
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         opts = " ".join(f"{k}={v}" for k, v in overrides[name].items()) or "defaults"
         if proc.returncode != 0:
-            print(f"| {name} | {opts} | failed: {proc.stderr.strip().splitlines()[-1:]} | | | | | |")
+            print(f"| {name} | {opts} | failed: {proc.stderr.strip().splitlines()[-1:]} | | | | | | | |")
             continue
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         slowest = f"{r['slowest_kind']} ({r['slowest_kind_ms']:.1f}) of {r['kinds']}" if r["kinds"] > 1 else "-"
         print(
             f"| {name} | {opts} | {r['setup_s']:.2f} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} "
-            f"| {r['max_ms']:.1f} | {slowest} | {r['peak_bytes'] / 2**20:.0f} |",
+            f"| {r['max_ms']:.1f} | {r['faults_per_step']:.0f} | {r['sys_ms_per_step']:.2f} "
+            f"| {slowest} | {r['peak_bytes'] / 2**20:.0f} |",
             flush=True,
         )
     return 0
