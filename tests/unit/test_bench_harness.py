@@ -13,7 +13,7 @@ import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -440,11 +440,19 @@ def test_the_profile_takes_resource_usage_as_the_first_measured_step_starts(
     assert asyncio.run(steps()) == [False, False, True, True] and gate.steps == 4
 
 
-def test_the_profile_gives_page_faults_and_system_time_per_measured_step(mod: Callable[[str], ModuleType]) -> None:
+def test_the_profile_gives_page_faults_and_system_time_per_measured_step(
+    mod: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prof = mod("sidetask_profile")
+    # the process's usage as the first measured step starts, then once the last has ended
+    usage = iter([SimpleNamespace(ru_minflt=100, ru_majflt=0, ru_stime=1.0)])
+    end = SimpleNamespace(ru_minflt=500, ru_majflt=4, ru_stime=1.4)
+    monkeypatch.setattr(prof.resource, "getrusage", lambda who: next(usage, end))
     options = {"nodes": 1000, "tol": 1e-30, "max_iters": 1000}
-    r = mod("sidetask_profile")._child("pagerank", options, steps=4, warmup=1, threads=0, device="cpu")
-    assert r["steps"] == 5 and r["faults_per_step"] >= 0 and r["sys_ms_per_step"] >= 0
-    assert r["median_ms"] > 0 and r["peak_bytes"] >= 0
+    r = prof._child("pagerank", options, steps=4, warmup=1, threads=0, device="cpu")
+    assert r["steps"] == 5 and r["median_ms"] > 0
+    assert r["faults_per_step"] == pytest.approx((504 - 100) / 4)  # minor and major, over the 4 measured steps
+    assert r["sys_ms_per_step"] == pytest.approx(400 / 4)
 
 
 # -- the slowly converging PageRank graph ------------------------------------------------------------
