@@ -15,10 +15,10 @@ command per invocation on its stdin (``get_server_list``, ``get_client_list``,
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import shutil
+import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -228,20 +228,10 @@ class MpsDaemon:
             self._path = path
             logger.info("[mps] joined control daemon pid=%d on %s", pid, self.pipe_dir)
             return
-        proc = await asyncio.create_subprocess_exec(
-            path,
-            "-d",
-            env=self.env,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await self._communicate(proc, None, "-d")
-        if proc.returncode != 0:
-            raise MpsError(
-                f"{self.binary} -d exited {proc.returncode}: {(err or out).decode(errors='replace').strip()} "
-                f"(see {self.log_dir / 'control.log'})"
-            )
+        done = await self._call(path, ["-d"], None, "-d")
+        if done.returncode != 0:
+            said = (done.stderr or done.stdout).decode(errors="replace").strip()
+            raise MpsError(f"{self.binary} -d exited {done.returncode}: {said} (see {self.log_dir / 'control.log'})")
         deadline = time.monotonic() + self.timeout_s
         while (pid := self.daemon_pid()) is None:
             if time.monotonic() > deadline:
@@ -250,16 +240,27 @@ class MpsDaemon:
         self._path, self._owned = path, True
         logger.info("[mps] started control daemon pid=%d on %s", pid, self.pipe_dir)
 
-    async def _communicate(
-        self, proc: asyncio.subprocess.Process, data: bytes | None, what: str
-    ) -> tuple[bytes, bytes]:
+    async def _call(
+        self, path: str, args: list[str], data: bytes | None, what: str
+    ) -> subprocess.CompletedProcess[bytes]:
+        """Run the control program once, in a thread: ``subprocess`` closes every other descriptor in it.
+
+        Not the loop's own subprocess support: uvloop's children (``freeride serve`` runs on uvloop)
+        keep copies of their stdout pipe at other descriptors, and the daemon ``-d`` leaves behind
+        holds them, so its output never ends.
+        """
         try:
-            async with asyncio.timeout(self.timeout_s):
-                return await proc.communicate(data)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
+            return await asyncio.to_thread(
+                subprocess.run,
+                [path, *args],
+                input=data,
+                stdin=None if data is not None else subprocess.DEVNULL,
+                capture_output=True,
+                env=self.env,
+                timeout=self.timeout_s,
+                close_fds=True,
+            )
+        except subprocess.TimeoutExpired:
             raise MpsError(f"{self.binary} {what!r} timed out after {self.timeout_s}s") from None
 
     async def command(self, line: str) -> str:
@@ -272,18 +273,11 @@ class MpsDaemon:
         if self._path is None:
             raise RuntimeError("MpsDaemon.command() before start()")
         async with self._lock:
-            proc = await asyncio.create_subprocess_exec(
-                self._path,
-                env=self.env,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-            )
-            out, err = await self._communicate(proc, f"{line}\n".encode(), line)
-        reply = out.decode(errors="replace").strip()
-        if proc.returncode != 0:
-            detail = err.decode(errors="replace").strip() or reply
-            raise MpsError(f"{self.binary} {line!r} exited {proc.returncode}: {detail}")
+            done = await self._call(self._path, [], f"{line}\n".encode(), line)
+        reply = done.stdout.decode(errors="replace").strip()
+        if done.returncode != 0:
+            detail = done.stderr.decode(errors="replace").strip() or reply
+            raise MpsError(f"{self.binary} {line!r} exited {done.returncode}: {detail}")
         logger.debug("[mps] %s -> %r", line, reply)
         return reply
 

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -162,3 +163,39 @@ def test_torch_memory_fraction_keeps_headroom() -> None:
     assert torch_memory_fraction(32 << 20, gib) == 0.0
     with pytest.raises(ValueError, match="total_bytes"):
         torch_memory_fraction(gib, 0)
+
+
+_UNDER_UVLOOP = """
+import asyncio, json, sys, uvloop
+from pathlib import Path
+from freeride.gpu.mps import MpsDaemon
+
+async def scenario():
+    pipe = Path(sys.argv[1])
+    daemon = MpsDaemon(pipe, Path(sys.argv[2]), env=json.loads(sys.argv[3]), timeout_s=5.0)
+    await daemon.start()
+    (pipe / "fake-servers.json").write_text(json.dumps({"101": [7]}))
+    try:
+        print(await daemon.get_server_list())
+    finally:
+        await daemon.quit()
+
+uvloop.run(scenario())
+"""
+
+
+def test_starts_and_answers_under_the_managers_uvloop(dirs: tuple[Path, Path], env: dict[str, str]) -> None:
+    """``freeride serve`` runs on uvloop, whose child processes keep copies of their stdout pipe at other
+    descriptors. The daemon that ``-d`` leaves behind held them open, so a start that read the program's
+    output to its end timed out (the real control program, on an H200) or hung the loop's close (here).
+    The stand-in daemonizes as the real one does: it closes 0-2 and keeps the rest."""
+    pipe, log = dirs
+    done = subprocess.run(
+        [sys.executable, "-c", _UNDER_UVLOOP, str(pipe), str(log), json.dumps(env)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[101]"
+    assert not (pipe / "nvidia-cuda-mps-control.pid").exists()  # quit
