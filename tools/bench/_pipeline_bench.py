@@ -44,6 +44,7 @@ from freeride.units import parse_duration_ns
 from sidetasks import resolve
 
 __all__ = [
+    "ManagerFailed",
     "SKIP_STEPS",
     "TASK_DEFAULTS",
     "HOW_IT_RUNS",
@@ -467,7 +468,13 @@ def _status(endpoints: Endpoints) -> p.StatusReply:
     return reply
 
 
-def _wait_for(what: str, timeout_s: float, check: Callable[[], bool]) -> None:
+class ManagerFailed(RuntimeError):
+    """``freeride serve`` exited or never answered; the message ends with its log's tail."""
+
+
+def _wait_for(
+    what: str, timeout_s: float, check: Callable[[], bool], serve: subprocess.Popen[bytes], log: Path
+) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -475,8 +482,10 @@ def _wait_for(what: str, timeout_s: float, check: Callable[[], bool]) -> None:
                 return
         except ManagerUnreachable:
             pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
+        if serve.poll() is not None or time.monotonic() > deadline:
+            why = f"exited with {serve.returncode}" if serve.returncode is not None else f"{timeout_s:.0f} s passed"
+            tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
+            raise ManagerFailed(f"waiting for {what}: freeride serve {why}; its log ends:\n{tail}")
         time.sleep(0.2)
 
 
@@ -567,7 +576,7 @@ def bench(
                 stderr=log,
                 start_new_session=True,
             )
-        _wait_for("the manager", 60, lambda: bool(_status(endpoints)))
+        _wait_for("the manager", 60, lambda: bool(_status(endpoints)), serve, runtime / "serve.log")
         for side in tasks:
             opts = [x for opt in side.options for x in ("--opt", opt)]
             role = ["--fill"] if side.fill else []
@@ -575,7 +584,7 @@ def bench(
                 submit = _freeride("submit", "--runtime-dir", str(runtime), side.target, *opts, *role)
                 _run([*submit, "--step-time", side.step_time, "--device", device, *submit_args])
         count = len(tasks) * len(profile.devices)
-        _wait_for("side tasks to start", 120, lambda: _tasks_running(endpoints, count))
+        _wait_for("side tasks to start", 120, lambda: _tasks_running(endpoints, count), serve, runtime / "serve.log")
         runs: list[RunResult] = []
         for planned in plan(options):
             result = _one_run(job, planned, options.steps, runtime, endpoints)

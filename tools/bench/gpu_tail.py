@@ -42,7 +42,7 @@ shared = mmap.mmap(f.fileno(), 4096)
 host = torch.frombuffer(shared, dtype=torch.int64, count=1)
 err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), 4096, 0)
 if int(err) != 0:
-    sys.exit(f"cudaHostRegister failed: {err}")
+    sys.exit(f"cudaHostRegister of {path} failed: CUDA error {int(err)}")
 step = torch.zeros(1, dtype=torch.int64, device="cuda")
 model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)]).cuda()
 opt = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -77,9 +77,13 @@ async def _measure(args: argparse.Namespace, k: int, tmp: Path) -> dict[str, flo
     tails, queued, step_ms = [], [], []
     try:
         proc.resume(time.monotonic_ns() + 600 * 10**9)
-        async with asyncio.timeout(300):
-            while _read(shared) < 20:  # start-up and warm-up
-                await asyncio.sleep(0.01)
+        warm_until = time.monotonic() + args.warmup_s
+        while _read(shared) < 20:  # start-up and warm-up
+            if proc.exited or time.monotonic() > warm_until:
+                err = (tmp / f"tail-k{k}.err").read_text(errors="replace")[-2000:]
+                what = "exited" if proc.exited else f"made {_read(shared)} steps in {args.warmup_s:.0f} s"
+                raise RuntimeError(f"K={k}: the program {what} before its warm-up ended; its stderr:\n{err}")
+            await asyncio.sleep(0.01)
         for _ in range(args.reps):
             proc.resume(time.monotonic_ns() + 600 * 10**9)
             n0, t0 = _read(shared), time.monotonic()
@@ -114,7 +118,9 @@ async def _measure(args: argparse.Namespace, k: int, tmp: Path) -> dict[str, flo
 
 
 async def _run(args: argparse.Namespace) -> None:
-    with tempfile.TemporaryDirectory(prefix="freeride-gputail-") as tmp:
+    # the counter lives in shared memory (tmpfs): CUDA cannot pin pages of a file on disk
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="freeride-gputail-", dir=shm) as tmp:
         rows = [(k, await _measure(args, k, Path(tmp))) for k in args.ks]
     print(f"width {args.width}, depth {args.depth}, batch {args.batch}, {args.reps} stops per K\n")
     print("| K (sync every) | step ms | tail p50 ms | tail max ms | queued steps p50 | queued steps max |")
@@ -134,6 +140,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--run-s", type=float, default=0.3)
+    parser.add_argument("--warmup-s", type=float, default=120.0, help="give up if 20 steps take longer")
     args = parser.parse_args()
     import torch
 

@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools" / "bench"))  # the benchmark harness lives there
 
-from _pipeline_bench import BenchOptions, Job, bench, side_task  # noqa: E402
+from _pipeline_bench import BenchOptions, Job, ManagerFailed, bench, side_task  # noqa: E402
 
 __all__ = ["CheckConfig", "main"]
 
@@ -51,8 +51,11 @@ GPU_STAGE = ("--device", "cuda", "--width", "4096", "--depth", "8", "--batch", "
 DRY_WORKLOADS = ("graph-sgd",)
 
 _ALLOC = """
-import sys, torch
+import os, sys, torch
 device, mib = sys.argv[1], int(sys.argv[2])
+fraction = os.environ.get("FREERIDE_TORCH_MEMORY_FRACTION")
+if fraction and device == "cuda":  # as a worker applies it (freeride/worker/main.py)
+    torch.cuda.set_per_process_memory_fraction(float(fraction), 0)
 try:
     x = torch.empty(mib << 20, dtype=torch.uint8, device=device)
     x.fill_(1)
@@ -68,7 +71,7 @@ print(torch.cuda.get_device_properties(0).multi_processor_count)
 """
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True)
 class CheckConfig:
     """What the check runs."""
 
@@ -83,6 +86,8 @@ class CheckConfig:
     """Sections of (a) that would start after this many seconds are skipped."""
     two_gpu: bool
     stage_args: tuple[str, ...]
+    mps: list[str] = field(default_factory=list)
+    """Why MPS cannot run here, once section (b) found out ("" when it runs); empty until then."""
 
     def __post_init__(self) -> None:
         if self.pairs < 1 or self.steps < 5 or self.budget_s <= 0:
@@ -150,8 +155,11 @@ def _acc(records: list[dict[str, object]], key: str) -> float:
 
 def section_pipeline(config: CheckConfig, report: Report) -> str:
     options = BenchOptions(pairs=config.pairs, controls=0, steps=config.steps)
-    serve_args: tuple[str, ...] = () if config.dry_run else ("--mps",)
+    mps_missing = _mps_missing(config)
+    serve_args: tuple[str, ...] = () if config.dry_run or mps_missing else ("--mps",)
     parts, rows = [], []
+    if mps_missing:
+        parts.append(f"`freeride serve` without `--mps`: MPS is not available here ({mps_missing})")
     for name in config.workloads:
         if time.monotonic() - report.started > config.budget_s:
             parts.append(f"{name}: skipped (time budget of {config.budget_s:.0f} s spent)")
@@ -164,7 +172,18 @@ def section_pipeline(config: CheckConfig, report: Report) -> str:
             profiles_itself=True,
         )
         task = side_task(name, (), "2ms")
-        parts.append(bench(job, task, options, command="tools/gpu/check.sh", serve_args=serve_args))
+        try:
+            parts.append(bench(job, task, options, command="tools/gpu/check.sh", serve_args=serve_args))
+        except ManagerFailed as exc:
+            if not serve_args:
+                raise
+            # the manager could not run with MPS: say why, and measure the bubbles without it
+            report.failures.append(f"a. freeride serve --mps ({name})")
+            parts.append(f"**`freeride serve --mps` FAILED**, the runs below are without MPS:\n\n```\n{exc}\n```")
+            serve_args = ()
+            for path in stats.glob("stage-*.json"):  # the failed attempt profiled too: from here as a first attempt
+                path.unlink()
+            parts.append(bench(job, task, options, command="tools/gpu/check.sh"))
         alone, launched = _stats(stats)
         f_alone, f_with = _median(alone, "forward_ms"), _median(launched, "forward_ms")
         b_alone, b_with = _median(alone, "backward_ms"), _median(launched, "backward_ms")
@@ -204,15 +223,27 @@ def section_mps(config: CheckConfig) -> str:
     if not config.dry_run:
         import asyncio
 
-        from freeride.gpu.mps import MpsDaemon
+        from freeride.gpu.mps import MpsDaemon, MpsError
 
         daemon = MpsDaemon(tmp / "pipe", tmp / "log")
-        asyncio.run(daemon.start())
-        pipe_dir = daemon.pipe_dir
-        lines.append(f"- MPS daemon started with a private pipe directory ({pipe_dir})")
+        try:
+            asyncio.run(daemon.start())
+        except MpsError as exc:  # a machine without MPS: the fallback cap is what side tasks get there
+            daemon = None
+            config.mps.append(str(exc).splitlines()[0][:300] or type(exc).__name__)
+            lines.append(f"- **MPS not available here**: {config.mps[0]}; the fallback cap is checked instead")
+        else:
+            pipe_dir = daemon.pipe_dir
+            config.mps.append("an MPS client's allocations did not finish")  # until they do
+            lines.append(f"- MPS daemon started with a private pipe directory ({pipe_dir})")
     try:
         cap = 1 << 30  # well above a CUDA context's own allocations, which the MPS limit counts
-        plan = plan_memory_cap(device, cap, mps_pipe_dir=pipe_dir, total_bytes=-1)
+        total = -1
+        if not config.dry_run and pipe_dir is None:
+            import torch
+
+            total = torch.cuda.get_device_properties(0).total_memory
+        plan = plan_memory_cap(device, cap, mps_pipe_dir=pipe_dir, total_bytes=total)
         lines.append(f"- memory cap {cap >> 20} MiB by `{plan.mechanism}`")
         env = {**os.environ, **plan.env}
 
@@ -232,7 +263,7 @@ def section_mps(config: CheckConfig) -> str:
             env=env,
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=60,
             preexec_fn=limited,
         )
         under = subprocess.run(
@@ -240,13 +271,15 @@ def section_mps(config: CheckConfig) -> str:
             env=env,
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=60,
             preexec_fn=limited,
         )
         out, _ = trainer.communicate(timeout=300)
         steps = sum(1 for line in out.splitlines() if line.startswith("{"))
         over_ok = over.stdout.startswith("oom")
         under_ok = under.stdout.startswith("ok")
+        if pipe_dir is not None:  # section (a) runs its side tasks under MPS only where a client could work
+            config.mps[0] = "" if under_ok else f"an MPS client could not allocate {(cap >> 20) // 16} MiB"
         train_ok = trainer.returncode == 0 and steps == 20
         lines += [
             f"- over-cap allocation ({4 * (cap >> 20)} MiB): `{over.stdout.strip() or over.stderr.strip()[-200:]}`"
@@ -255,7 +288,9 @@ def section_mps(config: CheckConfig) -> str:
             f"- training beside it: exit {trainer.returncode}, {steps}/20 steps -> {'goes on' if train_ok else 'HURT'}",
         ]
         share, sm_env = plan_sm_share("cuda:0", 25, mps_pipe_dir=pipe_dir or tmp / "pipe")
-        if config.dry_run:
+        if not config.dry_run and pipe_dir is None:
+            lines.append("- SM cap: not measurable without MPS (side tasks run on a lowest-priority stream only)")
+        elif config.dry_run:
             lines.append(f"- SM cap: env for a 25 % share would be `{sm_env}` (not measurable without a GPU)")
         else:
             full = _run([sys.executable, "-c", _SMS]).strip()
@@ -271,15 +306,36 @@ def section_mps(config: CheckConfig) -> str:
             asyncio.run(daemon.quit())
 
 
+def _mps_missing(config: CheckConfig) -> str:
+    """Why MPS cannot run here ("" when it can), from section (b) or a start of the daemon now."""
+    if config.dry_run or config.mps:
+        return config.mps[0] if config.mps else ""
+    import asyncio
+    import shutil
+
+    from freeride.gpu.mps import MpsDaemon, MpsError
+
+    tmp = Path(tempfile.mkdtemp(prefix="frmps-"))
+    daemon = MpsDaemon(tmp / "pipe", tmp / "log")
+    try:
+        asyncio.run(daemon.start())
+    except MpsError as exc:
+        config.mps.append(str(exc).splitlines()[0][:300] or type(exc).__name__)
+    else:
+        asyncio.run(daemon.quit())
+        config.mps.append("")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return config.mps[0]
+
+
 # ------------------------------------------------------------------ (c), (d)
 
 
 def section_tail(config: CheckConfig) -> str:
     if config.dry_run:
         return "Not available without CUDA (the tail is work queued on the GPU); run on a GPU."
-    out = _run(
-        [sys.executable, str(ROOT / "tools/bench/gpu_tail.py"), "--ks", "0", "1", "4", "--reps", "5"], timeout_s=240
-    )
+    tail = ROOT / "tools/bench/gpu_tail.py"
+    out = _run([sys.executable, str(tail), "--ks", "0", "1", "4", "--reps", "5", "--warmup-s", "40"], timeout_s=150)
     return f"```\n{out.strip()}\n```"
 
 
@@ -351,12 +407,13 @@ def run_check(config: CheckConfig) -> int:
         config.out.parent.mkdir(parents=True, exist_ok=True)
         config.out.write_text(text + "\n" + "\n".join(report.sections))
 
-    # the short sections first; the pipeline runs take what is left of the budget
+    # the short sections first; the pipeline runs take what is left of the budget; the tail last, as its
+    # program's start-up on a fresh machine is the one part that has taken minutes
     sections: list[tuple[str, Callable[[], str]]] = [
         ("b. MPS memory cap and SM cap", lambda: section_mps(config)),
-        ("c. Tail after SIGSTOP (sync_every)", lambda: section_tail(config)),
         ("d. NVML against torch", lambda: section_nvml(config)),
         ("a. Pipeline stage with side tasks in its bubbles", lambda: section_pipeline(config, report)),
+        ("c. Tail after SIGSTOP (sync_every)", lambda: section_tail(config)),
     ]
     if config.two_gpu:
         sections.append(("e. Two GPUs: DeepSpeed and Megatron pipelines", lambda: section_two_gpu(config)))

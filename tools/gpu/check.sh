@@ -35,7 +35,9 @@ else
     VENV=${FREERIDE_CHECK_VENV:-/tmp/freeride-check-venv}
     if "$PY" -m venv --system-site-packages --without-pip "$VENV" 2>/dev/null; then
         purelib=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-        printf '%s\n%s\n' "$ROOT" "$SITE" >"$purelib/freeride-check.pth"
+        # where python3 is itself a virtual environment (torch in its site-packages), that one too
+        own=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        printf '%s\n%s\n%s\n' "$ROOT" "$SITE" "$own" >"$purelib/freeride-check.pth"
         PY=$VENV/bin/python
     else
         echo "[check] no venv module: falling back to PYTHONPATH" >&2
