@@ -4,7 +4,9 @@ A one-thread spin kernel on a second stream plays an NCCL receive: the host
 returns at once, the compute stream waits for it. Before it, the compute stream
 has ~30 ms of queued work, so a bubble announced by the host would start ~30 ms
 early; the device timeline must start it when the device reaches the wait and
-measure the spin's length, within a millisecond.
+measure the spin's length, within a millisecond. Both spins are timed by CUDA
+events too: a spin's cycles take less time once the clock boosts (an H200 ran
+a "30 ms" spin, calibrated at idle, in 22.7 ms).
 """
 
 from __future__ import annotations
@@ -64,12 +66,18 @@ def test_bubble_starts_when_the_device_reaches_it_and_lasts_what_events_measure(
     comm = cuda.Stream()
     try:
         compute = cuda.current_stream()
+        # the device's own clock of both spins: their cycles per ms move with its boost clock
+        busy0, busy1, recv0, recv1 = (cuda.Event(enable_timing=True) for _ in range(4))
         host_t0 = time.monotonic_ns()
+        busy0.record()
         cuda._sleep(int(30 * per_ms))  # queued compute: the device is busy for ~30 ms
+        busy1.record()
         timeline.wait_began((1, 20 * MS, None))
         comm.wait_stream(compute)
         with cuda.stream(comm):
-            cuda._sleep(int(20 * per_ms))  # the "receive": 20 ms on the device
+            recv0.record()
+            cuda._sleep(int(20 * per_ms))  # the "receive": ~20 ms on the device
+            recv1.record()
         compute.wait_stream(comm)
         timeline.wait_finished("w")
         host_returned = time.monotonic_ns() - host_t0
@@ -80,8 +88,11 @@ def test_bubble_starts_when_the_device_reaches_it_and_lasts_what_events_measure(
             )
         started = next(e for _, e in recorder.events if isinstance(e, p.BubbleStarted))
         ended = next(e for _, e in recorder.events if isinstance(e, p.BubbleEnded))
-        assert started.t_ns - host_t0 == pytest.approx(30 * MS, abs=3 * MS)  # when the device got there
-        assert ended.duration_ns == pytest.approx(20 * MS, abs=1 * MS)
+        busy_ns = busy0.elapsed_time(busy1) * MS
+        recv_ns = recv0.elapsed_time(recv1) * MS
+        assert busy_ns > 10 * MS  # the queued work outlasts the host's own path by far
+        assert started.t_ns - host_t0 == pytest.approx(busy_ns, abs=3 * MS)  # when the device got there
+        assert ended.duration_ns == pytest.approx(recv_ns, abs=1 * MS)
         summary = timeline.accuracy.summary()
         assert summary["lag_p50_ms"] < 2.0  # the helper thread wakes promptly on the event
     finally:

@@ -40,7 +40,8 @@ def test_nvml_agrees_with_cuda() -> None:
         devices = monitor.devices()
         assert len(devices) == torch.cuda.device_count()
         _, total = torch.cuda.mem_get_info(0)
-        assert abs(devices[0].total - total) < 64 << 20
+        # cudaMemGetInfo leaves out what the driver keeps for itself (616 MiB of 143,771 on an H200)
+        assert total <= devices[0].total < total * 1.01
         assert devices[0].free > 0 and devices[0].used >= 0
     finally:
         monitor.close()
