@@ -71,7 +71,7 @@ print(torch.cuda.get_device_properties(0).multi_processor_count)
 """
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class CheckConfig:
     """What the check runs."""
 
@@ -86,8 +86,6 @@ class CheckConfig:
     """Sections of (a) that would start after this many seconds are skipped."""
     two_gpu: bool
     stage_args: tuple[str, ...]
-    mps: list[str] = field(default_factory=list)
-    """Why MPS cannot run here, once section (b) found out ("" when it runs); empty until then."""
 
     def __post_init__(self) -> None:
         if self.pairs < 1 or self.steps < 5 or self.budget_s <= 0:
@@ -99,6 +97,8 @@ class Report:
     started: float = field(default_factory=time.monotonic)
     sections: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    mps_missing: str | None = None
+    """Why MPS cannot run here ("" where it runs), once a section found out; None until then."""
 
     def run(self, title: str, fn: Callable[[], str]) -> None:
         """Run one section; a failure is written into the report and the check goes on."""
@@ -155,7 +155,7 @@ def _acc(records: list[dict[str, object]], key: str) -> float:
 
 def section_pipeline(config: CheckConfig, report: Report) -> str:
     options = BenchOptions(pairs=config.pairs, controls=0, steps=config.steps)
-    mps_missing = _mps_missing(config)
+    mps_missing = _mps_missing(config, report)
     serve_args: tuple[str, ...] = () if config.dry_run or mps_missing else ("--mps",)
     parts, rows = [], []
     if mps_missing:
@@ -208,7 +208,7 @@ def section_pipeline(config: CheckConfig, report: Report) -> str:
 # ----------------------------------------------------------------------- (b)
 
 
-def section_mps(config: CheckConfig) -> str:
+def section_mps(config: CheckConfig, report: Report) -> str:
     import resource
 
     from freeride.gpu.memcap import plan_memory_cap
@@ -230,11 +230,11 @@ def section_mps(config: CheckConfig) -> str:
             asyncio.run(daemon.start())
         except MpsError as exc:  # a machine without MPS: the fallback cap is what side tasks get there
             daemon = None
-            config.mps.append(str(exc).splitlines()[0][:300] or type(exc).__name__)
-            lines.append(f"- **MPS not available here**: {config.mps[0]}; the fallback cap is checked instead")
+            report.mps_missing = str(exc).splitlines()[0][:300] or type(exc).__name__
+            lines.append(f"- **MPS not available here**: {report.mps_missing}; the fallback cap is checked instead")
         else:
             pipe_dir = daemon.pipe_dir
-            config.mps.append("an MPS client's allocations did not finish")  # until they do
+            report.mps_missing = "an MPS client's allocations did not finish"  # until they do
             lines.append(f"- MPS daemon started with a private pipe directory ({pipe_dir})")
     try:
         cap = 1 << 30  # well above a CUDA context's own allocations, which the MPS limit counts
@@ -279,7 +279,7 @@ def section_mps(config: CheckConfig) -> str:
         over_ok = over.stdout.startswith("oom")
         under_ok = under.stdout.startswith("ok")
         if pipe_dir is not None:  # section (a) runs its side tasks under MPS only where a client could work
-            config.mps[0] = "" if under_ok else f"an MPS client could not allocate {(cap >> 20) // 16} MiB"
+            report.mps_missing = "" if under_ok else f"an MPS client could not allocate {(cap >> 20) // 16} MiB"
         train_ok = trainer.returncode == 0 and steps == 20
         lines += [
             f"- over-cap allocation ({4 * (cap >> 20)} MiB): `{over.stdout.strip() or over.stderr.strip()[-200:]}`"
@@ -306,10 +306,12 @@ def section_mps(config: CheckConfig) -> str:
             asyncio.run(daemon.quit())
 
 
-def _mps_missing(config: CheckConfig) -> str:
+def _mps_missing(config: CheckConfig, report: Report) -> str:
     """Why MPS cannot run here ("" when it can), from section (b) or a start of the daemon now."""
-    if config.dry_run or config.mps:
-        return config.mps[0] if config.mps else ""
+    if config.dry_run:
+        return ""
+    if report.mps_missing is not None:
+        return report.mps_missing
     import asyncio
     import shutil
 
@@ -320,12 +322,12 @@ def _mps_missing(config: CheckConfig) -> str:
     try:
         asyncio.run(daemon.start())
     except MpsError as exc:
-        config.mps.append(str(exc).splitlines()[0][:300] or type(exc).__name__)
+        report.mps_missing = str(exc).splitlines()[0][:300] or type(exc).__name__
     else:
         asyncio.run(daemon.quit())
-        config.mps.append("")
+        report.mps_missing = ""
     shutil.rmtree(tmp, ignore_errors=True)
-    return config.mps[0]
+    return report.mps_missing
 
 
 # ------------------------------------------------------------------ (c), (d)
@@ -410,7 +412,7 @@ def run_check(config: CheckConfig) -> int:
     # the short sections first; the pipeline runs take what is left of the budget; the tail last, as its
     # program's start-up on a fresh machine is the one part that has taken minutes
     sections: list[tuple[str, Callable[[], str]]] = [
-        ("b. MPS memory cap and SM cap", lambda: section_mps(config)),
+        ("b. MPS memory cap and SM cap", lambda: section_mps(config, report)),
         ("d. NVML against torch", lambda: section_nvml(config)),
         ("a. Pipeline stage with side tasks in its bubbles", lambda: section_pipeline(config, report)),
         ("c. Tail after SIGSTOP (sync_every)", lambda: section_tail(config)),
