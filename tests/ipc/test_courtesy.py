@@ -20,7 +20,7 @@ from freeride.worker.courtesy import RankCourtesy
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc, pins cores")
 
 MS = 1_000_000
-SPIN = "while True: pass"
+SPIN = "import sys; sys.stdout.write('spinning\\n'); sys.stdout.flush()\nwhile True: pass"
 BLOCK = "import sys; sys.stdin.read()"
 SPIN_THEN_BLOCK = (
     "import sys, time\n"
@@ -73,6 +73,8 @@ def test_a_runnable_rank_thread_on_the_workers_core_is_yielded_to_up_to_the_boun
     core: int, children: list[subprocess.Popen[bytes]]
 ) -> None:
     rank = spawn(children, SPIN, {core})
+    # past its start-up, whose reads of files can block it for a moment (and end the yield early)
+    assert rank.stdout is not None and rank.stdout.readline() == b"spinning\n"
     courtesy = RankCourtesy(bound_ns=5 * MS)
     courtesy.follow(rank.pid)
     assert settle(courtesy, True)
