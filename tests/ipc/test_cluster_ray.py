@@ -70,7 +70,11 @@ def _node(name: str, base: Path, address: str) -> Iterator[list[subprocess.Popen
     runtime = base / name
     runtime.mkdir(mode=0o700)
     with contextlib.ExitStack() as stack:
-        manager = stack.enter_context(serving(runtime, "--checkpoint-every", "0.3s", "--settle", "0s"))
+        # --max-loss: a checkpoint within a second even where none fits a bubble (a first one slowed by a
+        # cold disk sets the estimate the next must fit; the shards last 5-7 s in all)
+        manager = stack.enter_context(
+            serving(runtime, "--checkpoint-every", "0.3s", "--max-loss", "1s", "--settle", "0s")
+        )
         sim = stack.enter_context(
             _process(
                 freeride_cmd(
