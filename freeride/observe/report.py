@@ -179,6 +179,9 @@ class StageReport:
     tail_ns: int = 0
     """In bubbles with side-task work: from the last work's end to the bubble's end (a deadline before the
     bubble's real end, or a next step that did not fit)."""
+    tail_past_ns: int = 0
+    """The part of :attr:`tail_ns` after the end the rank predicted for its bubble: there no grant's deadline
+    reaches (unless the guard's factor is above 1)."""
     gap_ns: int = 0
     """In bubbles with side-task work: between two grants' work."""
 
@@ -303,7 +306,8 @@ class Report:
             if s.bubble_ns:
                 lines.append(
                     f"{s.stage:>5} {s.device:10} no side work {_pct(s.idle_ns / s.bubble_ns)}, before the first"
-                    f" step {_pct(s.lead_ns / s.bubble_ns)}, after the last {_pct(s.tail_ns / s.bubble_ns)},"
+                    f" step {_pct(s.lead_ns / s.bubble_ns)}, after the last {_pct(s.tail_ns / s.bubble_ns)}"
+                    f" ({_pct(s.tail_past_ns / s.bubble_ns)} past the predicted end),"
                     f" between grants {_pct(s.gap_ns / s.bubble_ns)}"
                 )
         lines += [
@@ -327,8 +331,9 @@ class Report:
             " this time is taken from training. Its share is of the counted steps' time.",
             "not harvested: bubble time outside the grants' spans (first step start to last step end): in bubbles"
             " no work reached, before the first step (start latency), after the last (a deadline set before the"
-            " bubble's real end, or a next step that did not fit), between grants. Time inside the spans but not"
-            " busy (the worker's own work between steps) is in none of them.",
+            " bubble's real end, or a next step that did not fit; the part after the end the rank predicted, which"
+            " deadlines are set by, in brackets), between grants. Time inside the spans but not busy (the worker's"
+            " own work between steps) is in none of them.",
             "",
         ]
         if self.median_step_ns is not None:
@@ -361,10 +366,11 @@ def _pct(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}%}"
 
 
-def _unused(bubbles: list[Span], work: list[Span]) -> tuple[int, int, int, int]:
+def _unused(bubbles: list[Span], work: list[Span], expected: dict[int, int]) -> tuple[int, int, int, int, int]:
     """Where the bubble time that no work span covers lies: (no work at all, before the first, after the last,
-    between two), summed over ``bubbles`` (sorted, disjoint; ``work`` likewise)."""
-    idle = lead = tail = gap = 0
+    between two, the part of after the last past the predicted end), summed over ``bubbles`` (sorted,
+    disjoint; ``work`` likewise; ``expected``: bubble start -> predicted length, where known)."""
+    idle = lead = tail = gap = past = 0
     starts = [w[0] for w in work]
     for b0, b1 in bubbles:
         inside = _intersect([(b0, b1)], work[max(0, bisect.bisect_right(starts, b0) - 1) :])
@@ -374,7 +380,9 @@ def _unused(bubbles: list[Span], work: list[Span]) -> tuple[int, int, int, int]:
         lead += inside[0][0] - b0
         tail += b1 - inside[-1][1]
         gap += inside[-1][1] - inside[0][0] - sum(end - start for start, end in inside)
-    return idle, lead, tail, gap
+        if b0 in expected:
+            past += max(0, b1 - max(inside[-1][1], b0 + expected[b0]))
+    return idle, lead, tail, gap, past
 
 
 def _pipeline_steps(trace: Trace, warmup: int) -> dict[int, int]:
@@ -444,7 +452,8 @@ def build_report(trace: Trace, options: ReportOptions, baseline: Trace | None = 
             work_on.setdefault(g.device, []).append((g.start_ns, g.end_ns))
     for timeline in sorted(trace.devices.values(), key=lambda t: (t.stage, t.device)):
         steps = [span for s, span in timeline.steps.items() if s in counted]
-        idle, lead, tail, gap = _unused(regions[timeline.device], _merge(work_on.get(timeline.device, [])))
+        spans = _merge(work_on.get(timeline.device, []))
+        idle, lead, tail, gap, past = _unused(regions[timeline.device], spans, timeline.expected)
         stages.append(
             StageReport(
                 device=timeline.device,
@@ -457,6 +466,7 @@ def build_report(trace: Trace, options: ReportOptions, baseline: Trace | None = 
                 idle_ns=idle,
                 lead_ns=lead,
                 tail_ns=tail,
+                tail_past_ns=past,
                 gap_ns=gap,
             )
         )

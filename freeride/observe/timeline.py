@@ -42,6 +42,8 @@ class DeviceTimeline:
     bubbles: list[Span] = field(default_factory=list)
     steps: dict[int, Span] = field(default_factory=dict)
     """Step number -> its span."""
+    expected: dict[int, int] = field(default_factory=dict)
+    """Bubble start -> the length the rank predicted for it when it announced it (where the trace says)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +115,8 @@ def parse_trace(data: bytes) -> Trace:
             timeline = trace.devices.setdefault(device, DeviceTimeline(device=device))
             if cat == "bubble":
                 timeline.bubbles.append((ts_ns, ts_ns + dur_ns))
+                if (expected := int(args.get("expected_ns", -1))) > 0:
+                    timeline.expected[ts_ns] = expected
             else:
                 start = int(args.get("start_ns", ts_ns - int(args.get("duration_ns", 0))))
                 timeline.steps[int(args["step"])] = (start, start + int(args.get("duration_ns", ts_ns - start)))

@@ -132,6 +132,21 @@ def test_bubble_time_not_harvested_is_split_by_where_it_lies(traces: tuple[Path,
     assert "after the last 25.0%" in build_report(parse_trace((tmp_path / "two.json").read_bytes()), OPTIONS).text()
 
 
+def test_the_time_after_the_last_step_past_the_predicted_end_is_told_apart(tmp_path: Path) -> None:
+    events = training_events({"cpu:0": {0: (0, 100), 1: (100, 200)}}, {"cpu:0": [(110, 150), (160, 190)]})
+    for ev in events:  # the rank predicted 25 ms for the first bubble, nothing for the second
+        if ev["cat"] == "bubble" and ev["ts"] == 110 * 1000:
+            ev["args"]["expected_ns"] = 25 * MS
+    for start, end in ((111, 120), (161, 170)):
+        args = {"device": "cpu:0", "task_id": 1, "steps": 1, "busy_ns": (end - start) * MS}
+        events.append(event("X", "t", "side_task", 2, 1, start, dur=(end - start) * 1000, args=args))
+    report = build_report(parse_trace(write(tmp_path / "t.json", events).read_bytes()), OPTIONS)
+    [one] = report.stages
+    # after the last: 150 - 120 and 190 - 170; past the predicted end (135) only in the first: 150 - 135
+    assert (one.bubble_ns, one.tail_ns, one.tail_past_ns) == (70 * MS, 50 * MS, 15 * MS)
+    assert "after the last 71.4% (21.4% past the predicted end)" in report.text()
+
+
 def test_without_baseline_the_saving_assumes_no_slowdown(traces: tuple[Path, Path]) -> None:
     fr, _ = traces
     options = ReportOptions(
