@@ -612,9 +612,15 @@ class DeviceScheduler:
             if not task.runnable or task.task_id in self._tried or task.task_id in stuck:
                 continue
             estimate = task.estimate_ns
-            probe = False
+            probe = packing = False
             if task.packs and remaining >= PACK_ROOM_NS and (estimate > remaining or estimate < 0):
-                pass  # its worker offers the largest piece that fits, or gives the grant back at once
+                # Its worker offers the largest piece that fits, or gives the grant back at once. A
+                # pending piece that cannot be split (a partitioned task's optimizer chunk, say) may
+                # never fit: counted as for any task (a grant with steps resets it), it gets its probe.
+                packing = True
+                starved = self._starved.get(task.task_id, 0) + (1 if fresh else 0)
+                self._starved[task.task_id] = starved
+                probe = fresh and starved >= PROBE_AFTER_BUBBLES and self._long_bubble()
             elif estimate > remaining:
                 # An estimate is only corrected by running steps: a task shut out of
                 # bubble after bubble gets one step at the start of a bubble now and then.
@@ -626,7 +632,8 @@ class DeviceScheduler:
                 probe = True
             elif estimate < 0 and not (fresh and self._long_bubble()):
                 continue  # a task whose step time is unknown probes only at the start of a long bubble
-            self._starved.pop(task.task_id, None)
+            if not packing or probe:
+                self._starved.pop(task.task_id, None)
             grant_id = self._next_grant
             self._next_grant += 1
             self._tried.add(task.task_id)

@@ -451,3 +451,36 @@ def test_a_packing_task_is_granted_what_is_left_though_its_whole_step_does_not_f
         h.clock.advance(16 * MS)  # 4 ms left: the filler's whole 5 ms step does not fit
         h.report(big, done(big, h.grants()[-1][1], busy=16 * MS))
         assert (h.grants()[-1][0] == filler.task_id) is granted
+
+
+def test_a_packing_task_whose_piece_cannot_be_split_gets_a_probe_now_and_then() -> None:
+    """A packing task is granted bubbles its whole step does not fit; where its worker finds no piece that
+    does (a partitioned task's optimizer chunk cannot be halved) and gives each back at once, the task
+    would wait forever: it is counted as shut out, and gets a probe as any other task does."""
+    h = Harness()
+    t = h.task(1, 80 * MS)  # larger than any bubble
+    t.packs = True
+    for i in range(PROBE_AFTER_BUBBLES - 1):
+        b = h.started(20 * MS, index=i)
+        [(_, grant)] = h.grants()[-1:]
+        assert not grant.probe  # granted as a packing task ...
+        h.report(t, done(t, grant))  # ... and given back with no step
+        h.ended(b, 20 * MS)
+    h.started(20 * MS, index=99)
+    assert h.grants()[-1][1].probe
+    t.estimate_ns = 30 * MS
+    h.report(t, done(t, h.grants()[-1][1], busy=30 * MS))  # it ran its step: no longer shut out
+    b = h.started(20 * MS, index=100)
+    assert not h.grants()[-1][1].probe
+
+
+def test_a_packing_task_that_runs_pieces_is_never_probed() -> None:
+    h = Harness()
+    t = h.task(1, 80 * MS)
+    t.packs = True
+    for i in range(3 * PROBE_AFTER_BUBBLES):
+        b = h.started(20 * MS, index=i)
+        grant = h.grants()[-1][1]
+        assert not grant.probe
+        h.report(t, done(t, grant, busy=10 * MS))  # a piece that fit
+        h.ended(b, 20 * MS)
