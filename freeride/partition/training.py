@@ -9,6 +9,11 @@ setup the task traces and times the model on its device and plans steps
 * ``b0`` .. ``bM``: the backward pass, from the loss back to the input;
 * ``u0`` .. ``uK``: the optimizer step, a run of parameters (or rows of a large one) per step.
 
+Packing (:meth:`PartitionedTraining.fit_piece`): where a forward or backward
+step does not fit what is left of a bubble, its first half by measured cost
+(kind ``f3a``, say) may, and the rest (``f3b``) runs next, so the end of a
+bubble takes half a step rather than none.
+
 The parameters after each batch are those of ``opt.zero_grad();
 loss_fn(model(x), y).backward(); opt.step()`` on the same batch, up to the
 rounding of summing gradients in another order.
@@ -80,6 +85,10 @@ class PartitionedTraining(Partitioned):
         self._in_batch = False
         self._start: tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
         """While a batch is in flight before its update: its data position, random state and buffers at its start."""
+        self._atom = 0
+        """Atoms of the current forward or backward step already run (its first half ran as a step of its own)."""
+        self._halve = False
+        """The next step is the current step's first half (chosen by :meth:`fit_piece`)."""
 
     @abc.abstractmethod
     def build(self) -> TrainingParts:
@@ -137,14 +146,60 @@ class PartitionedTraining(Partitioned):
             return self.plan.backward[self._pos]
         return None
 
+    def _piece(self) -> Step | None:
+        """What the next step runs: the current forward or backward step, its first half or its rest."""
+        step = self._current()
+        if step is None or not (self._halve or self._atom):
+            return step
+        head, rest = self._halves(step, self._phase)
+        return rest if self._atom else head
+
+    def _halves(self, step: Step, phase: str) -> tuple[Step, Step]:
+        """A forward or backward step's atoms cut where the first part's measured cost reaches half of the whole."""
+        assert self.plan is not None
+        costs = self.plan.forward_s if phase == "forward" else self.plan.backward_s
+        cut, run = 1, costs[step.atoms[0]]
+        while cut < len(step.atoms) - 1 and run + costs[step.atoms[cut]] <= step.cost_s / 2:
+            run += costs[step.atoms[cut]]
+            cut += 1
+        head = Step(f"{step.kind}a", step.atoms[:cut], run)
+        return head, Step(f"{step.kind}b", step.atoms[cut:], max(0.0, step.cost_s - run))
+
     def step_kind(self) -> str:
         if self.plan is None:
             return ""
-        step = self._current()
+        step = self._piece()
         return step.kind if step is not None else f"u{self._chunk()}"
+
+    def fit_piece(self, room_ns: int, estimate_ns: Callable[[str], int]) -> str | None:
+        """The whole forward or backward step if it fits in ``room_ns``, else its first half if that does.
+
+        The optimizer's chunks, a step's rest and a step of one atom are left as they are.
+        """
+        step = self._current()
+        if step is None or self._atom or len(step.atoms) < 2:
+            return None
+        whole = estimate_ns(step.kind)
+        if whole < 0 or whole <= room_ns:
+            self._halve = False
+            return step.kind
+        head, _ = self._halves(step, self._phase)
+        need = estimate_ns(head.kind)
+        if need < 0:  # not measured yet: the whole step's time, scaled by the half's planned share
+            need = round(whole * head.cost_s / step.cost_s) if step.cost_s > 0 else whole
+        if need > room_ns:
+            return None
+        self._halve = True
+        return head.kind
 
     def _costs(self) -> dict[str, float]:
         costs = super()._costs()
+        if self.plan is not None:
+            for phase, steps in (("forward", self.plan.forward), ("backward", self.plan.backward)):
+                for step in steps:
+                    if len(step.atoms) > 1:
+                        head, rest = self._halves(step, phase)
+                        costs[head.kind], costs[rest.kind] = head.cost_s, rest.cost_s
         costs.update({f"u{j}": cost for j, (_, _, cost) in enumerate(getattr(self, "chunks", []))})
         return costs
 
@@ -152,13 +207,17 @@ class PartitionedTraining(Partitioned):
         if self.plan is None:
             raise RuntimeError(f"{type(self).__name__}: step() before setup()")
         t0 = self._clock()
-        step = self._current()
+        step = self._piece()
+        if step is not None:  # the whole step, or a half: the first sets where the rest starts
+            head = self._halve and not self._atom
+            self._atom, self._halve = len(step.atoms) if head else 0, False
         if self._phase == "forward":
             if self._pos == 0 and not self._in_batch:
                 self._begin_batch()
             for k in step.atoms:  # type: ignore[union-attr]
                 self.executor.forward(k)
-            self._pos += 1
+            if not self._atom:
+                self._pos += 1
             if self._pos == len(self.plan.forward):
                 assert self.executor.loss is not None
                 self.loss = float(self.executor.loss.detach())
@@ -166,7 +225,8 @@ class PartitionedTraining(Partitioned):
         elif self._phase == "backward":
             for k in step.atoms:  # type: ignore[union-attr]
                 self.executor.backward(k)
-            self._pos += 1
+            if not self._atom:
+                self._pos += 1
             if self._pos == len(self.plan.backward):
                 self.executor.reset()
                 self._phase, self._cursor, self._start = "update", 0, None
@@ -241,6 +301,7 @@ class PartitionedTraining(Partitioned):
         for p in self.model.parameters():
             p.grad = None
         self._start, self._pos, self._in_batch = None, 0, False
+        self._atom, self._halve = 0, False
         if int(state["update"]) >= 0:
             for param, grad in zip(self.update.params, state["grads"], strict=True):
                 param.grad = None if grad is None else grad.to(param.device)

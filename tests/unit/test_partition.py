@@ -234,6 +234,42 @@ def test_kinds_name_the_pieces_and_each_has_a_cost() -> None:
     assert task.step_cost("nope") is None
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_steps_run_in_halves_where_the_whole_does_not_fit_give_the_plain_result(case: str) -> None:
+    task = _started(case, target_ms=0.2)
+    # every measured step takes 10 ms, every half 4 ms; 5 ms of room: halves wherever a step has two atoms
+    estimate = lambda kind: 4_000_000 if kind[-1] in "ab" else 10_000_000  # noqa: E731
+    kinds: list[str] = []
+    halved = 0
+    while task.batches_done < 3:
+        current = task._current()  # the step the pieces come from
+        chosen = task.fit_piece(5_000_000, estimate)
+        kind = task.step_kind()
+        assert chosen is None or chosen == kind  # what it chose is what runs next
+        if current is not None and len(current.atoms) > 1:
+            assert kind in (f"{current.kind}a", f"{current.kind}b")  # never the whole
+            halved += kind.endswith("a")
+        if kinds and kinds[-1].endswith("a"):
+            assert kind == kinds[-1][:-1] + "b"  # the rest runs next
+        kinds.append(kind)
+        task.step()
+    assert halved >= 3
+    assert all((cost := task.step_cost(k)) is not None and cost >= 0 for k in kinds)
+    _assert_same(_plain(case, 3), task.model)
+
+
+def test_a_step_that_fits_whole_runs_whole_even_after_its_half_was_chosen() -> None:
+    task = _started("mobilenet-sgd", target_ms=0.2)
+    while (current := task._current()) is None or len(current.atoms) < 2:
+        task.step()
+    kind = task.step_kind()
+    assert task.fit_piece(1, lambda k: 1_000) is None  # 1 ns of room: not even a half fits
+    assert task.fit_piece(1_000, lambda k: 2_000 if k == kind else 1_000) == f"{kind}a"
+    assert task.step_kind() == f"{kind}a"
+    assert task.fit_piece(10_000, lambda k: 2_000) == kind  # a later bubble with room for the whole
+    assert task.step_kind() == kind
+
+
 @pytest.mark.parametrize("case", ["mobilenet-sgd", "lm-sgd"])
 @pytest.mark.parametrize("where", ["forward", "backward", "update"])
 def test_a_checkpoint_mid_batch_restores_exactly(case: str, where: str, tmp_path: Path) -> None:
