@@ -17,6 +17,7 @@ import msgspec
 
 from freeride import auth
 from freeride import protocol as p
+from freeride.gpu.mps import MpsError
 from freeride.plan_cli import add_plan_parser
 from freeride.profile_task import DEFAULT_SAMPLES, DEFAULT_STEPS
 from freeride.program_cli import PROGRAM_OPTIONS, add_program_options, cancel_outcome, program_spec
@@ -868,6 +869,9 @@ def _run(argv: Sequence[str] | None) -> int:
         print(f"freeride: {exc}", file=sys.stderr)
         return 3
     except auth.Refused as exc:
+        print(f"freeride: {exc}", file=sys.stderr)
+        return 2
+    except MpsError as exc:  # serve --mps where MPS cannot start: what the control program said
         print(f"freeride: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:
