@@ -470,3 +470,16 @@ def test_render_of_runs_with_side_tasks_only_gives_their_figures_and_no_slowdown
     text = report.render(_section(report, [_with(report, 0, 120.0, 60.0), _with(report, 1, 121.0, 61.0)]))
     assert "50.0% of 4.00 s" in text  # bubble time used, over both runs
     assert "no pair counted" in text and "No slowdown figure" in text
+
+
+def test_a_manager_that_exits_fails_the_wait_at_once_with_its_log(harness: ModuleType, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    log = tmp_path / "serve.log"
+    log.write_text("freeride.gpu.mps.MpsError: nvidia-cuda-mps-control '-d' timed out after 10.0s\n")
+    serve = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    serve.wait(30)
+    never: Callable[[], bool] = lambda: False  # noqa: E731
+    with pytest.raises(harness.ManagerFailed, match=r"(?s)freeride serve exited with 1; its log ends:.*timed out"):
+        harness._wait_for("the manager", 20, never, serve, log)  # at once: an exit does not wait 20 s out
