@@ -587,6 +587,12 @@ class DeviceScheduler:
             self._returned(armed.task, armed.early)
         return True
 
+    def _probe_due(self, task_id: int, *, fresh: bool) -> bool:
+        """Count a bubble's start the task is shut out of; whether it is now due a probe step in this one."""
+        starved = self._starved.get(task_id, 0) + (1 if fresh else 0)
+        self._starved[task_id] = starved
+        return fresh and starved >= PROBE_AFTER_BUBBLES and self._long_bubble()
+
     def _long_bubble(self) -> bool:
         """Whether the current bubble is long enough for a probe (see :data:`PROBE_BUBBLE_SHARE`)."""
         expected = self._recent_expected[-1] if self._recent_expected else 0
@@ -618,18 +624,14 @@ class DeviceScheduler:
                 # pending piece that cannot be split (a partitioned task's optimizer chunk, say) may
                 # never fit: counted as for any task (a grant with steps resets it), it gets its probe.
                 packing = True
-                starved = self._starved.get(task.task_id, 0) + (1 if fresh else 0)
-                self._starved[task.task_id] = starved
-                probe = fresh and starved >= PROBE_AFTER_BUBBLES and self._long_bubble()
+                probe = self._probe_due(task.task_id, fresh=fresh)
             elif estimate > remaining:
                 # An estimate is only corrected by running steps: a task shut out of
                 # bubble after bubble gets one step at the start of a bubble now and then.
-                starved = self._starved.get(task.task_id, 0) + (1 if fresh else 0)
-                self._starved[task.task_id] = starved
+                probe = self._probe_due(task.task_id, fresh=fresh)
                 self._count_no_fit(task.task_id, estimate, remaining)
-                if not (fresh and starved >= PROBE_AFTER_BUBBLES and self._long_bubble()):
+                if not probe:
                     continue
-                probe = True
             elif estimate < 0 and not (fresh and self._long_bubble()):
                 continue  # a task whose step time is unknown probes only at the start of a long bubble
             if not packing or probe:

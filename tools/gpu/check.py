@@ -35,11 +35,15 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools" / "bench"))  # the benchmark harness lives there
 
 from _pipeline_bench import BenchOptions, Job, ManagerFailed, bench, side_task  # noqa: E402
+
+if TYPE_CHECKING:
+    from freeride.gpu.mps import MpsDaemon
 
 __all__ = ["CheckConfig", "main"]
 
@@ -221,16 +225,8 @@ def section_mps(config: CheckConfig, report: Report) -> str:
     daemon = None
     pipe_dir: Path | None = None
     if not config.dry_run:
-        import asyncio
-
-        from freeride.gpu.mps import MpsDaemon, MpsError
-
-        daemon = MpsDaemon(tmp / "pipe", tmp / "log")
-        try:
-            asyncio.run(daemon.start())
-        except MpsError as exc:  # a machine without MPS: the fallback cap is what side tasks get there
-            daemon = None
-            report.mps_missing = str(exc).splitlines()[0][:300] or type(exc).__name__
+        daemon, report.mps_missing = _start_mps(tmp)
+        if daemon is None:  # a machine without MPS: the fallback cap is what side tasks get there
             lines.append(f"- **MPS not available here**: {report.mps_missing}; the fallback cap is checked instead")
         else:
             pipe_dir = daemon.pipe_dir
@@ -306,27 +302,33 @@ def section_mps(config: CheckConfig, report: Report) -> str:
             asyncio.run(daemon.quit())
 
 
-def _mps_missing(config: CheckConfig, report: Report) -> str:
-    """Why MPS cannot run here ("" when it can), from section (b) or a start of the daemon now."""
-    if config.dry_run:
-        return ""
-    if report.mps_missing is not None:
-        return report.mps_missing
+def _start_mps(tmp: Path) -> tuple[MpsDaemon | None, str]:
+    """FreeRide's MPS daemon on a private pipe directory under ``tmp``; None and why, where it cannot start."""
     import asyncio
-    import shutil
 
     from freeride.gpu.mps import MpsDaemon, MpsError
 
-    tmp = Path(tempfile.mkdtemp(prefix="frmps-"))
     daemon = MpsDaemon(tmp / "pipe", tmp / "log")
     try:
         asyncio.run(daemon.start())
     except MpsError as exc:
-        report.mps_missing = str(exc).splitlines()[0][:300] or type(exc).__name__
-    else:
-        asyncio.run(daemon.quit())
-        report.mps_missing = ""
-    shutil.rmtree(tmp, ignore_errors=True)
+        return None, str(exc).splitlines()[0][:300] or type(exc).__name__
+    return daemon, ""
+
+
+def _mps_missing(config: CheckConfig, report: Report) -> str:
+    """Why MPS cannot run here ("" when it can), from section (b) or a start of the daemon now."""
+    if config.dry_run:
+        return ""
+    if report.mps_missing is None:
+        import asyncio
+        import shutil
+
+        tmp = Path(tempfile.mkdtemp(prefix="frmps-"))
+        daemon, report.mps_missing = _start_mps(tmp)
+        if daemon is not None:
+            asyncio.run(daemon.quit())
+        shutil.rmtree(tmp, ignore_errors=True)
     return report.mps_missing
 
 
