@@ -404,7 +404,7 @@ def run_check(config: CheckConfig) -> int:
         f"{config.steps} steps per workload",
     ]
     if config.dry_run:
-        header.append("- **dry run**: the figures are CPU figures; a GPU's are in docs/gpu.md")
+        header.append("- **dry run**: the figures are CPU figures; a GPU's are in docs/gpu-results.md")
 
     def write(verdict: str) -> None:  # after every section: a run cut short still leaves its report
         text = "\n".join([*header, f"- result: {verdict}; {time.monotonic() - report.started:.0f} s", ""])
