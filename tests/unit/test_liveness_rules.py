@@ -70,6 +70,43 @@ def test_a_task_stuck_in_a_step_gets_no_further_grants_and_the_healthy_one_does(
         h.sent.clear()
 
 
+# Seen in a 2-stage DeepSpeed job: a step overran a bubble's end, the stage preempted it for its
+# own compute (10 ms), and the worker finished it 2 ms into the next bubble. That bubble's start
+# passed it over as still in a step, its report ("revoked") granted nothing, and 18-20 ms went
+# unused, in 4-8 % of stage 1's bubble time.
+def test_a_bubble_passed_over_while_its_task_was_still_in_a_step_is_granted_once_it_is_back() -> None:
+    h = Harness()
+    t = h.task(1, 1 * MS)
+    a = h.started(30 * MS)
+    [(_, first)] = h.grants()
+    h.ended(a, 30 * MS)  # revoked; the step in flight does not end before the next bubble
+    h.clock.advance(10 * MS)
+    b = h.started(20 * MS, index=1)
+    assert len(h.grants()) == 1  # passed over: its worker would not read a grant now
+    h.clock.advance(2 * MS)
+    h.report(t, done(t, first, reason="revoked", busy=29 * MS, end=h.clock.now_ns()))
+    [_, (tid, second)] = h.grants()
+    assert tid == t.task_id and second.bubble_t_ns == b.t_ns and second.deadline_ns == b.t_ns + 20 * MS
+    h.report(t, done(t, second, reason="revoked", busy=17 * MS, end=b.t_ns + 19 * MS))
+    h.ended(b, 20 * MS)
+    assert len(h.grants()) == 2  # back in its own bubble: nothing more to offer
+
+
+def test_a_report_from_an_earlier_bubble_does_not_grant_a_bubble_someone_holds() -> None:
+    h = Harness()
+    slow, other = h.task(1, 1 * MS), h.task(2, 1 * MS)
+    a = h.started(30 * MS)
+    [(tid, first)] = h.grants()
+    assert tid == slow.task_id
+    h.ended(a, 30 * MS)
+    h.clock.advance(10 * MS)
+    b = h.started(20 * MS, index=1)
+    [_, (tid, held)] = h.grants()
+    assert tid == other.task_id and held.bubble_t_ns == b.t_ns
+    h.report(slow, done(slow, first, reason="revoked", busy=29 * MS, end=h.clock.now_ns()))
+    assert len(h.grants()) == 2  # the bubble has its holder
+
+
 def test_forget_drops_a_killed_workers_grants() -> None:
     h = Harness()
     t = h.task(1, 2 * MS)
