@@ -186,6 +186,13 @@ class StageReport:
     """In bubbles with side-task work: between two grants' work."""
 
     @property
+    def between_steps_ns(self) -> int:
+        """Inside grants' spans but not in steps: the worker's own work between two steps (reading its
+        sockets, fitting the next step, its accounting, each paid with caches a step has just used)."""
+        rest = self.harvested_ns + self.idle_ns + self.lead_ns + self.tail_ns + self.gap_ns
+        return max(0, self.bubble_ns - rest)
+
+    @property
     def bubble_share(self) -> float | None:
         return self.bubble_ns / self.step_ns if self.step_ns else None
 
@@ -308,7 +315,8 @@ class Report:
                     f"{s.stage:>5} {s.device:10} no side work {_pct(s.idle_ns / s.bubble_ns)}, before the first"
                     f" step {_pct(s.lead_ns / s.bubble_ns)}, after the last {_pct(s.tail_ns / s.bubble_ns)}"
                     f" ({_pct(s.tail_past_ns / s.bubble_ns)} past the predicted end),"
-                    f" between grants {_pct(s.gap_ns / s.bubble_ns)}"
+                    f" between grants {_pct(s.gap_ns / s.bubble_ns)}, inside grants between steps"
+                    f" {_pct(s.between_steps_ns / s.bubble_ns)}"
                 )
         lines += [
             "",
@@ -332,8 +340,8 @@ class Report:
             "not harvested: bubble time outside the grants' spans (first step start to last step end): in bubbles"
             " no work reached, before the first step (start latency), after the last (a deadline set before the"
             " bubble's real end, or a next step that did not fit; the part after the end the rank predicted, which"
-            " deadlines are set by, in brackets), between grants. Time inside the spans but not busy (the worker's"
-            " own work between steps) is in none of them.",
+            " deadlines are set by, in brackets), between grants, and inside the spans between steps (the worker's"
+            " own work between two steps). With what was harvested they add up to the bubble time.",
             "",
         ]
         if self.median_step_ns is not None:

@@ -147,6 +147,21 @@ def test_the_time_after_the_last_step_past_the_predicted_end_is_told_apart(tmp_p
     assert "after the last 71.4% (21.4% past the predicted end)" in report.text()
 
 
+def test_the_workers_own_time_between_steps_is_told_apart(tmp_path: Path) -> None:
+    events = training_events({"cpu:0": {0: (0, 100), 1: (100, 200)}}, {"cpu:0": [(110, 150)]})
+    # one grant spanning 112-142 with 24 ms of steps in it: 6 ms were the worker's own, between steps
+    args = {"device": "cpu:0", "task_id": 1, "steps": 8, "busy_ns": 24 * MS}
+    events.append(event("X", "t", "side_task", 2, 1, 112, dur=30 * 1000, args=args))
+    report = build_report(parse_trace(write(tmp_path / "t.json", events).read_bytes()), OPTIONS)
+    [one] = report.stages
+    assert (one.bubble_ns, one.harvested_ns, one.lead_ns, one.tail_ns) == (40 * MS, 24 * MS, 2 * MS, 8 * MS)
+    assert one.between_steps_ns == 6 * MS
+    assert (
+        "after the last 20.0% (0.0% past the predicted end), between grants 0.0%, inside grants between steps 15.0%"
+        in (report.text())
+    )
+
+
 def test_without_baseline_the_saving_assumes_no_slowdown(traces: tuple[Path, Path]) -> None:
     fr, _ = traces
     options = ReportOptions(
