@@ -1,4 +1,4 @@
-"""PageRank side task: agreement with networkx, file input, exact resume."""
+"""PageRank side task: agreement with networkx, file input, exact resume, joined iterations (packing)."""
 
 from __future__ import annotations
 
@@ -129,9 +129,69 @@ async def test_checkpoint_of_another_graph_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("option", "value"),
-    [("alpha", 1.0), ("tol", 0.0), ("max_iters", 0), ("iters_per_step", 0), ("dtype", "int8"), ("nodes", 0)],
+    [
+        ("alpha", 1.0),
+        ("tol", 0.0),
+        ("max_iters", 0),
+        ("iters_per_step", 0),
+        ("dtype", "int8"),
+        ("nodes", 0),
+        ("target_ms", -1.0),
+        ("target_ms", float("inf")),
+    ],
 )
 def test_bad_options_name_the_field(option: str, value: Any) -> None:
     kwargs: dict[str, Any] = {option: value}
     with pytest.raises(ValueError, match=option):
         PageRank(**kwargs)
+
+
+MS = 1_000_000
+
+
+def test_a_piece_joins_the_most_iterations_that_fit_the_room_and_the_largest_piece() -> None:
+    estimates = {"": 1 * MS, "i2": 2 * MS, "i4": 4 * MS, "i8": 8 * MS}
+    known = lambda kind: estimates.get(kind, -1)  # noqa: E731
+    task = PageRank(nodes=50, max_iters=1000)  # target_ms 5.0
+    assert task.fit_piece(30 * MS, known) == "i4" and task.step_kind() == "i4"
+    assert task.step_cost("i4") == 4 * task.step_cost("") == 4.0
+    wide = PageRank(nodes=50, max_iters=1000, target_ms=100.0, iters_per_step=3)
+    assert wide.fit_piece(30 * MS, known) == "i8"  # i16 is not measured yet (nor estimated): not joined
+    assert wide.step_cost("i8") == 24.0
+    assert wide.fit_piece(5 * MS, known) == "i4"  # the room left bounds it too
+    assert wide.fit_piece(int(0.5 * MS), known) == ""  # not even one step fits: the plain step
+    assert PageRank(nodes=50, target_ms=0.0).fit_piece(30 * MS, known) == ""
+    assert PageRank(nodes=50).fit_piece(30 * MS, lambda kind: -1) == ""  # nothing measured yet
+    # never more iterations than max_iters leaves
+    assert PageRank(nodes=50, max_iters=5, target_ms=100.0).fit_piece(30 * MS, known) == "i4"
+
+
+async def test_a_piece_not_run_yet_is_judged_on_twice_the_piece_below_it(tmp_path: Path) -> None:
+    task = PageRank(nodes=50, max_iters=1000)
+    await task.setup(cpu_context(tmp_path))
+    # the plain kind measured once, cold (4 ms); i2 warm (1 ms); i4 as the runtime scales it from both (8 ms)
+    estimates = {"": 4 * MS, "i2": 1 * MS, "i4": 8 * MS}
+    known = lambda kind: estimates.get(kind, -1)  # noqa: E731
+    assert task.fit_piece(30 * MS, known) == ""  # i2 not run yet here: twice the cold 4 ms is past 5 ms
+    assert task.fit_piece(30 * MS, lambda kind: {"": 1 * MS, "i2": 2 * MS}.get(kind, -1)) == "i2"
+    task.step()  # i2 has run: from now on its own estimate counts
+    assert task.fit_piece(30 * MS, known) == "i4"  # twice i2's 1 ms, and the runtime's 8 ms fits the room
+    assert task.fit_piece(6 * MS, known) == "i2"  # the runtime's 8 ms for i4 would not fit: not offered
+
+
+async def test_joined_iterations_give_the_same_ranks_as_one_at_a_time(tmp_path: Path) -> None:
+    opts: dict[str, Any] = {"nodes": 3000, "avg_degree": 6.0, "seed": 1, "tol": 1e-300, "max_iters": 23}
+    plain = PageRank(**opts)
+    await run_alone(plain, steps=1000, ctx=cpu_context(tmp_path))
+    joined = PageRank(**opts, target_ms=100.0)
+    await joined.setup(cpu_context(tmp_path))
+    estimates = {"": 1 * MS, "i2": 2 * MS, "i4": 4 * MS, "i8": 8 * MS}
+    kinds = []
+    while not joined.done():
+        kinds.append(joined.fit_piece(20 * MS, lambda kind: estimates.get(kind, -1)))
+        joined.step()
+        assert joined.step_kind() == ""  # a piece is chosen for one step only
+    assert kinds == ["i8", "i8", "i4", "i2", ""]  # 8 + 8 + 4 + 2 + 1: the last ones bounded by max_iters
+    assert joined.iterations == plain.iterations == 23
+    assert torch.equal(joined.ranks, plain.ranks)
+    assert joined.residual == plain.residual
