@@ -106,7 +106,11 @@ class GraphSGD(DeviceTask):
     Packing: where a whole mini-batch does not fit in what is left of a
     bubble, the next step takes the largest power-of-two share of it that
     does (kind ``"e<edges>"``, at least 64 edges); training steps count
-    mini-batches' worth of edges.
+    mini-batches' worth of edges. Where several fit, one step runs that many
+    mini-batches one after the other (kind ``"b<count>"``, a power of two),
+    as many as fit and take at most ``target_ms`` (5.0; 0: never) by their
+    estimate: the same updates as that many steps, with the runtime's own work
+    between two steps paid once (see ``PageRank``, which joins iterations).
 
     Metrics: ``train_rmse`` (smoothed, on batches before their update),
     ``test_rmse`` (held-out edges), ``baseline_rmse`` (predicting the mean
@@ -130,6 +134,7 @@ class GraphSGD(DeviceTask):
         steps: int = 0,
         seed: int = 0,
         eval_every: int = 0,
+        target_ms: float = 5.0,
     ) -> None:
         super().__init__()
         for name, value in (("users", users), ("items", items), ("rank", rank), ("dim", dim)):
@@ -151,6 +156,8 @@ class GraphSGD(DeviceTask):
             raise ValueError(f"steps must be >= 0, got {steps}")
         if eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {eval_every}")
+        if not (target_ms >= 0 and math.isfinite(target_ms)):
+            raise ValueError(f"target_ms must be a finite number >= 0, got {target_ms}")
         if ratings_file:
             edges, values, users, items = read_ratings(Path(ratings_file).expanduser())
         else:
@@ -175,6 +182,11 @@ class GraphSGD(DeviceTask):
         """Training edges processed: ``done_steps`` is this in whole mini-batches."""
         self._piece = 0
         """Edges of the next step when it is a piece of a mini-batch (0: a whole one)."""
+        self._join = 1
+        """Mini-batches the next step runs one after the other (1: one, or a piece of one)."""
+        self._joined: set[int] = set()
+        """Counts of joined mini-batches run in this process, which the runtime has measured since."""
+        self._target_ns = round(target_ms * 1e6)
         self.train_rmse = math.nan
         self.test_rmse = math.nan
         self._eval_due = False
@@ -206,6 +218,8 @@ class GraphSGD(DeviceTask):
     def step_kind(self) -> str:
         if self._eval_due:
             return "eval"
+        if self._join > 1:
+            return f"b{self._join}"
         return f"e{self._piece}" if self._piece else ""
 
     def step_cost(self, kind: str) -> float | None:
@@ -214,16 +228,26 @@ class GraphSGD(DeviceTask):
             return float(len(self.test_idx))
         if kind.startswith("e") and kind[1:].isdigit():
             return float(int(kind[1:]))
+        if kind.startswith("b") and kind[1:].isdigit():
+            return float(int(kind[1:]) * self.batch_edges)
         return float(self.batch_edges) if kind == "" else None
 
     def fit_piece(self, room_ns: int, estimate_ns: Callable[[str], int]) -> str | None:
-        """The whole mini-batch if it fits in ``room_ns``, else the largest power-of-two share that does."""
+        """Joined mini-batches, a whole one, or the largest power-of-two share of one that fits in ``room_ns``.
+
+        Joined ones only up to ``target_ms`` by their estimate; a count not run
+        yet in this process is judged on twice the count below it (the
+        runtime's estimate of it, scaled from every kind measured, is still
+        what must fit the room).
+        """
         if self._eval_due:
             return None
         whole = estimate_ns("")
+        self._join = 1
         if whole < 0 or whole <= room_ns:
             self._piece = 0
-            return ""
+            self._join = self._joinable(room_ns, whole, estimate_ns) if whole >= 0 else 1
+            return self.step_kind()
         n = self.batch_edges // 2
         while n >= _MIN_PIECE:
             need = estimate_ns(f"e{n}")
@@ -235,11 +259,37 @@ class GraphSGD(DeviceTask):
             n //= 2
         return None
 
+    def _joinable(self, room_ns: int, whole: int, estimate_ns: Callable[[str], int]) -> int:
+        """How many mini-batches (a power of two) the next step may run one after the other."""
+        cap = min(room_ns, self._target_ns)
+        left = (
+            math.ceil((self.steps * self.batch_edges - self.edges_done) / self.batch_edges) if self.steps else 1 << 30
+        )
+        count, need = 1, whole
+        while count * 2 <= left:
+            estimate = estimate_ns(f"b{count * 2}")
+            if estimate < 0 or estimate > room_ns:
+                break
+            guess = estimate if count * 2 in self._joined else 2 * need
+            if guess > cap:
+                break
+            count, need = count * 2, guess
+        return count
+
     def step(self) -> None:
         if self._eval_due:  # a step of its own: it takes many training steps' time
             self.test_rmse = float(self._rmse(self.test_idx))
             self._eval_due = False
             return
+        count, self._join = self._join, 1
+        if count > 1:
+            self._joined.add(count)
+        for _ in range(count):
+            self._train()
+            if self._eval_due:
+                break  # the evaluation is a step of its own: the rest waits for a later step
+
+    def _train(self) -> None:
         n = self._piece or self.batch_edges
         self._piece = 0
         if self.steps > 0:  # the last piece stops at the requested steps' worth of edges

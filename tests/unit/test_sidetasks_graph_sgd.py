@@ -1,4 +1,4 @@
-"""Graph SGD side task: the per-edge update rule, recovery of a planted matrix, exact resume."""
+"""Graph SGD side task: the per-edge update rule, recovery of a planted matrix, exact resume, packing."""
 
 from __future__ import annotations
 
@@ -111,7 +111,8 @@ async def test_ratings_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("option", "value"), [("density", 0.0), ("lr", -1.0), ("holdout", 1.0), ("batch_edges", 0), ("dim", 0)]
+    ("option", "value"),
+    [("density", 0.0), ("lr", -1.0), ("holdout", 1.0), ("batch_edges", 0), ("dim", 0), ("target_ms", -1.0)],
 )
 def test_bad_options_name_the_field(option: str, value: Any) -> None:
     kwargs: dict[str, Any] = {option: value}
@@ -163,3 +164,41 @@ def test_step_cost_is_the_edges_a_step_touches() -> None:
     assert task.step_cost("") == 1024 and task.step_cost("e256") == 256
     assert task.step_cost("eval") == len(task.test_idx)
     assert task.step_cost("other") is None
+
+
+def test_packing_joins_mini_batches_that_fit_up_to_the_target() -> None:
+    est = _estimates({"": 1000, "b2": 2000, "b4": 4000})
+    task = GraphSGD(**SMALL)  # target_ms 5: the room bounds these
+    assert task.fit_piece(10_000, est) == "b4" and task.step_kind() == "b4"  # b8 not measured nor estimated
+    assert task.fit_piece(3000, est) == "b2"  # b4's 4000 would not fit
+    assert task.fit_piece(1500, est) == ""
+    assert task.step_cost("b4") == 4 * 1024
+    narrow = GraphSGD(**SMALL, target_ms=0.003)  # 3000 ns: b4, judged on twice b2 (not run yet), is past it
+    assert narrow.fit_piece(10_000, est) == "b2"
+    assert GraphSGD(**SMALL, target_ms=0.0).fit_piece(10_000, est) == ""
+    assert GraphSGD(**SMALL, steps=3).fit_piece(10_000, est) == "b2"  # never past the requested steps
+
+
+async def test_joined_mini_batches_are_the_same_updates_as_one_step_each(tmp_path: Path) -> None:
+    plain = GraphSGD(**SMALL, steps=7)
+    await run_alone(plain, steps=100, ctx=cpu_context(tmp_path))
+    joined = GraphSGD(**SMALL, steps=7)
+    await joined.setup(cpu_context(tmp_path))
+    est = _estimates({"": 1000, "b2": 2000, "b4": 4000})
+    kinds = []
+    while not joined.done():
+        joined.fit_piece(10_000, est)
+        kinds.append(joined.step_kind())
+        joined.step()
+    assert kinds == ["b4", "b2", "", "eval"]  # 4 + 2 + 1 mini-batches, then the final evaluation
+    assert joined.done_steps == plain.done_steps == 7 and joined.cursor.position == plain.cursor.position
+    assert torch.equal(joined.p, plain.p) and torch.equal(joined.q, plain.q)
+    assert joined.test_rmse == plain.test_rmse
+
+
+async def test_a_due_evaluation_ends_a_joined_step(tmp_path: Path) -> None:
+    task = GraphSGD(**SMALL, eval_every=3)
+    await task.setup(cpu_context(tmp_path))
+    assert task.fit_piece(10_000, _estimates({"": 1000, "b2": 2000, "b4": 4000})) == "b4"
+    task.step()
+    assert task.done_steps == 3 and task.step_kind() == "eval"  # the fourth mini-batch waits for a later step
