@@ -1,8 +1,9 @@
-"""Plumbing shared by the sample side tasks: deferred state, RNG capture, device sync."""
+"""Plumbing shared by the sample side tasks: deferred state, RNG capture, device sync, joined steps."""
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -14,12 +15,45 @@ __all__ = [
     "ShuffledCursor",
     "capture_rng",
     "check_fingerprint",
+    "joinable",
     "restore_rng",
     "sample_seed",
     "synchronize",
 ]
 
 _MASK63 = (1 << 63) - 1
+
+
+def joinable(
+    room_ns: int,
+    cap_ns: int,
+    one_ns: int,
+    estimate_ns: Callable[[str], int],
+    kind_of: Callable[[int], str],
+    *,
+    ran: Collection[int],
+    most: int,
+) -> int:
+    """How many units of work (a power of two, at most ``most``) the next step may join.
+
+    Each count's estimate (``estimate_ns(kind_of(count))``) must fit in
+    ``room_ns``, as the runtime then checks, and the count must take at most
+    ``cap_ns`` (the room or the task's ``target_ms``, the lower). A count not
+    in ``ran`` (not run yet in this process) is judged on twice the count
+    below it, starting from ``one_ns`` for one unit: the runtime's estimate of
+    a kind not measured yet is scaled from every kind measured, a rarely run
+    kind's cold first step too, which can be several times a warm one.
+    """
+    count, need = 1, one_ns
+    while count * 2 <= most:
+        estimate = estimate_ns(kind_of(count * 2))
+        if estimate < 0 or estimate > room_ns:
+            break
+        guess = estimate if count * 2 in ran else 2 * need
+        if guess > cap_ns:
+            break
+        count, need = count * 2, guess
+    return count
 
 
 def sample_seed(seed: int, stream: int, index: int) -> int:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from freeride.sidetask import TaskContext
-from sidetasks._common import DeviceTask, ShuffledCursor, check_fingerprint, sample_seed
+from sidetasks._common import DeviceTask, ShuffledCursor, check_fingerprint, joinable, sample_seed
 
 __all__ = ["GraphSGD", "planted_ratings", "read_ratings"]
 
@@ -261,20 +261,11 @@ class GraphSGD(DeviceTask):
 
     def _joinable(self, room_ns: int, whole: int, estimate_ns: Callable[[str], int]) -> int:
         """How many mini-batches (a power of two) the next step may run one after the other."""
+        left = 1 << 30  # until stopped
+        if self.steps:
+            left = math.ceil((self.steps * self.batch_edges - self.edges_done) / self.batch_edges)
         cap = min(room_ns, self._target_ns)
-        left = (
-            math.ceil((self.steps * self.batch_edges - self.edges_done) / self.batch_edges) if self.steps else 1 << 30
-        )
-        count, need = 1, whole
-        while count * 2 <= left:
-            estimate = estimate_ns(f"b{count * 2}")
-            if estimate < 0 or estimate > room_ns:
-                break
-            guess = estimate if count * 2 in self._joined else 2 * need
-            if guess > cap:
-                break
-            count, need = count * 2, guess
-        return count
+        return joinable(room_ns, cap, whole, estimate_ns, lambda n: f"b{n}", ran=self._joined, most=left)
 
     def step(self) -> None:
         if self._eval_due:  # a step of its own: it takes many training steps' time

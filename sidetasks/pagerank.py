@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from freeride.sidetask import TaskContext
-from sidetasks._common import DeviceTask, check_fingerprint, synchronize
+from sidetasks._common import DeviceTask, check_fingerprint, joinable, synchronize
 
 __all__ = ["PageRank", "generate_graph", "read_edge_list"]
 
@@ -216,10 +216,7 @@ class PageRank(DeviceTask):
         """The most units (a power of two) that fit in ``room_ns`` and, by their estimate, in ``target_ms``.
 
         A piece not run yet in this process is judged on twice the piece below
-        it: the runtime's estimate of it is scaled from every kind measured,
-        its first step's too, which can be several times a warm one. It is
-        still offered only where that estimate fits the room (as the runtime
-        then checks), and is measured when it runs.
+        it (see :func:`~sidetasks._common.joinable`).
         """
         cap = min(room_ns, self._max_piece_ns)
         one = estimate_ns("")
@@ -227,15 +224,7 @@ class PageRank(DeviceTask):
             self._piece = 1  # nothing joined fits (or nothing is known): a plain step, which the runtime fits
             return ""
         left = max(1, math.ceil((self.max_iters - self.iterations) / self.iters_per_step))
-        units, need = 1, one
-        while units * 2 <= left:
-            estimate = estimate_ns(f"i{units * 2}")
-            if estimate < 0 or estimate > room_ns:
-                break
-            guess = estimate if units * 2 in self._ran else 2 * need
-            if guess > cap:
-                break
-            units, need = units * 2, guess
+        units = joinable(room_ns, cap, one, estimate_ns, lambda n: f"i{n}", ran=self._ran, most=left)
         self._piece = units
         return self.step_kind()
 
