@@ -26,7 +26,7 @@ _MASK63 = (1 << 63) - 1
 
 def joinable(
     room_ns: int,
-    cap_ns: int,
+    target_ns: int,
     one_ns: int,
     estimate_ns: Callable[[str], int],
     kind_of: Callable[[int], str],
@@ -38,12 +38,13 @@ def joinable(
 
     Each count's estimate (``estimate_ns(kind_of(count))``) must fit in
     ``room_ns``, as the runtime then checks, and the count must take at most
-    ``cap_ns`` (the room or the task's ``target_ms``, the lower). A count not
+    the room or ``target_ns`` (the task's ``target_ms``), the lower. A count not
     in ``ran`` (not run yet in this process) is judged on twice the count
     below it, starting from ``one_ns`` for one unit: the runtime's estimate of
     a kind not measured yet is scaled from every kind measured, a rarely run
     kind's cold first step too, which can be several times a warm one.
     """
+    cap_ns = min(room_ns, target_ns)
     count, need = 1, one_ns
     while count * 2 <= most:
         estimate = estimate_ns(kind_of(count * 2))

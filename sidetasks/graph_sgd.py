@@ -264,8 +264,7 @@ class GraphSGD(DeviceTask):
         left = 1 << 30  # until stopped
         if self.steps:
             left = math.ceil((self.steps * self.batch_edges - self.edges_done) / self.batch_edges)
-        cap = min(room_ns, self._target_ns)
-        return joinable(room_ns, cap, whole, estimate_ns, lambda n: f"b{n}", ran=self._joined, most=left)
+        return joinable(room_ns, self._target_ns, whole, estimate_ns, lambda n: f"b{n}", ran=self._joined, most=left)
 
     def step(self) -> None:
         if self._eval_due:  # a step of its own: it takes many training steps' time

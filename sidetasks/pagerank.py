@@ -149,7 +149,7 @@ class PageRank(DeviceTask):
         self.nodes, self.avg_degree, self.skew, self.seed = nodes, avg_degree, skew, seed
         self.graph_file = graph_file
         self.alpha, self.tol, self.max_iters, self.iters_per_step = alpha, tol, max_iters, iters_per_step
-        self._max_piece_ns = round(target_ms * 1e6)
+        self._target_ns = round(target_ms * 1e6)
         self._piece = 1
         """Units of ``iters_per_step`` iterations the next step runs (chosen by :meth:`fit_piece`)."""
         self._ran: set[int] = set()
@@ -218,13 +218,13 @@ class PageRank(DeviceTask):
         A piece not run yet in this process is judged on twice the piece below
         it (see :func:`~sidetasks._common.joinable`).
         """
-        cap = min(room_ns, self._max_piece_ns)
+        cap = min(room_ns, self._target_ns)
         one = estimate_ns("")
         if one < 0 or one > cap:
             self._piece = 1  # nothing joined fits (or nothing is known): a plain step, which the runtime fits
             return ""
         left = max(1, math.ceil((self.max_iters - self.iterations) / self.iters_per_step))
-        units = joinable(room_ns, cap, one, estimate_ns, lambda n: f"i{n}", ran=self._ran, most=left)
+        units = joinable(room_ns, self._target_ns, one, estimate_ns, lambda n: f"i{n}", ran=self._ran, most=left)
         self._piece = units
         return self.step_kind()
 
