@@ -106,12 +106,20 @@ class Partitioned(IterativeTask):
         self._pending: dict[str, Any] | None = None
         self._drift = 1.0
         self._clock = time.perf_counter
+        self._ran: set[str] = set()
+        """Kinds run in this process: a kind's first run pays one-time costs and says nothing about drift."""
 
     # -- planning and drift
 
     def _observe(self, step: Step | None, seconds: float) -> None:
-        if step is not None and step.cost_s > 0:
-            self._drift = EMA * self._drift + (1 - EMA) * (seconds / step.cost_s)
+        if step is None or step.cost_s <= 0:
+            return
+        if step.kind not in self._ran:
+            # a fresh process's first batch took 1.6x the plan alone (allocations, kernel choice): a
+            # regroup on it cut every later batch into pieces a third too small
+            self._ran.add(step.kind)
+            return
+        self._drift = EMA * self._drift + (1 - EMA) * (seconds / step.cost_s)
 
     def _maybe_regroup(self) -> None:
         """At a batch boundary: group the steps again if step times drifted from the plan."""

@@ -5,14 +5,19 @@ optimizer, the loss and the data in :meth:`PartitionedTraining.build`; at
 setup the task traces and times the model on its device and plans steps
 (see :mod:`freeride.partition.plan`). One batch is then:
 
-* ``f0`` .. ``fN``: the forward pass, a few atoms per step (``f0`` fetches the batch);
-* ``b0`` .. ``bM``: the backward pass, from the loss back to the input;
-* ``u0`` .. ``uK``: the optimizer step, a run of parameters (or rows of a large one) per step.
+* forward steps (kinds ``f...``), a few atoms each (the first fetches the batch);
+* backward steps (``b...``), from the loss back to the input;
+* optimizer steps (``u...``), a run of parameters (or rows of a large one) each.
+
+A kind names the work a step runs (see :meth:`freeride.partition.plan.Plan.kind`):
+``f0-7.3ac2`` runs nodes 0 to 6 forward, ``u0-4096`` updates the first 4096
+rows of the parameters; the same work has the same kind in every grouping and
+every run, so its measured time is never another piece's.
 
 Packing (:meth:`PartitionedTraining.fit_piece`): where a forward or backward
 step does not fit what is left of a bubble, its first half by measured cost
-(kind ``f3a``, say) may, and the rest (``f3b``) runs next, so the end of a
-bubble takes half a step rather than none.
+may (a step of its own kind), and the rest runs next, so the end of a bubble
+takes half a step rather than none.
 
 The parameters after each batch are those of ``opt.zero_grad();
 loss_fn(model(x), y).backward(); opt.step()`` on the same batch, up to the
@@ -21,7 +26,7 @@ rounding of summing gradients in another order.
 Checkpoints are exact at every step boundary. During the forward and backward
 passes the state describes the batch's start (its data position, random state
 and the model's buffers as they were then: batch-norm statistics are updated by
-the forward pass), so a restored task runs the batch again from ``f0`` and
+the forward pass), so a restored task runs the batch again from its first step and
 reaches the same numbers; parameters do not change before the update, and
 their gradients start from none. During the update the state holds the
 gradients and how many rows of the parameters are already updated.
@@ -89,6 +94,10 @@ class PartitionedTraining(Partitioned):
         """Atoms of the current forward or backward step already run (its first half ran as a step of its own)."""
         self._halve = False
         """The next step is the current step's first half (chosen by :meth:`fit_piece`)."""
+        self.chunks: list[tuple[int, int, float]] = []
+        """The optimizer step's runs of pieces ``(lo, hi, planned seconds)``, one step each."""
+        self._chunk_kinds: list[str] = []
+        """Each chunk's kind: the global rows it updates, ``u{first}-{end}``."""
 
     @abc.abstractmethod
     def build(self) -> TrainingParts:
@@ -112,6 +121,8 @@ class PartitionedTraining(Partitioned):
         )
         target_s = self.target_ms / 1e3
         self.chunks = ChunkedUpdate.chunks(self.update.split(self.update.profile(self.device), target_s), target_s)
+        pieces = self.update.pieces
+        self._chunk_kinds = [f"u{pieces[lo].lo}-{pieces[hi - 1].hi}" for lo, hi, _ in self.chunks]
         # planning ran the model: undo what that changed
         restore_rng(rng, self.device)
         self._load_buffers(buffers)
@@ -162,14 +173,16 @@ class PartitionedTraining(Partitioned):
         while cut < len(step.atoms) - 1 and run + costs[step.atoms[cut]] <= step.cost_s / 2:
             run += costs[step.atoms[cut]]
             cut += 1
-        head = Step(f"{step.kind}a", step.atoms[:cut], run)
-        return head, Step(f"{step.kind}b", step.atoms[cut:], max(0.0, step.cost_s - run))
+        prefix = "f" if phase == "forward" else "b"
+        head = Step(self.plan.kind(prefix, step.atoms[:cut]), step.atoms[:cut], run)
+        rest = step.atoms[cut:]
+        return head, Step(self.plan.kind(prefix, rest), rest, max(0.0, step.cost_s - run))
 
     def step_kind(self) -> str:
         if self.plan is None:
             return ""
         step = self._piece()
-        return step.kind if step is not None else f"u{self._chunk()}"
+        return step.kind if step is not None else self._chunk_kinds[self._chunk()]
 
     def fit_piece(self, room_ns: int, estimate_ns: Callable[[str], int]) -> str | None:
         """The whole forward or backward step if it fits in ``room_ns``, else its first half if that does.
@@ -200,7 +213,7 @@ class PartitionedTraining(Partitioned):
                     if len(step.atoms) > 1:
                         head, rest = self._halves(step, phase)
                         costs[head.kind], costs[rest.kind] = head.cost_s, rest.cost_s
-        costs.update({f"u{j}": cost for j, (_, _, cost) in enumerate(getattr(self, "chunks", []))})
+        costs.update(zip(self._chunk_kinds, (cost for _, _, cost in self.chunks), strict=True))
         return costs
 
     def step(self) -> None:
