@@ -223,9 +223,8 @@ async def _serve(link: WorkerLink, assign: p.Assign, feed: RankFeed) -> int:
             store.seed(gate.estimates)
         if assign.warm_up:
             rehearsal = await warm_up(task)
-            for kind, took_ns in rehearsal.slowest().items() if rehearsal is not None else ():
-                # one sample each, the newest: this run's first-step costs are paid (nothing is cold)
-                gate.estimates.observe(kind, took_ns)
+            if rehearsal is not None:  # the newest samples: this run's first-step costs are paid (nothing is cold)
+                rehearsal.seed(gate.estimates)
         if task.state_dict():
             import torch  # noqa: F401 - load the serializer before timing a checkpoint
         gate.checkpoint()  # before any bubble: measures what a checkpoint costs
