@@ -1,6 +1,7 @@
 """Inference of any ``nn.Module`` over its data, each batch in steps sized for the bubbles of its device.
 
-One batch is ``i0`` .. ``iN``, the forward pass a few pieces per step (``i0``
+One batch is the forward pass, a few pieces per step (kinds ``i...``, named by
+the nodes they run: see :meth:`freeride.partition.plan.Plan.kind`; the first
 fetches the batch), under ``torch.no_grad`` and in eval mode. A checkpoint
 taken mid-batch describes the batch's start: a restored task runs it again.
 """
