@@ -12,8 +12,9 @@ is the backward pass through nodes 20 to 24, the suffix a digest of exactly
 which nodes and slices. The runtime keeps step-time estimates per kind (and
 across runs, per task and options), so a name that meant other work after a
 regroup, or in a plan timed differently, would hand one piece another's
-time: a VGG-19 piece measured at 43 ms in a coarser grouping kept its
-successor of 4 ms out of every bubble until a probe.
+time (one VGG-19 run's estimates file had its ``b9`` at 42.6 ms once, then
+3.2-3.7 ms), and a piece estimated longer than every bubble waits for a
+probe.
 """
 
 from __future__ import annotations
