@@ -305,6 +305,12 @@ def format_status(status: p.StatusReply) -> str:
             f"{format_ns(d.bubble_ns):>12} {share:>6.1%} {d.overruns:>8} {format_ns(d.interference_ns):>13} {taken:>11}"
         )
     lines.extend(_guard_line(d) for d in status.devices if d.margin_ns >= 0)
+    lines.extend(
+        f"{printable(d.device):10} typical bubble: {format_ns(d.typical_bubble_ns)} (half the bubble time lies in"
+        " bubbles at least this long; side tasks that size their steps size them for it)"
+        for d in status.devices
+        if d.typical_bubble_ns > 0
+    )
     lines.extend(f"{printable(d.device):10} {printable(d.no_bubbles)}" for d in status.devices if d.no_bubbles)
     lines.append("")
     lines.append(
@@ -535,6 +541,7 @@ def cmd_profile_task(args: argparse.Namespace) -> int:
         cores=_cores(args.cores),
         samples=args.samples,
         steps=args.steps,
+        bubble_ms=args.bubble_ms,
     )
     ensure_private_dir(state_dir, what="state dir", strict=False)
     result = profile_task(options)
@@ -807,6 +814,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--steps", type=int, default=DEFAULT_STEPS, help=f"stop after this many steps in any case ({DEFAULT_STEPS})"
+    )
+    s.add_argument(
+        "--bubble-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="the typical bubble of the stage the task will share (`freeride status` shows it): a task that sizes"
+        " its steps by the bubbles then measures the steps it will run (default 0: unknown)",
     )
     s.add_argument("--state-dir", metavar="DIR", help="the state dir of `freeride serve` (default RUNTIME_DIR/state)")
     s.add_argument(

@@ -20,6 +20,7 @@ its kernels on a lowest-priority stream and each step timed to its device end.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import statistics
 import sys
@@ -60,12 +61,17 @@ class ProfileTaskOptions:
     """Stop once every kind seen has run this many times."""
     steps: int = DEFAULT_STEPS
     """Stop after this many steps in any case."""
+    bubble_ms: float = 0.0
+    """The typical bubble of the device the task will share, as ``freeride serve`` tells the task
+    (``TaskContext.bubble_ns``): a task that sizes its steps by it then measures the same steps (0: unknown)."""
 
     def __post_init__(self) -> None:
         if self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if not (self.bubble_ms >= 0 and math.isfinite(self.bubble_ms)):
+            raise ValueError(f"bubble_ms must be a number of milliseconds >= 0, got {self.bubble_ms}")
         kind, sep, index = self.device.partition(":")
         if kind not in ("cpu", "cuda") or (sep and not index.isdigit()):
             raise ValueError(f"device must be cpu:N or cuda:N, got {self.device!r}")
@@ -195,7 +201,13 @@ def profile_task(opts: ProfileTaskOptions) -> ProfileResult:
     stream = use_side_stream(torch_device)
     gate = _ProfileGate(samples=opts.samples, device_sync=step_end_sync(stream))
     with tempfile.TemporaryDirectory(prefix="freeride-profile-task-") as workdir:
-        ctx = TaskContext(task_id=0, device=opts.device, torch_device=torch_device, workdir=Path(workdir))
+        ctx = TaskContext(
+            task_id=0,
+            device=opts.device,
+            torch_device=torch_device,
+            workdir=Path(workdir),
+            bubble_ns=round(opts.bubble_ms * 1e6),
+        )
         asyncio.run(run_alone(task, steps=opts.steps, ctx=ctx, gate=gate))
     store = EstimatesStore.for_task(
         opts.state_dir / "estimates", target, cls, dict(opts.options), torch_device=torch_device

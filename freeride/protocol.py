@@ -319,6 +319,10 @@ class Assign(_Msg, frozen=True, tag="assign"):
     """No training runs on the device yet: rehearse each step kind before the first bubble, then undo it."""
     estimates_dir: str = ""
     """Directory of the step-time estimates kept across runs (see :mod:`freeride.estimates`); empty: none kept."""
+    bubble_ns: Nanos = 0
+    """The device's typical bubble: half its bubble time lies in bubbles at least this long (0: not known yet).
+
+    Tasks that size their own steps size them by it (``TaskContext.bubble_ns``)."""
 
 
 class Grant(_Msg, frozen=True, tag="grant"):
@@ -560,6 +564,8 @@ class DeviceStatus(_Msg, frozen=True, tag="device_status"):
     """Why the margin and factor are what they are, in one line."""
     no_bubbles: str = ""
     """Why this device has no pipeline bubbles, e.g. ``no pipeline bubbles: pipeline size 1`` ("" when it has)."""
+    typical_bubble_ns: int = 0
+    """Half the bubble time lies in bubbles at least this long (0: not known yet); tasks size their steps by it."""
 
 
 class TaskStatus(_Msg, frozen=True, tag="task_status"):

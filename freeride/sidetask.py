@@ -115,6 +115,11 @@ class TaskContext:
     """Device string for torch: ``cuda:N`` on a GPU, ``cpu`` otherwise."""
     workdir: Path
     """Directory for the task's own outputs (created by the runtime)."""
+    bubble_ns: int = 0
+    """The device's typical bubble: half its bubble time lies in bubbles at least this long (0: not known).
+
+    What a task that sizes its own steps sizes them by (see ``freeride.partition``).
+    """
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("freeride.task"))
 
 

@@ -103,8 +103,8 @@ class MobileNetV2Training(PartitionedTraining):
     ``num_classes`` (10), ``width`` (0.5: the channel multiplier), ``lr``
     (0.01), ``momentum`` (0.9), ``weight_decay`` (4e-5), ``seed`` (0: weights,
     data and order), ``train_size`` (8192), ``noise`` (1.0: synthetic pixel
-    noise), and the partitioning options ``target_ms`` (5: the longest a step
-    should take), ``steps`` (0: until stopped; else batches) and
+    noise), and the partitioning options ``target_ms`` (the longest a step
+    should take; 0: sized from the device's bubbles), ``steps`` (0: until stopped; else batches) and
     ``profile_runs`` (2).
 
     Metrics: ``loss`` (last batch), ``loss_ema``, ``batches``, ``steps_per_batch``.
@@ -123,7 +123,7 @@ class MobileNetV2Training(PartitionedTraining):
         seed: int = 0,
         train_size: int = 8192,
         noise: float = 1.0,
-        target_ms: float = 5.0,
+        target_ms: float = 0.0,
         steps: int = 0,
         profile_runs: int = 2,
     ) -> None:

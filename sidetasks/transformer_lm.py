@@ -97,8 +97,8 @@ class TransformerLMTraining(PartitionedTraining):
     ``d_model`` (128), ``layers`` (4), ``heads`` (4), ``dropout`` (0.1), ``lr``
     (1e-3), ``weight_decay`` (0.01), ``seed`` (0: weights and windows),
     ``text_file`` ("": a generated corpus of ``sentences`` sentences),
-    ``sentences`` (4000), and the partitioning options ``target_ms`` (5: the
-    longest a step should take), ``steps`` (0: until stopped; else batches)
+    ``sentences`` (4000), and the partitioning options ``target_ms`` (the
+    longest a step should take; 0: sized from the device's bubbles), ``steps`` (0: until stopped; else batches)
     and ``profile_runs`` (2).
 
     Metrics: ``loss`` (nats per byte, last batch), ``loss_ema``,
@@ -119,7 +119,7 @@ class TransformerLMTraining(PartitionedTraining):
         seed: int = 0,
         text_file: str = "",
         sentences: int = 4000,
-        target_ms: float = 5.0,
+        target_ms: float = 0.0,
         steps: int = 0,
         profile_runs: int = 2,
     ) -> None:

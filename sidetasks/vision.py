@@ -286,7 +286,8 @@ class _Training(_Options, PartitionedTraining):
     optimizer steps, i.e. batches), ``seed`` (0: weights, data and order),
     ``data_dir`` ("": synthetic data), ``train_size``/``eval_size``
     (synthetic set sizes), ``noise`` (synthetic pixel noise), and the
-    partitioner's ``target_ms`` (5: the longest a task step should take) and
+    partitioner's ``target_ms`` (the longest a task step should take; 0, the
+    default, sizes it from the device's bubbles) and
     ``profile_runs`` (2: timed runs per piece at setup).
 
     Deprecated: ``layer_steps`` is accepted and ignored (the partitioner always
@@ -315,7 +316,7 @@ class _Training(_Options, PartitionedTraining):
         train_size: int = 8192,
         eval_size: int = 1024,
         noise: float = 1.0,
-        target_ms: float = 5.0,
+        target_ms: float = 0.0,
         profile_runs: int = 2,
         micro_batch_size: int = 0,
         layer_steps: bool = False,

@@ -4,13 +4,22 @@ A whole training step of a real model rarely fits in a pipeline bubble. The
 tasks here trace the model with ``torch.fx``, time every piece on the device
 the task landed on, open slow modules into their children and split large
 ``Linear`` and ``Conv2d`` layers by output, then group the pieces into steps
-under a target duration: the forward pass, the backward pass (autograd
+under a target duration (sized from the device's bubbles, see
+:func:`piece_target_s`): the forward pass, the backward pass (autograd
 through the activations each piece kept) and the optimizer update in runs of
 parameters. The arithmetic is that of one plain step; every step boundary is
 an exact checkpoint. See :class:`PartitionedTraining`.
 """
 
+from freeride.partition._common import DEFAULT_TARGET_MS, piece_target_s
 from freeride.partition.inference import InferenceParts, PartitionedInference
 from freeride.partition.training import PartitionedTraining, TrainingParts
 
-__all__ = ["InferenceParts", "PartitionedInference", "PartitionedTraining", "TrainingParts"]
+__all__ = [
+    "DEFAULT_TARGET_MS",
+    "InferenceParts",
+    "PartitionedInference",
+    "PartitionedTraining",
+    "TrainingParts",
+    "piece_target_s",
+]

@@ -35,13 +35,14 @@ class PartitionedInference(Partitioned):
     """Run any model over its data, one batch in several steps sized for the bubbles of its device.
 
     Subclass it, implement :meth:`build` and take each batch's output in
-    :meth:`consume`. Options: ``target_ms`` (5), ``steps`` (0: until stopped;
+    :meth:`consume`. Options: ``target_ms`` (0: sized from the device's
+    bubbles, see :func:`~freeride.partition.piece_target_s`), ``steps`` (0: until stopped;
     else the number of batches), ``profile_runs`` (2).
 
     Metrics: ``batches``, ``steps_per_batch``.
     """
 
-    def __init__(self, *, target_ms: float = 5.0, steps: int = 0, profile_runs: int = 2) -> None:
+    def __init__(self, *, target_ms: float = 0.0, steps: int = 0, profile_runs: int = 2) -> None:
         super().__init__(target_ms=target_ms, steps=steps, profile_runs=profile_runs)
         self.model: nn.Module = nn.Identity()
         self._pos = 0
@@ -65,6 +66,7 @@ class PartitionedInference(Partitioned):
 
         self.device = torch.device(ctx.torch_device)
         self._clock = timer(self.device)
+        self._size_steps(ctx)
         parts = self.build()
         self.model = parts.model
         self.batches = Batches(parts.data)
@@ -73,7 +75,7 @@ class PartitionedInference(Partitioned):
         self.model.eval()
         with torch.no_grad():
             self.plan = make_plan(
-                self.model, x, None, None, target_s=self.target_ms / 1e3, device=self.device, runs=self.profile_runs
+                self.model, x, None, None, target_s=self.target_s, device=self.device, runs=self.profile_runs
             )
         restore_rng(rng, self.device)
         self.executor = Executor(self.plan.graph, self.plan.atoms, None)

@@ -72,14 +72,15 @@ class PartitionedTraining(Partitioned):
     """Train any model with its optimizer, in steps sized for the bubbles of its device.
 
     Subclass it and implement :meth:`build`. Options (keyword arguments):
-    ``target_ms`` (5: the longest a step should take, in milliseconds),
+    ``target_ms`` (0: the longest a step should take, in milliseconds; 0
+    sizes it from the device's bubbles, see :func:`~freeride.partition.piece_target_s`),
     ``steps`` (0: train until stopped; else the number of batches),
     ``profile_runs`` (2: timed runs per piece at setup).
 
     Metrics: ``loss`` (last batch), ``loss_ema``, ``batches``, ``steps_per_batch``.
     """
 
-    def __init__(self, *, target_ms: float = 5.0, steps: int = 0, profile_runs: int = 2) -> None:
+    def __init__(self, *, target_ms: float = 0.0, steps: int = 0, profile_runs: int = 2) -> None:
         super().__init__(target_ms=target_ms, steps=steps, profile_runs=profile_runs)
         self.model: nn.Module = nn.Identity()
         self.loss = math.nan
@@ -109,6 +110,7 @@ class PartitionedTraining(Partitioned):
 
         self.device = torch.device(ctx.torch_device)
         self._clock = timer(self.device)
+        self._size_steps(ctx)
         parts = self.build()
         self.model, self.optimizer, self.loss_fn = parts.model, parts.optimizer, parts.loss_fn
         self.batches = Batches(parts.data)
@@ -117,9 +119,9 @@ class PartitionedTraining(Partitioned):
         rng, buffers = capture_rng(self.device), self._buffers()
         self.model.train()
         self.plan = make_plan(
-            self.model, x, y, self.loss_fn, target_s=self.target_ms / 1e3, device=self.device, runs=self.profile_runs
+            self.model, x, y, self.loss_fn, target_s=self.target_s, device=self.device, runs=self.profile_runs
         )
-        target_s = self.target_ms / 1e3
+        target_s = self.target_s
         self.chunks = ChunkedUpdate.chunks(self.update.split(self.update.profile(self.device), target_s), target_s)
         pieces = self.update.pieces
         self._chunk_kinds = [f"u{pieces[lo].lo}-{pieces[hi - 1].hi}" for lo, hi, _ in self.chunks]

@@ -84,6 +84,8 @@ class DeviceInfo:
     """Pipeline stages of the job training here (from its Hello or the profile; 0 unknown)."""
     profiled_share: float = -1.0
     """Bubble time per second of training, from the profile (-1: not profiled)."""
+    profiled_bubble_ns: int = 0
+    """The typical bubble, from the profile (see :func:`freeride.profile.typical_bubble_ns`; 0: unknown)."""
     step_ns: int = 0
     """Training time of the steps finished here, the first (warm-up) step of each rank left out."""
     step_bubble_ns: int = 0
@@ -269,6 +271,7 @@ class Ranks:
             cores = [int(index)] if kind == "cpu" and index.isdigit() else []
             info = self.declare(stage.device, stage=stage.stage, spare_memory=stage.spare_memory, cpu_affinity=cores)
             info.num_stages, info.profiled_share = stage.num_stages, stage.bubble_fraction
+            info.profiled_bubble_ns = stage.typical_bubble_ns
         logger.info("[startup] profile %s: %d stage(s) on %s", path, len(profile.stages), ", ".join(profile.devices))
 
     def note_free_memory(self, free_by_index: dict[int, int]) -> None:

@@ -44,12 +44,20 @@ from freeride.admission import room_ns
 from freeride.clock import MONOTONIC, Clock
 from freeride.observe.base import Observers
 from freeride.observe.stats import LatencyRecorder
+from freeride.profile import typical_bubble_ns
 from freeride.serve.guard import DEFAULT_TARGET, GuardConfig, InterferenceGuard
 from freeride.serve.nobubbles import no_bubbles
 from freeride.serve.ranks import DeviceInfo
 from freeride.serve.tasks import TaskRecord
 
-__all__ = ["PACK_ROOM_NS", "PROBE_AFTER_BUBBLES", "PROBE_BUBBLE_SHARE", "DeviceScheduler"]
+__all__ = [
+    "PACK_ROOM_NS",
+    "PROBE_AFTER_BUBBLES",
+    "PROBE_BUBBLE_SHARE",
+    "RECENT_BUBBLES",
+    "MIN_BUBBLES_SEEN",
+    "DeviceScheduler",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +69,11 @@ def _sat(total: int, more: int) -> int:
 
 PACK_ROOM_NS = 200_000
 """A packing task is granted what is left of a bubble down to this much, whatever its whole step needs."""
+
+RECENT_BUBBLES = 256
+"""Bubble lengths a device keeps (see :meth:`DeviceScheduler.typical_bubble_ns`)."""
+MIN_BUBBLES_SEEN = 16
+"""Bubbles that must have ended on a device before their lengths replace the profile's."""
 
 PROBE_AFTER_BUBBLES = 20
 """A task whose estimate has not fit this many bubbles in a row gets a one-step probe."""
@@ -171,6 +184,8 @@ class DeviceScheduler:
         # accounting
         self.bubbles = 0
         self.bubble_ns = 0
+        self._recent_bubbles: deque[int] = deque(maxlen=RECENT_BUBBLES)
+        """The lengths of the last bubbles that ended here."""
         self.used_ns = 0
         self.overruns = 0
         self.overrun_ns = 0
@@ -212,7 +227,19 @@ class DeviceScheduler:
             left_out=self.left_out,
             guard_reason=self.guard.reason,
             no_bubbles=no_bubbles(info),
+            typical_bubble_ns=self.typical_bubble_ns(info),
         )
+
+    def typical_bubble_ns(self, info: DeviceInfo) -> int:
+        """This device's typical bubble (see :func:`freeride.profile.typical_bubble_ns`); 0 while unknown.
+
+        Learned from the last bubbles that ended here once there are
+        :data:`MIN_BUBBLES_SEEN`, else taken from the profile (``info``):
+        what was measured wins over what was profiled.
+        """
+        if len(self._recent_bubbles) >= MIN_BUBBLES_SEEN:
+            return typical_bubble_ns(self._recent_bubbles)
+        return info.profiled_bubble_ns
 
     def train_ns(self, *, alive: bool) -> int:
         """Wall time ranks have trained here: each from its first bubble event to its last (to now while alive).
@@ -294,6 +321,7 @@ class DeviceScheduler:
         if waited > 0:
             self._charge_stage_wait(ev.t_ns - waited, waited)
         self.bubble_ns = _sat(self.bubble_ns, ev.duration_ns)
+        self._recent_bubbles.append(ev.duration_ns)
         self._first_event_ns = self._first_event_ns or max(0, ev.t_ns - ev.duration_ns)
         self._last_event_ns = max(self._last_event_ns, ev.t_ns)
         for state in self._grants.values():

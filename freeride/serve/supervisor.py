@@ -188,6 +188,10 @@ class Supervisor:
         info = self.devices[task.device]
         return side_task_cores(info.name, info.cpu_affinity, position=stage_position(info, self.devices.values()))
 
+    def _typical_bubble_ns(self, device: str) -> int:
+        scheduler = self.schedulers.get(device)
+        return scheduler.typical_bubble_ns(self.devices[device]) if scheduler is not None else 0
+
     def _assignment(self, task: TaskRecord) -> p.Assign:
         workdir = self._workdir(task)
         return p.Assign(
@@ -206,6 +210,7 @@ class Supervisor:
             # rehearsing steps outside bubbles is free only while no rank trains on the device
             warm_up=not self.devices[task.device].alive,
             estimates_dir=str(self.config.estimates_dir.absolute()),  # the worker runs in its workdir
+            bubble_ns=self._typical_bubble_ns(task.device),
         )
 
     # -- submit and place ---------------------------------------------------------------

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from freeride.sidetask import IterativeTask
+from freeride.sidetask import IterativeTask, TaskContext
 
-__all__ = ["TwoKinds"]
+__all__ = ["TellsItsBubble", "TwoKinds"]
 
 
 class TwoKinds(IterativeTask):
@@ -33,3 +33,22 @@ class TwoKinds(IterativeTask):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.count = int(state["count"])
+
+
+class TellsItsBubble(IterativeTask):
+    """Writes the typical bubble it was told at setup to ``told.txt`` in its workdir, and names its kind by it."""
+
+    warm_up = False
+
+    def __init__(self) -> None:
+        self.bubble_ns = -1
+
+    async def setup(self, ctx: TaskContext) -> None:
+        self.bubble_ns = ctx.bubble_ns
+        (ctx.workdir / "told.txt").write_text(str(ctx.bubble_ns))
+
+    def step_kind(self) -> str:
+        return f"bubble{self.bubble_ns}"
+
+    def step(self) -> None:
+        time.sleep(1e-4)

@@ -115,3 +115,52 @@ async def test_serve_starts_a_task_with_what_profile_task_measured(manager: Mana
     task = manager.tasks[reply.task_id]
     await wait_until(lambda: task.state == "running", 60, "setup")
     assert task.estimate_ns >= 500_000  # the same key: no bubble has run, no probe is needed
+
+
+def test_profile_task_tells_the_task_the_bubble_it_will_be_sized_for(runtime_dir: Path) -> None:
+    out = subprocess.run(
+        [*freeride_cmd("profile-task"), "_kind_tasks:TellsItsBubble", "--bubble-ms", "12.5", "--samples", "2"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "XDG_RUNTIME_DIR": str(runtime_dir)},
+    )
+    assert out.returncode == 0, out.stderr
+    (kept,) = (runtime_dir / "freeride" / "state" / "estimates").glob("*.json")
+    assert set(json.loads(kept.read_text())["kinds"]) == {"bubble12500000"}  # what serve would tell it
+
+
+async def test_serve_tells_a_task_the_typical_bubble_of_its_profiled_device(runtime_dir: Path) -> None:
+    from conftest import running_manager
+
+    from freeride.profile import BubbleProfile, Profile, StageProfile, write_profile
+    from freeride.serve.config import ServeConfig
+    from freeride.transport import Endpoints
+
+    ms = 1_000_000
+    bubbles = [(0, "0F1", 25 * ms), (1, "0B0", 2 * ms), (2, "0B1", 20 * ms)]
+    stage = StageProfile(
+        stage=0,
+        rank=0,
+        device="cpu:0",
+        framework="deepspeed",
+        num_stages=2,
+        num_microbatches=4,
+        steps=8,
+        step_time_ns=300 * ms,
+        bubble_ns=47 * ms,
+        bubbles=[
+            BubbleProfile(index=i, key=k, offset_ns=i * 50 * ms, duration_ns=d, p5_ns=d, p95_ns=d, count=8)
+            for i, k, d in bubbles
+        ],
+    )
+    path = runtime_dir / "job.profile.json"
+    write_profile(Profile(stages=[stage]), path)
+    config = ServeConfig(endpoints=Endpoints.ipc(runtime_dir), state_dir=runtime_dir / "state", profile=path)
+    async with running_manager(config) as manager:
+        reply = manager.submit(p.TaskSpec(kind="iterative", target="_kind_tasks:TellsItsBubble", device="cpu:0"))
+        assert isinstance(reply, p.Submitted)
+        task = manager.tasks[reply.task_id]
+        await wait_until(lambda: task.state == "running", 60, "setup")
+        told = config.state_dir / "tasks" / task.name / "told.txt"
+        assert told.read_text() == str(25 * ms)  # half the bubble time lies in bubbles of 25 ms or more

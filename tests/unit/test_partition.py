@@ -14,7 +14,14 @@ import torch.nn.functional as F
 from _torchfix import deterministic_one_thread  # noqa: F401 - autouse fixture
 from torch import nn
 
-from freeride.partition import InferenceParts, PartitionedInference, PartitionedTraining, TrainingParts
+from freeride.partition import (
+    DEFAULT_TARGET_MS,
+    InferenceParts,
+    PartitionedInference,
+    PartitionedTraining,
+    TrainingParts,
+    piece_target_s,
+)
 from freeride.partition import plan as plan_module
 from freeride.partition import update as update_module
 from freeride.partition.plan import group
@@ -420,9 +427,34 @@ def test_lbfgs_is_refused() -> None:
         asyncio.run(Whole("mobilenet-sgd").setup(_ctx()))
 
 
+def test_the_step_target_follows_the_bubbles_the_device_has() -> None:
+    """Longer bubbles, longer steps (sqrt): the end of a bubble loses about half a step, each step a fixed cost."""
+    assert piece_target_s(0) == DEFAULT_TARGET_MS / 1e3  # nothing known: the default
+    at_20, at_30, at_100 = (piece_target_s(ms * 1_000_000) for ms in (20, 30, 100))
+    assert 2e-3 < at_20 < at_30 < 3.5e-3 < 5e-3 < at_100
+    assert at_100 / at_30 == pytest.approx((100 / 30) ** 0.5)
+    assert piece_target_s(100_000) == 1e-3  # 0.1 ms bubbles: no step shorter than 1 ms
+    assert piece_target_s(10**12) == 20e-3  # very long bubbles: no step longer than 20 ms
+
+
+def test_a_task_without_target_ms_sizes_its_steps_for_the_bubbles_it_is_told_of() -> None:
+    def planned(target_ms: float, bubble_ns: int) -> tuple[float, float]:
+        task = _Task("mobilenet-sgd", target_ms=target_ms)
+        ctx = TaskContext(task_id=0, device="cpu:0", torch_device="cpu", workdir=Path("."), bubble_ns=bubble_ns)
+        asyncio.run(task.setup(ctx))
+        assert task.plan is not None
+        return task.target_s, task.plan.target_s
+
+    assert planned(0, 30_000_000) == (piece_target_s(30_000_000),) * 2
+    assert planned(0, 0) == (DEFAULT_TARGET_MS / 1e3,) * 2  # not told: the default
+    assert planned(0.05, 30_000_000) == (0.05e-3,) * 2  # a target given wins
+
+
 def test_bad_options_are_refused() -> None:
     with pytest.raises(ValueError, match="target_ms"):
-        _Task("mobilenet-sgd", target_ms=0)
+        _Task("mobilenet-sgd", target_ms=-1)
+    with pytest.raises(ValueError, match="target_ms"):
+        _Task("mobilenet-sgd", target_ms=float("inf"))
     with pytest.raises(ValueError, match="steps"):
         _Task("mobilenet-sgd", steps=-1)
 

@@ -18,6 +18,7 @@ from freeride.profile import (
     load_profile,
     observation_path,
     read_observations,
+    typical_bubble_ns,
     write_observations,
     write_profile,
 )
@@ -172,3 +173,14 @@ def test_profile_round_trip_and_load_errors(tmp_path: Path) -> None:
         load_profile(future)
     with pytest.raises(OSError):
         load_profile(tmp_path / "missing.json")
+
+
+def test_the_typical_bubble_is_the_one_that_holds_the_middle_of_the_bubble_time() -> None:
+    # a DeepSpeed stage: two long waits and three short ones per step; the short ones are most
+    # bubbles but a tenth of the time, and side work sized for them would waste the long ones
+    assert typical_bubble_ns([25 * MS, 2 * MS, 1 * MS, 23 * MS, 2 * MS]) == 23 * MS
+    assert typical_bubble_ns([32 * MS, 2 * MS, 1 * MS, 20 * MS, 2 * MS]) == 32 * MS
+    assert typical_bubble_ns([5 * MS] * 3 + [2 * MS] * 20) == 2 * MS  # most of the time in short ones
+    assert typical_bubble_ns([]) == typical_bubble_ns([0, -1]) == 0
+    profiled = build_profile([_rank(0, _stage0_steps())]).stages[0]
+    assert profiled.typical_bubble_ns == typical_bubble_ns(b.duration_ns for b in profiled.bubbles) > 0

@@ -11,8 +11,9 @@ from pathlib import Path
 from freeride import protocol as p
 from freeride.clock import ManualClock
 from freeride.observe.stats import LatencyRecorder
+from freeride.serve.ranks import DeviceInfo
 from freeride.serve.runners import ProgramRunner
-from freeride.serve.scheduler import PROBE_AFTER_BUBBLES, DeviceScheduler
+from freeride.serve.scheduler import MIN_BUBBLES_SEEN, PROBE_AFTER_BUBBLES, DeviceScheduler
 from freeride.serve.tasks import TaskRecord
 
 MS = 1_000_000
@@ -484,3 +485,15 @@ def test_a_packing_task_that_runs_pieces_is_never_probed() -> None:
         assert not grant.probe
         h.report(t, done(t, grant, busy=10 * MS))  # a piece that fit
         h.ended(b, 20 * MS)
+
+
+def test_the_typical_bubble_comes_from_the_profile_until_enough_bubbles_ended_here() -> None:
+    h = Harness()
+    info = DeviceInfo(name="cpu:0", first_seen_ns=0, profiled_bubble_ns=30 * MS)
+    assert h.sched.typical_bubble_ns(info) == 30 * MS
+    for k in range(MIN_BUBBLES_SEEN):
+        h.ended(h.started(20 * MS, step=k, index=0), 20 * MS if k % 2 else 2 * MS)
+        h.clock.advance(5 * MS)
+        assert h.sched.typical_bubble_ns(info) == (30 * MS if k < MIN_BUBBLES_SEEN - 1 else 20 * MS)
+    assert h.sched.status(info).typical_bubble_ns == 20 * MS  # what `freeride status` shows
+    assert h.sched.typical_bubble_ns(DeviceInfo(name="cpu:0", first_seen_ns=0)) == 20 * MS  # measured, no profile

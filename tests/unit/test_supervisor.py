@@ -63,3 +63,31 @@ def test_a_task_is_warmed_up_only_while_no_rank_trains_on_its_device(tmp_path: P
         task.place(device)
         assigned[device] = sup._assignment(task).warm_up
     assert assigned == {"cpu:0": True, "cpu:1": False}
+
+
+def test_a_worker_is_told_the_typical_bubble_of_its_device(tmp_path: Path) -> None:
+    """What a task that sizes its steps by the bubbles (``TaskContext.bubble_ns``) learns at its start."""
+    from freeride.observe.stats import LatencyRecorder
+    from freeride.serve.ranks import DeviceInfo
+    from freeride.serve.scheduler import DeviceScheduler
+
+    config = ServeConfig(endpoints=Endpoints.ipc(tmp_path), state_dir=tmp_path / "s")
+    devices = {
+        "cpu:0": DeviceInfo(name="cpu:0", first_seen_ns=0, profiled_bubble_ns=25_000_000),
+        "cpu:1": DeviceInfo(name="cpu:1", first_seen_ns=0),
+    }
+    schedulers = {name: DeviceScheduler(name, latency=LatencyRecorder(), margin_ns=0) for name in devices}
+    sup = Supervisor(
+        config, devices=devices, schedulers=schedulers, send=lambda ident, msg: True, observers=Observers()
+    )
+    told = {}
+    for task_id, device in ((1, "cpu:0"), (2, "cpu:1")):
+        task = TaskRecord(
+            task_id=task_id,
+            spec=p.TaskSpec(kind="iterative", target="m:C"),
+            name=f"t{task_id}",
+            checkpoint_path=tmp_path,
+        )
+        task.place(device)
+        told[device] = sup._assignment(task).bubble_ns
+    assert told == {"cpu:0": 25_000_000, "cpu:1": 0}  # profiled; not known yet
