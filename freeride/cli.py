@@ -306,7 +306,7 @@ def format_status(status: p.StatusReply) -> str:
         )
     lines.extend(_guard_line(d) for d in status.devices if d.margin_ns >= 0)
     lines.extend(
-        f"{printable(d.device):10} typical bubble: {format_ns(d.typical_bubble_ns)} (half the bubble time lies in"
+        f"{printable(d.device):10} typical bubble: {d.typical_bubble_ns / 1e6:.1f} ms (half the bubble time lies in"
         " bubbles at least this long; side tasks that size their steps size them for it)"
         for d in status.devices
         if d.typical_bubble_ns > 0

@@ -82,6 +82,12 @@ def test_status_shows_the_bubbles_a_guard_leaves_out() -> None:
     assert [s.value for s in families["freeride_bubbles_left_out"].samples if s.name.endswith("_total")] == [9]
 
 
+def test_status_shows_the_typical_bubble_that_tasks_size_their_steps_for() -> None:
+    lines = format_status(_status(typical_bubble_ns=30_000_000)).splitlines()
+    assert any(line.startswith("cpu:0      typical bubble: 30.0 ms (half the bubble time") for line in lines)
+    assert "typical bubble" not in format_status(_status())  # not known yet: nothing shown
+
+
 def test_status_of_a_manager_without_a_guard_shows_no_guard_line() -> None:
     assert "guard:" not in format_status(_status())
 
