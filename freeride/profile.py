@@ -49,6 +49,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+"""Version of the files written here; readers reject other versions."""
 
 
 def typical_bubble_ns(durations: Iterable[int]) -> int:
@@ -66,9 +67,6 @@ def typical_bubble_ns(durations: Iterable[int]) -> int:
         if seen >= half:
             return length
     return 0
-
-
-"""Version of the files written here; readers reject other versions."""
 
 
 class _Rec(msgspec.Struct, frozen=True, kw_only=True):

@@ -35,7 +35,7 @@ DEFAULT_TARGET_MS = 5.0
 """The longest a step should take where the device's bubbles are not known."""
 _STEP_COST_S = 150e-6
 """What a step costs besides its work: the runtime's fit check, messages and accounting between two
-steps (70-90 µs measured in a DeepSpeed CPU job) and the executor's own Python around the atoms."""
+steps (85-95 µs measured in a DeepSpeed CPU job) and the executor's own Python around the atoms."""
 _TARGET_RANGE_S = (1e-3, 20e-3)
 """Bounds of a target sized from the bubbles: shorter steps are mostly fixed cost."""
 
