@@ -52,8 +52,14 @@ def test_a_task_is_warmed_up_only_while_no_rank_trains_on_its_device(tmp_path: P
     busy.trainer = _Rank(rank=1, device="cpu:1", pid=4242, last_seen_ns=0)
     devices = {"cpu:0": idle, "cpu:1": busy}
     sup = Supervisor(config, devices=devices, schedulers={}, send=lambda ident, msg: True, observers=Observers())
+    assigned = _assignments(sup, tmp_path)
+    assert {device: a.warm_up for device, a in assigned.items()} == {"cpu:0": True, "cpu:1": False}
+
+
+def _assignments(sup: Supervisor, tmp_path: Path) -> dict[str, p.Assign]:
+    """What a worker is told on starting, for one task placed on each of the supervisor's devices."""
     assigned = {}
-    for task_id, device in ((1, "cpu:0"), (2, "cpu:1")):
+    for task_id, device in enumerate(sup.devices, start=1):
         task = TaskRecord(
             task_id=task_id,
             spec=p.TaskSpec(kind="iterative", target="m:C"),
@@ -61,8 +67,8 @@ def test_a_task_is_warmed_up_only_while_no_rank_trains_on_its_device(tmp_path: P
             checkpoint_path=tmp_path,
         )
         task.place(device)
-        assigned[device] = sup._assignment(task).warm_up
-    assert assigned == {"cpu:0": True, "cpu:1": False}
+        assigned[device] = sup._assignment(task)
+    return assigned
 
 
 def test_a_worker_is_told_the_typical_bubble_of_its_device(tmp_path: Path) -> None:
@@ -80,14 +86,5 @@ def test_a_worker_is_told_the_typical_bubble_of_its_device(tmp_path: Path) -> No
     sup = Supervisor(
         config, devices=devices, schedulers=schedulers, send=lambda ident, msg: True, observers=Observers()
     )
-    told = {}
-    for task_id, device in ((1, "cpu:0"), (2, "cpu:1")):
-        task = TaskRecord(
-            task_id=task_id,
-            spec=p.TaskSpec(kind="iterative", target="m:C"),
-            name=f"t{task_id}",
-            checkpoint_path=tmp_path,
-        )
-        task.place(device)
-        told[device] = sup._assignment(task).bubble_ns
+    told = {device: a.bubble_ns for device, a in _assignments(sup, tmp_path).items()}
     assert told == {"cpu:0": 25_000_000, "cpu:1": 0}  # profiled; not known yet
