@@ -234,10 +234,12 @@ class DeviceScheduler:
         """This device's typical bubble (see :func:`freeride.profile.typical_bubble_ns`); 0 while unknown.
 
         Learned from the last bubbles that ended here once there are
-        :data:`MIN_BUBBLES_SEEN`, else taken from the profile (``info``):
-        what was measured wins over what was profiled.
+        :data:`MIN_BUBBLES_SEEN`, else taken from the profile (``info``), or
+        without one from the few that ended (a job without a profile has its
+        tasks placed after its first steps): what was measured wins over what
+        was profiled.
         """
-        if len(self._recent_bubbles) >= MIN_BUBBLES_SEEN:
+        if len(self._recent_bubbles) >= MIN_BUBBLES_SEEN or not info.profiled_bubble_ns:
             return typical_bubble_ns(self._recent_bubbles)
         return info.profiled_bubble_ns
 

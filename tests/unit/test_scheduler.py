@@ -496,4 +496,14 @@ def test_the_typical_bubble_comes_from_the_profile_until_enough_bubbles_ended_he
         h.clock.advance(5 * MS)
         assert h.sched.typical_bubble_ns(info) == (30 * MS if k < MIN_BUBBLES_SEEN - 1 else 20 * MS)
     assert h.sched.status(info).typical_bubble_ns == 20 * MS  # what `freeride status` shows
-    assert h.sched.typical_bubble_ns(DeviceInfo(name="cpu:0", first_seen_ns=0)) == 20 * MS  # measured, no profile
+
+
+def test_without_a_profile_the_first_bubbles_give_the_typical_one() -> None:
+    """A job without a profile has its tasks placed after its first steps: a few bubbles then, not 16."""
+    h = Harness()
+    info = DeviceInfo(name="cpu:0", first_seen_ns=0)
+    assert h.sched.typical_bubble_ns(info) == 0  # nothing known yet
+    for k, length in enumerate((25 * MS, 2 * MS, 20 * MS)):
+        h.ended(h.started(20 * MS, step=0, index=k), length)
+        h.clock.advance(5 * MS)
+    assert h.sched.typical_bubble_ns(info) == 25 * MS
