@@ -64,14 +64,19 @@ async def test_a_task_run_again_knows_its_step_times_before_its_first_bubble(man
     await wait_until(lambda: "measured before" in log.read_text(), 10, "the worker's word on its estimates")
 
 
-def test_profile_task_writes_what_serve_reads_and_prints_a_table(runtime_dir: Path) -> None:
-    out = subprocess.run(
-        [*freeride_cmd("profile-task"), "_kind_tasks:TwoKinds", "--opt", "step_ms=0.5", "--samples", "3"],
+def _profile_task(runtime_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``freeride profile-task ARGS`` with serve's default state dir under ``runtime_dir``."""
+    return subprocess.run(
+        [*freeride_cmd("profile-task"), *args],
         capture_output=True,
         text=True,
         cwd=REPO,
-        env={**os.environ, "XDG_RUNTIME_DIR": str(runtime_dir)},  # serve's default state dir, here
+        env={**os.environ, "XDG_RUNTIME_DIR": str(runtime_dir)},
     )
+
+
+def test_profile_task_writes_what_serve_reads_and_prints_a_table(runtime_dir: Path) -> None:
+    out = _profile_task(runtime_dir, "_kind_tasks:TwoKinds", "--opt", "step_ms=0.5", "--samples", "3")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split() == ["kind", "steps", "median", "p90", "max"]
@@ -118,13 +123,7 @@ async def test_serve_starts_a_task_with_what_profile_task_measured(manager: Mana
 
 
 def test_profile_task_tells_the_task_the_bubble_it_will_be_sized_for(runtime_dir: Path) -> None:
-    out = subprocess.run(
-        [*freeride_cmd("profile-task"), "_kind_tasks:TellsItsBubble", "--bubble-ms", "12.5", "--samples", "2"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "XDG_RUNTIME_DIR": str(runtime_dir)},
-    )
+    out = _profile_task(runtime_dir, "_kind_tasks:TellsItsBubble", "--bubble-ms", "12.5", "--samples", "2")
     assert out.returncode == 0, out.stderr
     (kept,) = (runtime_dir / "freeride" / "state" / "estimates").glob("*.json")
     assert set(json.loads(kept.read_text())["kinds"]) == {"bubble12500000"}  # what serve would tell it
