@@ -15,17 +15,27 @@ __all__ = ["CrashInSetup", "HangOnce", "LateTorch", "SlowCheckpoint"]
 
 
 class HangOnce(SpinSteps):
-    """Hangs in step ``hang_at`` (writing ``marker`` first) unless ``marker`` exists: a step that never ends."""
+    """Hangs in step ``hang_at`` (writing ``marker`` first) unless ``marker`` exists: a step that never ends.
 
-    def __init__(self, *, hang_at: int = 20, marker: str = "", **kw: Any) -> None:
+    With ``after_checkpoint``, in the first step from ``hang_at`` on that follows a checkpoint (the
+    worker has saved the state and told the manager before it runs the next step), however long
+    the steps before took: what a restart from a checkpoint needs, on a machine of any speed.
+    """
+
+    def __init__(self, *, hang_at: int = 20, marker: str = "", after_checkpoint: bool = False, **kw: Any) -> None:
         super().__init__(**kw)
         self.hang_at, self.marker = hang_at, marker
+        self.saved = not after_checkpoint
 
     def step(self) -> None:
         super().step()
-        if self.count == self.hang_at and self.marker and not Path(self.marker).exists():
+        if self.count >= self.hang_at and self.saved and self.marker and not Path(self.marker).exists():
             Path(self.marker).write_text(str(os.getpid()))
             time.sleep(3600)
+
+    def state_dict(self) -> dict[str, Any]:
+        self.saved = True
+        return super().state_dict()
 
 
 class SlowCheckpoint(SpinSteps):

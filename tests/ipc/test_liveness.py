@@ -70,10 +70,12 @@ async def test_a_hung_step_is_detected_and_restarted_while_a_healthy_task_keeps_
     marker = tmp_path / "hung"
     async with serving(runtime_dir) as manager:
         declare(manager)
-        # it hangs at step 200: some 0.2 s of its steps, so that a periodic checkpoint (every
-        # 0.2 s) has saved steps first; at step 20 it could hang before any, and restart from 0
+        # it hangs only after a periodic checkpoint (every 0.2 s) has saved steps: a hang at a fixed
+        # step came before any checkpoint on a loaded machine, and the restart began from 0
         hung = submit(
-            manager, "_liveness_tasks:HangOnce", options={"step_ms": 1.0, "marker": str(marker), "hang_at": 200}
+            manager,
+            "_liveness_tasks:HangOnce",
+            options={"step_ms": 1.0, "marker": str(marker), "hang_at": 20, "after_checkpoint": True},
         )
         healthy = submit(manager, "_tasks:SpinSteps", options={"step_ms": 1.0})
         h, ok = manager.tasks[hung.task_id], manager.tasks[healthy.task_id]
