@@ -4,6 +4,8 @@ Pure: :func:`render` turns a :class:`Section` (what :func:`_pipeline_bench.bench
 measured) into the markdown the benchmarks print, with the statistics of
 :mod:`_stats`. Pairs whose run with side tasks is flagged (the side tasks
 finished, failed or did no steps in it) are named and left out of the figures.
+An interval that covers less than the 95 % asked for (too few pairs: it is then
+the whole range of the pairs) says how much it does cover.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from _stats import GOAL, Estimate, paired_slowdown, verdict, verdict_text  # tools/bench is the script's directory
+from _stats import GOAL, Estimate, paired_slowdown, pairs_needed, verdict, verdict_text  # the script's directory
 
 from freeride import protocol as p
 from freeride.profile import Profile
@@ -120,13 +122,28 @@ def _estimate(pairs: list[tuple[float, float]]) -> Estimate | None:
     return paired_slowdown(pairs) if pairs else None
 
 
+def _shortfall(est: Estimate) -> str:
+    """What the interval covers if that is less than asked, else "": a reader is never told 95 % where it is not."""
+    if est.coverage >= est.confidence:
+        return ""
+    asked = f"{est.confidence:.0%}".replace("%", " %")
+    covers = f"{est.coverage:.1%}".replace("%", " %")
+    return f"{asked} interval needs {_pairs(pairs_needed(est.confidence))}: min .. max covers {covers}"
+
+
+def _interval(est: Estimate) -> str:
+    """``low .. high``, with its shortfall in parentheses if it has one."""
+    shortfall = _shortfall(est)
+    return f"{_pct(est.low)} .. {_pct(est.high)}" + (f" ({shortfall})" if shortfall else "")
+
+
 def _figure_row(name: str, est: Estimate | None, *, judged: bool, missing: str) -> str:
     if est is None:
         return f"| {name} | {missing} | | 0 | |"
     judgement = ""
     if judged:
         judgement = f"not judged: only {_pairs(est.n)}" if est.n < MIN_PAIRS else verdict(est)
-    return f"| {name} | {_pct(est.median)} | {_pct(est.low)} .. {_pct(est.high)} | {est.n} | {judgement} |"
+    return f"| {name} | {_pct(est.median)} | {_interval(est)} | {est.n} | {judgement} |"
 
 
 def _interference(interference_ns: int, trained_ns: int) -> str:
@@ -200,6 +217,11 @@ def _verdict_text(wall: Estimate | None, floor: Estimate | None, flagged: int, p
             f"**No verdict: only {_pairs(wall.n)} counted, too few for an interval to judge by** (at least "
             f"{MIN_PAIRS}; their median slowdown, {_pct(wall.median)}, is not a measurement)."
         )
+    elif shortfall := _shortfall(wall):
+        text = (
+            f"**Verdict: the wall-time slowdown is {_pct(wall.median)}, interval {_pct(wall.low)} .. "
+            f"{_pct(wall.high)} over {_pairs(wall.n)} ({shortfall}): the interval {verdict_text(wall, GOAL)}.**"
+        )
     else:
         text = (
             f"**Verdict: the wall-time slowdown is {_pct(wall.median)}, 95 % interval {_pct(wall.low)} .. "
@@ -209,8 +231,8 @@ def _verdict_text(wall: Estimate | None, floor: Estimate | None, flagged: int, p
         text += f" {flagged} of {pairs} pairs were left out (see the notes: their side tasks did not run through)."
     if floor is not None:
         text += (
-            f" The A/A noise floor (alone vs. alone) is {_pct(floor.median)}, interval {_pct(floor.low)} .. "
-            f"{_pct(floor.high)}: differences smaller than about {floor.half_width:.2%} are below what this "
+            f" The A/A noise floor (alone vs. alone) is {_pct(floor.median)}, interval {_interval(floor)}: "
+            f"differences smaller than about {floor.half_width:.2%} are below what this "
             "machine resolves with these runs."
         )
     else:
@@ -310,8 +332,10 @@ def render(section: Section) -> str:
         _verdict_text(wall, floor, flagged, len(with_pairs)),
     ]
     if cpu is not None and cpu.n >= MIN_PAIRS:
+        shortfall = _shortfall(cpu)
         lines.append(
             f"By the training ranks' CPU time per step the slowdown is {_pct(cpu.median)} "
-            f"({_pct(cpu.low)} .. {_pct(cpu.high)}): the interval {verdict_text(cpu, GOAL)}."
+            f"({_pct(cpu.low)} .. {_pct(cpu.high)}{'; ' + shortfall if shortfall else ''}): "
+            f"the interval {verdict_text(cpu, GOAL)}."
         )
     return "\n".join(lines)

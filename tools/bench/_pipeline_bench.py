@@ -94,8 +94,10 @@ interleaved in time. Side tasks run at the stage's own priority
 unless ``--side-priority low`` is given.
 
 Reports, as markdown: the training slowdown per pair (step time, and the
-training ranks' CPU time per step) as a median with a bootstrap 95 % interval,
-the A/A floor beside it and whether the interval lies below the 0.5 % goal;
+training ranks' CPU time per step) as a median with a distribution-free 95 %
+interval of it (two order statistics; with too few pairs, the whole range and
+what it covers), the A/A floor beside it and whether the interval lies below
+the 0.5 % goal;
 interference (side-task compute while the stage trained), the share of bubble
 time the side tasks spent in steps (from ``freeride status``), their
 throughput, grant latency and overruns. A pair whose side tasks finished,

@@ -5,7 +5,7 @@ fetched and bounds the run to 10 minutes). Sections:
 
 a. A real pipeline stage on the GPU with emulated neighbours (``stage.py``),
    alone and with each sample workload in its bubbles, in interleaved pairs:
-   slowdown with a bootstrap 95 % interval, bubble use, device-timeline
+   slowdown with a distribution-free 95 % interval, bubble use, device-timeline
    accuracy (when the host learnt the device reached a bubble; announced vs
    measured by events) and interference (the stage's own forward and backward
    time by CUDA events, with vs alone).
