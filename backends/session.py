@@ -29,11 +29,13 @@ from freeride.transport import BubblePublisher, Endpoints, EventEmitter, bubbles
 
 __all__ = [
     "ENV_EVENTS",
+    "ENV_JOB",
     "HELLO_EVERY_NS",
     "BackendConfig",
     "BackendSession",
     "attach_logger",
     "events_endpoint_from_env",
+    "job_from_env",
     "manager_reachable",
 ]
 
@@ -86,6 +88,30 @@ def events_endpoint_from_env(environ: dict[str, str] | None = None) -> str:
     return Endpoints.ipc(default_runtime_dir()).events
 
 
+ENV_JOB = "FREERIDE_JOB"
+"""Environment variable naming the training job, where the launcher's own names do not serve."""
+
+_JOB_VARIABLES = (ENV_JOB, "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "LSB_JOBID", "PBS_JOBID", "FLUX_JOB_ID")
+"""Names a launcher gives a job, the same in every rank of it on every node; the first one set is taken."""
+
+
+def job_from_env(environ: dict[str, str] | None = None) -> str:
+    """The training job's name, the same in all its ranks: from the launcher, else its rendezvous address.
+
+    torchrun sets ``TORCHELASTIC_RUN_ID`` (``none`` unless ``--rdzv-id`` is given: then
+    the rendezvous address names it); Slurm ``SLURM_JOB_ID`` (with ``SLURM_STEP_ID``);
+    DeepSpeed's launcher and most others ``MASTER_ADDR``/``MASTER_PORT``. "" if none is set.
+    """
+    env = os.environ if environ is None else environ
+    for name in _JOB_VARIABLES:
+        value = env.get(name, "")
+        if value and value != "none":
+            step = env.get("SLURM_STEP_ID", "") if name == "SLURM_JOB_ID" else ""
+            return f"{value}.{step}"[:256] if step else value[:256]
+    addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+    return f"{addr}:{port}"[:256] if addr or port else ""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BackendConfig:
     """Who a training rank is."""
@@ -107,6 +133,8 @@ class BackendConfig:
     """Bubbles expected to be shorter than this are not announced."""
     publish_bubbles: bool = True
     """Also publish bubble starts to armed side-task workers (one hop; ipc endpoints only)."""
+    job: str = ""
+    """The training job's name, the same on all its ranks ("": from the environment, see :func:`job_from_env`)."""
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -159,6 +187,7 @@ class BackendSession:
             cpu_affinity=sorted(os.sched_getaffinity(0)),
             device_memory=config.device_memory,
             t_ns=time.monotonic_ns(),
+            job=config.job or job_from_env(),
         )
         self._maybe_hello(time.monotonic_ns())
         atexit.register(self.close)

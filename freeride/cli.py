@@ -18,6 +18,7 @@ import msgspec
 from freeride import auth
 from freeride import protocol as p
 from freeride.gpu.mps import MpsError
+from freeride.observe.cost import cost_lines
 from freeride.plan_cli import add_plan_parser
 from freeride.profile_task import DEFAULT_SAMPLES, DEFAULT_STEPS
 from freeride.program_cli import PROGRAM_OPTIONS, add_program_options, cancel_outcome, program_spec
@@ -129,6 +130,10 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
         settle_s=parse_duration_ns(args.settle) / 1e9,
         move_every_s=parse_duration_ns(args.move_every) / 1e9,
         interference_target=parse_share(args.interference_target),
+        holdback=p.Holdback(
+            block_steps=args.holdback_block, every=args.holdback_every, max_every=4 * args.holdback_every
+        ),
+        slowdown_budget=0.0 if args.slowdown_budget in ("off", "0") else parse_share(args.slowdown_budget),
     )
 
 
@@ -312,6 +317,7 @@ def format_status(status: p.StatusReply) -> str:
         if d.typical_bubble_ns > 0
     )
     lines.extend(f"{printable(d.device):10} {printable(d.no_bubbles)}" for d in status.devices if d.no_bubbles)
+    lines.extend(printable(line) for line in cost_lines(status.costs, status.devices))
     lines.append("")
     lines.append(
         f"{'task':>4} {'name':28} {'state':10} {'device':10} {'steps':>8} {'busy':>10} {'interference':>13}"
@@ -617,6 +623,24 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SHARE",
         help="side work past bubble ends each device's guard keeps under, as a share of training time (default 0.5%%)",
     )
+    s.add_argument(
+        "--slowdown-budget",
+        default="0.5%",
+        metavar="SHARE",
+        help="the slowdown side work may cost each training job, measured on its own step times; past it harvesting"
+        " backs off until it holds (default 0.5%%; off: measured, never enforced)",
+    )
+    s.add_argument(
+        "--holdback-every",
+        type=int,
+        default=8,
+        metavar="BLOCKS",
+        help="one block of steps in this many gets no side work, to measure what side work costs the job (an even"
+        " number, default 8 at first, sparser as the job goes on; 0: never, and nothing is measured)",
+    )
+    s.add_argument(
+        "--holdback-block", type=int, default=4, metavar="STEPS", help="steps per held-back block (default 4)"
+    )
     s.add_argument("--checkpoint-every", default="30s", help="how often running tasks checkpoint (default 30s)")
     s.add_argument("--backend-timeout", default="30s", help="silence after which an unwatchable rank is dead")
     s.add_argument("--profile", metavar="FILE", help="bubble profile from `freeride profile`")
@@ -848,7 +872,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--stages", type=int, default=2)
         s.add_argument("--microbatches", type=int, default=4)
         s.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved)")
-        s.add_argument("--steps", type=int, default=40 if name == "demo" else 100)
+        s.add_argument("--steps", type=int, default=60 if name == "demo" else 100)
         s.add_argument("--forward", default="10ms", help="forward time per micro-batch and stage")
         s.add_argument("--backward", default="20ms", help="backward time per micro-batch and stage")
         s.add_argument(

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from backends.sim import SimConfig, SimPipeline, StageResult
 from freeride import protocol as p
+from freeride.observe.cost import cost_lines
 from freeride.serve.config import ServeConfig
 from freeride.serve.guard import describe as describe_guard
 from freeride.serve.manager import Manager
@@ -28,7 +29,7 @@ __all__ = ["DemoOptions", "DemoReport", "run_demo"]
 
 def _default_sim() -> SimConfig:
     # slower than `freeride sim`'s defaults so a sample task's step fits in a bubble
-    return SimConfig(endpoint="", forward_s=0.010, backward_s=0.020, steps=40)
+    return SimConfig(endpoint="", forward_s=0.010, backward_s=0.020, steps=60)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -40,6 +41,9 @@ class DemoOptions:
     task_options: dict[str, str | int | float | bool] = field(default_factory=lambda: {"eval_every": 25})
     """Options of the side task (the default suits the default task)."""
     setup_timeout_s: float = 120.0
+    holdback: p.Holdback = field(default_factory=lambda: p.Holdback(block_steps=2, every=4, max_every=4))
+    """Steps held back to measure the job's cost: denser than ``serve``'s default, so that a short demo
+    has the pairs a 95 % interval needs (a quarter of its steps; 60 steps give 7 pairs)."""
 
 
 @dataclass(slots=True)
@@ -73,13 +77,18 @@ class DemoReport:
             step = statistics.median(r.step_ns) if r and r.step_ns else 0
             # step 0 includes start-up (ranks waiting for each other to exist)
             share = sum(r.wait_ns[1:]) / sum(r.step_ns[1:]) if r and len(r.step_ns) > 1 else 0.0
-            used = d.used_ns / d.bubble_ns if d.bubble_ns else 0.0
+            offered = d.bubble_ns - d.held_back_ns - d.backed_off_ns
+            used = d.used_ns / offered if offered > 0 else 0.0
             lines.append(
                 f"{d.stage:>5} {d.device:8} {format_ns(int(step)):>13} {share:>12.1%} {format_ns(d.bubble_ns):>11} "
                 f"{used:>17.1%} {d.overruns:>8}"
             )
         formula = "(p-1)/(v*m+p-1)" if sim.num_chunks > 1 else "(p-1)/(m+p-1)"
-        lines.append(f"(bubble share measured after step 0; the schedule's {formula} is {theory:.1%})")
+        lines.append(
+            f"(bubble share measured after step 0; the schedule's {formula} is {theory:.1%}; used: of the bubble"
+            " time not held back to measure the cost)"
+        )
+        lines.extend(cost_lines(self.status.costs, self.status.devices))
         for d in sorted(self.status.devices, key=lambda d: d.stage):
             if d.margin_ns >= 0:  # what each device's interference guard settled on, and why
                 lines.append(f"guard {d.device}: {describe_guard(d)} ({d.guard_reason})")
@@ -124,7 +133,9 @@ async def _demo(options: DemoOptions) -> DemoReport:
 
 
 async def _demo_in(options: DemoOptions, runtime_dir: Path) -> DemoReport:
-    config = ServeConfig(endpoints=Endpoints.ipc(runtime_dir), state_dir=runtime_dir / "state")
+    config = ServeConfig(
+        endpoints=Endpoints.ipc(runtime_dir), state_dir=runtime_dir / "state", holdback=options.holdback
+    )
     sim_config = replace(options.sim, endpoint=config.endpoints.events)
     target = _target(options.task)
     stop = asyncio.Event()

@@ -49,6 +49,7 @@ __all__ = [
     "GrantDoneReason",
     "Heartbeat",
     "Hello",
+    "Holdback",
     "LatencySummary",
     "ManagerToWorker",
     "Metrics",
@@ -71,6 +72,7 @@ __all__ = [
     "SidePriority",
     "TaskState",
     "TaskStatus",
+    "TrainingCost",
     "WorkerReady",
     "WorkerToManager",
 ]
@@ -160,6 +162,9 @@ class Hello(_Msg, frozen=True, tag="hello"):
     t_ns: Nanos = 0
     bubbles_endpoint: Text = ""
     """Where the rank also publishes its :class:`BubbleStarted` events for armed workers ("" none)."""
+    job: Name = ""
+    """The training job's name, the same on every rank and node (from the launcher's environment; "" unknown):
+    the steps held back to measure the job's cost are chosen from it."""
 
 
 class BubbleStarted(_Msg, frozen=True, tag="bubble_started"):
@@ -351,6 +356,46 @@ class Stop(_Msg, frozen=True, tag="stop"):
     reason: str
 
 
+_Blocks = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+
+
+class Holdback(_Msg, frozen=True, tag="holdback"):
+    """Which steps of a job get no side work, so that its step times measure what side work costs.
+
+    Steps from :attr:`start_step` on are cut into blocks of :attr:`block_steps`, and
+    the blocks into cycles of :attr:`every` blocks, doubling every
+    :attr:`doubling_cycles` cycles up to :attr:`max_every`; in each cycle one
+    block is held back (see :mod:`freeride.serve.holdback`, which owns the rule).
+    """
+
+    job: Name = ""
+    """The job's name: the held blocks are drawn from it, the same on every node."""
+    block_steps: _Blocks = 4
+    """Steps per block (the first of each is not measured: side work just before may drain into it)."""
+    every: _Blocks = 8
+    """Blocks per cycle at first (0: nothing is held back and no cost is measured)."""
+    max_every: _Blocks = 32
+    """The longest cycle, in blocks."""
+    doubling_cycles: _Blocks = 32
+    """Cycles after which a cycle doubles in length, until :attr:`max_every`."""
+    start_step: _Blocks = 2
+    """Steps before this one (the job's warm-up) are never held back nor measured."""
+
+    def __post_init__(self) -> None:
+        if self.block_steps < 2:
+            raise ValueError(f"block_steps must be >= 2 (a block's first step is not measured), got {self.block_steps}")
+        if self.every == 1 or self.every % 2:
+            raise ValueError(f"every must be 0 (off) or an even number of blocks, got {self.every}")
+        if self.every and (self.max_every < self.every or self.max_every % self.every):
+            raise ValueError(f"max_every must be a multiple of every ({self.every}), got {self.max_every}")
+        if self.doubling_cycles < 1:
+            raise ValueError(f"doubling_cycles must be >= 1, got {self.doubling_cycles}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0
+
+
 class Arm(_Msg, frozen=True, tag="arm"):
     """The next bubble is this worker's: start on the rank's own event, without waiting for a Grant.
 
@@ -372,6 +417,8 @@ class Arm(_Msg, frozen=True, tag="arm"):
     """What the event's expected length is multiplied by for the deadline (the device's guard sets it)."""
     min_bubble_ns: int = 0
     """A bubble whose length so set is shorter than this is not the armed one: the worker waits for the next."""
+    holdback: Holdback | None = None
+    """The steps of the rank's job held back to measure its cost: a bubble of one of them is not the armed one."""
 
 
 class Disarm(_Msg, frozen=True, tag="disarm"):
@@ -566,6 +613,10 @@ class DeviceStatus(_Msg, frozen=True, tag="device_status"):
     """Why this device has no pipeline bubbles, e.g. ``no pipeline bubbles: pipeline size 1`` ("" when it has)."""
     typical_bubble_ns: int = 0
     """Half the bubble time lies in bubbles at least this long (0: not known yet); tasks size their steps by it."""
+    held_back_ns: int = 0
+    """Bubble time held back from side work to measure the training job's cost."""
+    backed_off_ns: int = 0
+    """Bubble time left out to keep the job's measured cost within the slowdown budget."""
 
 
 class TaskStatus(_Msg, frozen=True, tag="task_status"):
@@ -629,6 +680,34 @@ class LatencySummary(_Msg, frozen=True, tag="latency"):
     max_ns: int
 
 
+class TrainingCost(_Msg, frozen=True, tag="training_cost"):
+    """What side work costs a training job, measured on its own step times (see :mod:`freeride.serve.meter`).
+
+    ``slowdown``, ``low`` and ``high`` are shares (0.0021: +0.21 %), over the pairs
+    measured since the harvest level was last set.
+    """
+
+    job: str
+    steps: int
+    """Training steps the job has run."""
+    pairs: int
+    """Held-back / harvested pairs behind the figures below (0: none yet)."""
+    slowdown: float = 0.0
+    low: float = 0.0
+    high: float = 0.0
+    coverage: float = 0.0
+    """The interval's guaranteed coverage (below the confidence while there are too few pairs)."""
+    confidence: float = 0.95
+    held_share: float = 0.0
+    """Share of the job's steps now held back to measure it."""
+    harvest_share: float = 1.0
+    """Share of bubbles granted (below 1 while the slowdown budget backs harvesting off)."""
+    budget: float = 0.0
+    """The slowdown the job may pay (0: no budget)."""
+    reason: str = ""
+    """Why harvesting is backed off ("" when it is not)."""
+
+
 class StatusReply(_Msg, frozen=True, tag="status"):
     devices: list[DeviceStatus]
     tasks: list[TaskStatus]
@@ -637,6 +716,8 @@ class StatusReply(_Msg, frozen=True, tag="status"):
     """Backend events received."""
     rejected_frames: int
     uptime_ns: int
+    costs: list[TrainingCost] = []
+    """Each training job's measured cost."""
 
 
 ControlReply = Submitted | Cancelled | Rejected | StatusReply

@@ -38,6 +38,9 @@ class Observer:
     def task_status(self, status: p.TaskStatus) -> None:
         """A side task changed state (submitted, running, finished, failed, cancelled)."""
 
+    def training_cost(self, cost: p.TrainingCost) -> None:
+        """A job's measured cost changed (a held-back / harvested pair was measured)."""
+
     def close(self) -> None:
         """Flush and release; called once at manager shutdown."""
 
@@ -79,6 +82,10 @@ class Observers:
     def task_status(self, status: p.TaskStatus) -> None:
         if self._observers:
             self._each("task_status", lambda obs: obs.task_status(status))
+
+    def training_cost(self, cost: p.TrainingCost) -> None:
+        if self._observers:
+            self._each("training_cost", lambda obs: obs.training_cost(cost))
 
     def close(self) -> None:
         self._each("close", lambda obs: obs.close())

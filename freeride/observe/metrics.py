@@ -65,6 +65,7 @@ class StatusCollector:
         yield from _device_metrics(status)
         yield from _task_metrics(status, self._throughput())
         yield from _manager_metrics(status)
+        yield from _cost_metrics(status)
 
 
 def _device_metrics(status: p.StatusReply) -> Iterator[Metric]:
@@ -113,6 +114,16 @@ def _device_metrics(status: p.StatusReply) -> Iterator[Metric]:
         "left_out": CounterMetricFamily(
             "freeride_bubbles_left_out", "Bubbles the interference guard left out as too short", labels=labels
         ),
+        "held_back": CounterMetricFamily(
+            "freeride_bubble_held_back_seconds",
+            "Bubble time held back from side work to measure the training job's cost",
+            labels=labels,
+        ),
+        "backed_off": CounterMetricFamily(
+            "freeride_bubble_backed_off_seconds",
+            "Bubble time left out to keep the job's measured cost within the slowdown budget",
+            labels=labels,
+        ),
     }
     for d in status.devices:
         values = {
@@ -131,6 +142,8 @@ def _device_metrics(status: p.StatusReply) -> Iterator[Metric]:
             "factor": d.prediction_factor,
             "min_bubble": d.min_bubble_ns / 1e9,
             "left_out": d.left_out,
+            "held_back": d.held_back_ns / 1e9,
+            "backed_off": d.backed_off_ns / 1e9,
         }
         for key, family in families.items():
             family.add_metric([d.device, str(d.stage)], float(values[key]))
@@ -176,6 +189,37 @@ def _manager_metrics(status: p.StatusReply) -> Iterator[Metric]:
     uptime = GaugeMetricFamily("freeride_uptime_seconds", "Time since the manager started")
     uptime.add_metric([], status.uptime_ns / 1e9)
     yield from (events, rejected, uptime)
+
+
+def _cost_metrics(status: p.StatusReply) -> Iterator[Metric]:
+    labels = ["job"]
+    slowdown = GaugeMetricFamily(
+        "freeride_training_cost_ratio",
+        "Slowdown side work costs the training job, measured on its step times: the median and the ends of its"
+        " interval (bound: median, low, high); absent until a pair of held-back and harvested steps is measured",
+        labels=[*labels, "bound"],
+    )
+    coverage = GaugeMetricFamily(
+        "freeride_training_cost_coverage",
+        "Guaranteed coverage of the interval (below 0.95 until 6 pairs)",
+        labels=labels,
+    )
+    pairs = GaugeMetricFamily("freeride_training_cost_pairs", "Held-back / harvested pairs behind it", labels=labels)
+    harvest = GaugeMetricFamily(
+        "freeride_harvest_share",
+        "Share of bubbles granted (below 1 while the slowdown budget backs off)",
+        labels=labels,
+    )
+    budget = GaugeMetricFamily("freeride_slowdown_budget_ratio", "The slowdown a job may pay", labels=labels)
+    for c in status.costs:
+        if c.pairs:
+            for bound, value in (("median", c.slowdown), ("low", c.low), ("high", c.high)):
+                slowdown.add_metric([c.job, bound], value)
+            coverage.add_metric([c.job], c.coverage)
+        pairs.add_metric([c.job], float(c.pairs))
+        harvest.add_metric([c.job], c.harvest_share)
+        budget.add_metric([c.job], c.budget)
+    yield from (slowdown, coverage, pairs, harvest, budget)
 
 
 class MetricsExporter(Observer):

@@ -26,6 +26,10 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import msgspec
+
+from freeride import protocol as p
+from freeride.observe.cost import cost_line
 from freeride.observe.timeline import Span, Trace
 from freeride.units import format_ns
 
@@ -239,6 +243,8 @@ class Report:
     train_gpus: int
     prices: Prices = field(default_factory=Prices)
     notes: tuple[str, ...] = ()
+    costs: tuple[p.TrainingCost, ...] = ()
+    """Each job's training cost as the manager measured it on the job's own steps (held back / harvested)."""
 
     @property
     def slowdown(self) -> float | None:
@@ -270,6 +276,7 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        out["costs"] = [msgspec.structs.asdict(c) for c in self.costs]
         out["stages"] = [
             {
                 **asdict(s),
@@ -353,6 +360,7 @@ class Report:
                     " paired benchmarks in tools/bench/)"
                 )
             lines.append(line)
+        lines += [cost_line(c) + " (measured on the job's own steps, held back / harvested)" for c in self.costs]
         if self.saving is not None:
             prices = self.prices
             lines.append(
@@ -503,4 +511,5 @@ def build_report(trace: Trace, options: ReportOptions, baseline: Trace | None = 
         train_gpus=train_gpus,
         prices=options.prices,
         notes=tuple(notes),
+        costs=tuple(trace.costs.values()),
     )

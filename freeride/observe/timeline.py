@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from freeride import protocol as p
 from freeride.observe.trace import SIDE_TASKS_PID, TRAINING_PID
 
 __all__ = [
@@ -73,6 +74,8 @@ class TaskTimeline:
 class Trace:
     devices: dict[str, DeviceTimeline] = field(default_factory=dict)
     tasks: dict[int, TaskTimeline] = field(default_factory=dict)
+    costs: dict[str, p.TrainingCost] = field(default_factory=dict)
+    """Each job's measured training cost, the last figure the trace holds."""
 
 
 def _decode_events(data: bytes) -> list[dict[str, Any]]:
@@ -121,6 +124,12 @@ def parse_trace(data: bytes) -> Trace:
                 start = int(args.get("start_ns", ts_ns - int(args.get("duration_ns", 0))))
                 timeline.steps[int(args["step"])] = (start, start + int(args.get("duration_ns", ts_ns - start)))
                 timeline.stage = int(args.get("stage", timeline.stage))
+        elif pid == TRAINING_PID and cat == "training_cost" and ev.get("ph") == "i":
+            try:
+                cost = msgspec.convert(args, p.TrainingCost)
+            except msgspec.ValidationError:
+                continue  # a figure of another version: the rest of the trace still reads
+            trace.costs[cost.job] = cost
         elif pid == SIDE_TASKS_PID and cat in ("side_task", "task_status", "interference"):
             task_id = int(args.get("task_id", ev.get("tid", 0)))
             task = trace.tasks.setdefault(task_id, TaskTimeline(task_id=task_id, name=str(ev.get("name", ""))))
@@ -177,4 +186,7 @@ def merge_traces(nodes: Sequence[tuple[str, Trace]]) -> Trace:
                 grants=[dataclasses.replace(g, device=f"{name}/{g.device}") for g in task.grants],
             )
             next_id += 1
+        for job, cost in trace.costs.items():  # every node measures the same job: the one with most pairs
+            if job not in merged.costs or cost.pairs > merged.costs[job].pairs:
+                merged.costs[job] = cost
     return merged

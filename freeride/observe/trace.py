@@ -247,6 +247,14 @@ class TraceWriter(Observer):
             args["error"] = status.error
         self._put(("i", status.state, "task_status", SIDE_TASKS_PID, status.task_id, self._clock(), 0, args))
 
+    def training_cost(self, cost: p.TrainingCost) -> None:
+        """A counter of the job's measured cost (percent), and an instant with the whole figure."""
+        now = self._clock()
+        if cost.pairs:
+            percent = {"median": cost.slowdown * 100, "low": cost.low * 100, "high": cost.high * 100}
+            self._put(("C", "training cost (%)", "training_cost", TRAINING_PID, 0, now, 0, percent))
+        self._put(("i", "training cost", "training_cost", TRAINING_PID, 0, now, 0, msgspec.structs.asdict(cost)))
+
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Write everything buffered so far and wait until it is on disk (not fsynced).
 

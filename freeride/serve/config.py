@@ -66,6 +66,12 @@ class ServeConfig:
     interference_target: float = 0.005
     """Share of training time side work may take past bubble ends (0.005: 0.5 %); each device's guard
     widens its margin above it and narrows it well below."""
+    holdback: p.Holdback = field(default_factory=p.Holdback)
+    """Which steps of each job get no side work, so that its step times measure what side work costs it
+    (``every=0``: none, and no cost is measured; the job's name comes from its ranks)."""
+    slowdown_budget: float = 0.005
+    """The slowdown side work may cost a job, measured on its step times (0.005: 0.5 %): past it, harvesting
+    backs off (0: no budget; the cost is still measured)."""
 
     def __post_init__(self) -> None:
         if self.margin_ns < 0:
@@ -93,6 +99,10 @@ class ServeConfig:
             raise ValueError(
                 f"interference_target must be a share of training time in (0, 1) (0.005 is 0.5 %),"
                 f" got {self.interference_target}"
+            )
+        if not 0 <= self.slowdown_budget < 1:
+            raise ValueError(
+                f"slowdown_budget must be a share of step time in [0, 1) (0.005 is 0.5 %), got {self.slowdown_budget}"
             )
         if self.max_loss_steps < 0:
             raise ValueError(f"max_loss_steps must be >= 0, got {self.max_loss_steps}")

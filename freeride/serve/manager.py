@@ -32,6 +32,7 @@ from freeride.gpu.nvml import NvmlMonitor
 from freeride.observe.base import Observers
 from freeride.observe.stats import LatencyRecorder
 from freeride.serve.config import ServeConfig
+from freeride.serve.costs import TrainingCosts
 from freeride.serve.nobubbles import waiting_on_device
 from freeride.serve.ranks import DeviceInfo, Ranks
 from freeride.serve.scheduler import DeviceScheduler
@@ -88,6 +89,8 @@ class Manager:
         self._mps: MpsDaemon | None = None
         self.observers = Observers()
         """Trace writers and metrics exporters; see :mod:`freeride.observe.base`."""
+        self.costs = TrainingCosts(config.holdback, budget=config.slowdown_budget, on_pair=self.observers.training_cost)
+        """Each job's measured cost and slowdown budget: what the schedulers may grant."""
         self.supervisor = Supervisor(
             config,
             devices=self.ranks.devices,
@@ -245,7 +248,9 @@ class Manager:
             case p.Hello():
                 if not self.ranks.hello(event):
                     self.rejected_frames += 1
-                elif (scheduler := self.schedulers.get(event.device)) is not None:
+                    return
+                self.costs.hello(event.rank, event.job)
+                if (scheduler := self.schedulers.get(event.device)) is not None:
                     scheduler.follow_rank(self._bubbles_endpoint(event))
             # Bubble events are handled here, on the events loop, not through a queue: a
             # queue hop costs a loop iteration (~0.1 ms here) on the bubble-start -> step path.
@@ -257,8 +262,9 @@ class Manager:
                 info = self.ranks.bubble(event)
                 if info is not None:
                     self.schedulers[info.name].on_bubble_ended(event)
-            case p.StepFinished(rank=rank, duration_ns=duration, bubble_ns=bubble):
+            case p.StepFinished(rank=rank, step=step, duration_ns=duration, bubble_ns=bubble):
                 self.ranks.step_finished(rank, duration_ns=duration, bubble_ns=bubble)
+                self.costs.step_finished(rank, step, duration)
             case p.Heartbeat(rank=rank):
                 self.ranks.heartbeat(rank)
             case p.Goodbye(rank=rank, dropped=dropped):
@@ -287,6 +293,7 @@ class Manager:
             interference_target=self.config.interference_target,
             charge_stage_waits=self.config.side_priority == "same",
             observers=self.observers,
+            costs=self.costs,
         )
 
     def device_lost(self, name: str) -> None:
@@ -418,4 +425,5 @@ class Manager:
             events=self.events,
             rejected_frames=self.rejected_frames,
             uptime_ns=time.monotonic_ns() - self._started_ns,
+            costs=self.costs.status(),
         )

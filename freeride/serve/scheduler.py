@@ -45,6 +45,7 @@ from freeride.clock import MONOTONIC, Clock
 from freeride.observe.base import Observers
 from freeride.observe.stats import LatencyRecorder
 from freeride.profile import typical_bubble_ns
+from freeride.serve.costs import TrainingCosts, Withheld
 from freeride.serve.guard import DEFAULT_TARGET, GuardConfig, InterferenceGuard
 from freeride.serve.nobubbles import no_bubbles
 from freeride.serve.ranks import DeviceInfo
@@ -132,6 +133,8 @@ class DeviceScheduler:
             was running. At nice 19 the stage preempts a side task at once, so a wait is other
             load's and is charged to no one.
         observers: Told of grants and interference.
+        costs: What the jobs' measured costs leave to side work: no bubble of a held-back step
+            is granted, nor one the slowdown budget leaves out.
         clock: Where the time comes from.
     """
 
@@ -144,9 +147,11 @@ class DeviceScheduler:
         interference_target: float = DEFAULT_TARGET,
         charge_stage_waits: bool = True,
         observers: Observers | None = None,
+        costs: TrainingCosts | None = None,
         clock: Clock = MONOTONIC,
     ) -> None:
         self.device = device
+        self._costs = costs
         self._charge_stage_waits = charge_stage_waits
         self.guard = InterferenceGuard(GuardConfig(target=interference_target, margin_ns=margin_ns))
         """Sets the margin and the bubbles' prediction factor from the interference measured here."""
@@ -161,6 +166,10 @@ class DeviceScheduler:
         self._granted_in_bubble = False
         self._left_out = False
         """The current bubble is too short for the guard: no grant in it."""
+        self._withheld: Withheld = ""
+        """Why the current bubble goes to no side task for its job's cost ("" it may go to one)."""
+        self._rank = -1
+        """The rank whose bubbles came last (-1: none yet)."""
         self._recent_expected: deque[int] = deque(maxlen=PROBE_AFTER_BUBBLES)
         """The expected lengths (factor applied) of the last bubbles, this one's included."""
         self._starved: dict[int, int] = {}
@@ -181,6 +190,10 @@ class DeviceScheduler:
         """Grants whose first step started on the rank's own event."""
         self.left_out = 0
         """Bubbles that got no grant because the guard found bubbles that short too costly."""
+        self.held_back_ns = 0
+        """Bubble time held back to measure the job's cost (see :mod:`freeride.serve.holdback`)."""
+        self.backed_off_ns = 0
+        """Bubble time left out for the job's slowdown budget (see :mod:`freeride.serve.budget`)."""
         # accounting
         self.bubbles = 0
         self.bubble_ns = 0
@@ -228,6 +241,8 @@ class DeviceScheduler:
             guard_reason=self.guard.reason,
             no_bubbles=no_bubbles(info),
             typical_bubble_ns=self.typical_bubble_ns(info),
+            held_back_ns=self.held_back_ns,
+            backed_off_ns=self.backed_off_ns,
         )
 
     def typical_bubble_ns(self, info: DeviceInfo) -> int:
@@ -310,8 +325,14 @@ class DeviceScheduler:
         self._granted_in_bubble = False
         self.bubbles += 1
         self._recent_expected.append(expected)
-        self._left_out = not self.guard.grants(expected)
-        if self._left_out:
+        self._rank = ev.rank
+        self._withheld = self._costs.withheld(ev.rank, ev.step, ev.index) if self._costs is not None else ""
+        self._left_out = not self._withheld and not self.guard.grants(expected)
+        if self._withheld == "held_back":
+            pass  # measuring the job's cost: an armed worker knows these steps and waits on
+        elif self._withheld == "backed_off":
+            self._honour_arm()  # an arm from before the budget backed off is honoured: its worker may run
+        elif self._left_out:
             self.left_out += 1  # too short to be worth its risk (the guard's judgement): an armed task waits on
         elif not self._honour_arm():
             self._grant_next(fresh=True)
@@ -338,7 +359,13 @@ class DeviceScheduler:
         self._grants = {gid: s for gid, s in self._grants.items() if not s.returned}
         self._revoke_current()
         bubble, self._bubble = self._bubble, None
-        if bubble is not None and bubble.index == ev.index and bubble.step == ev.step:
+        same = bubble is not None and bubble.index == ev.index and bubble.step == ev.step
+        if same and self._withheld == "held_back":
+            self.held_back_ns = _sat(self.held_back_ns, ev.duration_ns)
+        elif same and self._withheld == "backed_off" and not self._granted_in_bubble:
+            self.backed_off_ns = _sat(self.backed_off_ns, ev.duration_ns)
+        self._withheld = ""
+        if bubble is not None and same:
             shortest = self.guard.min_bubble_ns
             self.guard.bubble_ended(
                 ev.t_ns, ev.duration_ns - waited, bubble.expected_ns, granted=self._granted_in_bubble
@@ -560,6 +587,8 @@ class DeviceScheduler:
         """
         if self._armed is not None or self._bubble is not None or not self.bubbles_endpoint or not self.tasks:
             return
+        if self._costs is not None and not self._costs.may_arm(self._rank):
+            return  # the budget leaves bubbles out, and the worker could not tell which
         stuck = self._stuck(self._clock.now_ns())
         for k in self._turns():
             task = self.tasks[(self._rr + k) % len(self.tasks)]
@@ -576,6 +605,7 @@ class DeviceScheduler:
                 margin_ns=self.guard.margin_ns,
                 prediction_factor=self.guard.factor,
                 min_bubble_ns=self.guard.min_bubble_ns,
+                holdback=self._costs.holdback(self._rank) if self._costs is not None else None,
             )
             if not task.runner.arm(arm):
                 continue  # the worker's socket refused
@@ -641,7 +671,7 @@ class DeviceScheduler:
         return sorted(range(n), key=lambda k: self.tasks[(self._rr + k) % n].spec.fill)
 
     def _grant_next(self, *, fresh: bool) -> None:
-        if self._bubble is None or self._holder is not None or not self.tasks or self._left_out:
+        if self._bubble is None or self._holder is not None or not self.tasks or self._left_out or self._withheld:
             return
         margin = self.guard.margin_ns
         remaining = room_ns(self._clock.now_ns(), self._deadline_ns, margin)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from freeride import protocol as p
+from freeride.serve.holdback import HoldbackSchedule
 from freeride.transport import BadFrame, BubbleListener, WorkerLink, wait_readable
 
 __all__ = ["Arming", "BubbleFeed", "RankFeed"]
@@ -78,12 +79,18 @@ class Arming:
 
     def __init__(self) -> None:
         self.arm: p.Arm | None = None
+        self._holdback: HoldbackSchedule | None = None
+        """The held-back steps of the armed rank's job (the manager grants none of their bubbles)."""
         self._latest: p.BubbleStarted | None = None
         self._taken: p.Grant | None = None
         """The last armed grant taken from an event (kept after it is given back)."""
 
     def armed(self, arm: p.Arm) -> None:
         self.arm = arm
+        if arm.holdback is None:
+            self._holdback = None
+        elif self._holdback is None or self._holdback.config != arm.holdback:
+            self._holdback = HoldbackSchedule(arm.holdback)
 
     def disarmed(self, grant_id: int) -> bool:
         """Withdraw the arm ``grant_id``; whether it was still pending."""
@@ -109,6 +116,8 @@ class Arming:
         expected = max(0, round(ev.expected_ns * arm.prediction_factor))  # as the manager's guard sets it
         if expected < arm.min_bubble_ns:
             return None  # too short for the guard: the manager grants it to no one, the arm waits for the next
+        if self._holdback is not None and self._holdback.held(ev.step):
+            return None  # held back to measure the job's cost: likewise granted to no one
         self.arm = None
         self._taken = p.Grant(
             grant_id=arm.grant_id,

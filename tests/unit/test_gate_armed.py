@@ -323,6 +323,26 @@ def test_an_armed_worker_lets_a_bubble_the_guard_leaves_out_pass_and_takes_the_n
     assert grant is not None and (grant.grant_id, grant.bubble_t_ns, grant.deadline_ns) == (5, 900, 900 + 4_000_000)
 
 
+def test_an_armed_worker_lets_a_held_back_step_pass_and_takes_the_first_bubble_after_it() -> None:
+    from freeride.serve.holdback import HoldbackSchedule
+    from freeride.worker.armed import Arming
+
+    holdback = p.Holdback(job="j", block_steps=2, every=4, max_every=4)
+    schedule = HoldbackSchedule(holdback)
+    held = next(s for s in range(2, 100) if schedule.held(s))
+    after = next(s for s in range(held, 100) if not schedule.held(s))
+    arming = Arming()
+    arming.armed(p.Arm(grant_id=5, endpoint="ipc:///x", after_ns=0, holdback=holdback))
+    # the manager grants no bubble of a held-back step (it measures the job's cost there)
+    for k, step in enumerate(range(held, after)):
+        ev = p.BubbleStarted(rank=0, stage=0, device="cpu:0", step=step, index=0, t_ns=100 + k, expected_ns=9_000_000)
+        arming.seen(ev)
+        assert arming.take() is None and arming.arm is not None
+    arming.seen(p.BubbleStarted(rank=0, stage=0, device="cpu:0", step=after, index=0, t_ns=900, expected_ns=9_000_000))
+    grant = arming.take()
+    assert grant is not None and grant.bubble_t_ns == 900
+
+
 async def test_the_first_step_of_a_grant_lets_the_ranks_announcing_thread_block_first(tmp_path: Path) -> None:
     clock, wires = ManualClock(), Wires()
     courtesy = Courtesy(clock)

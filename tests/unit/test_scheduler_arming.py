@@ -373,3 +373,24 @@ def test_short_bubbles_that_overrun_are_left_out_by_the_guard_and_the_next_arm_s
     assert h.sched.guard.min_bubble_ns == 4 * MS, h.sched.guard.reason
     assert h.sched.guard.reason.startswith("short bubbles left out")
     assert h.arms()[-1][1].min_bubble_ns == 4 * MS  # the next arm carries it to the worker
+
+
+def test_an_arm_carries_the_jobs_held_back_steps_and_none_is_sent_while_the_budget_backs_off() -> None:
+    from freeride.serve.costs import TrainingCosts
+
+    costs = TrainingCosts(p.Holdback(block_steps=2, every=4, max_every=4), budget=0.005)
+    costs.hello(0, "job-7")
+    h = Harness()
+    h.sched = DeviceScheduler("cpu:0", latency=h.latency, margin_ns=0, clock=h.clock, costs=costs)
+    h.sched.follow_rank(ENDPOINT)
+    h.task(1, 2 * MS)
+    [(_, arm)] = h.arms()
+    assert arm.holdback == p.Holdback(job="job-7", block_steps=2, every=4, max_every=4)
+    # twelve pairs whose cost lies wholly above the budget: harvesting backs off, and arming stops with it
+    for step in range(2, 2 + 12 * 8):
+        costs.step_finished(0, step, 150_000_000 if costs.withheld(0, step, 0) != "held_back" else 100_000_000)
+    assert costs.status()[0].harvest_share < 1.0 and not costs.may_arm(0)
+    h.sent.clear()
+    b = h.started(20 * MS)  # the armed task's bubble is honoured (its worker may run), and no new arm follows
+    h.ended(b, 20 * MS)
+    assert not h.arms()
