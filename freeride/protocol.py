@@ -706,6 +706,8 @@ class TrainingCost(_Msg, frozen=True, tag="training_cost"):
     """The slowdown the job may pay (0: no budget)."""
     reason: str = ""
     """Why harvesting is backed off ("" when it is not)."""
+    recent: list[float] = []
+    """The pairs' figures behind the interval, oldest first (a client may pool several jobs' figures)."""
 
 
 class StatusReply(_Msg, frozen=True, tag="status"):

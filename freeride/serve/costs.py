@@ -28,7 +28,8 @@ __all__ = ["MAX_JOBS", "TrainingCosts", "Withheld"]
 logger = logging.getLogger(__name__)
 
 MAX_JOBS = 16
-"""Jobs one manager measures at once (one node trains one or a few jobs; a hostile sender cannot add more)."""
+"""Jobs one manager keeps figures of (one node trains one or a few jobs at once; a job not heard of for
+longest makes room for a new one, so a hostile sender cannot make the manager hold more)."""
 
 Withheld = Literal["", "held_back", "backed_off"]
 """Why a bubble gets no side work: held back to measure the job's cost, or left out for its budget."""
@@ -72,8 +73,8 @@ class TrainingCosts:
     def _job(self, name: str) -> _Job | None:
         job = self._jobs.get(name)
         if job is None:
-            if len(self._jobs) >= MAX_JOBS:
-                return None
+            if len(self._jobs) >= MAX_JOBS:  # the job heard of least recently makes room
+                del self._jobs[next(iter(self._jobs))]
             schedule = HoldbackSchedule(msgspec.structs.replace(self._holdback, job=name))
             budget = SlowdownBudget(self.budget) if self.budget > 0 and self._holdback.enabled else None
             job = self._jobs[name] = _Job(schedule, CostMeter(schedule), budget)
@@ -128,6 +129,9 @@ class TrainingCosts:
         job = self._of(rank)
         if job is None or not self._holdback.enabled:
             return
+        name = job.schedule.job
+        if next(reversed(self._jobs)) != name:  # the most recently heard of last (see _job)
+            self._jobs[name] = self._jobs.pop(name)
         if job.meter.step_finished(rank, step, duration_ns, period=job.period) is None:
             return
         budget = job.budget
@@ -156,7 +160,13 @@ class TrainingCosts:
         if est is None:
             return base
         return msgspec.structs.replace(
-            base, pairs=est.n, slowdown=est.median, low=est.low, high=est.high, coverage=est.coverage
+            base,
+            pairs=est.n,
+            slowdown=est.median,
+            low=est.low,
+            high=est.high,
+            coverage=est.coverage,
+            recent=meter.differences(job.period),
         )
 
     def status(self) -> list[p.TrainingCost]:

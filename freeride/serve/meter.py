@@ -77,10 +77,13 @@ class CostMeter:
         self._pending: dict[int, _Pending] = {}
         self._last_cycle = -1
         self._last_end = 0
+        self._rank_step: dict[int, int] = {}
+        """The last step each rank reported: one going back means the job started over."""
         self._pairs: deque[tuple[float, int]] = deque(maxlen=4 * WINDOW)
         """(difference, harvest period) of each finished pair, oldest first."""
         self.steps = 0
-        """Training steps the job has run: the highest step reported, plus one."""
+        """Training steps the job has run: the highest step reported, plus one (summed over restarts)."""
+        self._steps_before = 0
         self.measured_steps = 0
         """Steps that went into a pair."""
         self.pairs = 0
@@ -92,16 +95,20 @@ class CostMeter:
         ``period`` numbers the stretch of steps harvested alike (the slowdown budget starts a
         new one each time it changes how much is harvested); an estimate is taken over one.
         """
-        self.steps = max(self.steps, step + 1)
+        if step < self._rank_step.get(rank, -1):
+            # the job started over (a restart counts steps from 0 again): its old pairs stay, the
+            # unfinished one goes
+            self._pending.clear()
+            self._last_cycle, self._last_end = -1, 0
+            self._rank_step.clear()
+            self._steps_before = self.steps
+        self._rank_step[rank] = step
+        if len(self._rank_step) > MAX_PENDING * 64:
+            self._rank_step.pop(next(iter(self._rank_step)))
+        self.steps = max(self.steps, self._steps_before + step + 1)
         slot = self.schedule.slot(step)
-        if slot is None or duration_ns <= 0:
+        if slot is None or duration_ns <= 0 or slot.cycle <= self._last_cycle:
             return None
-        if slot.cycle <= self._last_cycle:
-            if step + 2 * self.schedule.config.max_every * self.schedule.config.block_steps < self._last_end:
-                self._pending.clear()  # the job started over (a restart counts steps from 0 again)
-                self._last_cycle, self._last_end = -1, 0
-            else:
-                return None
         done = self._finish_before(step)
         if slot.role is None or not slot.measured:
             return done

@@ -17,6 +17,7 @@ from typing import Literal
 from _stats import GOAL, Estimate, paired_slowdown, pairs_needed, verdict, verdict_text  # the script's directory
 
 from freeride import protocol as p
+from freeride.observe.stats import median_interval
 from freeride.profile import Profile
 
 __all__ = ["MIN_PAIRS", "Role", "RunKind", "RunResult", "Section", "paired", "render"]
@@ -240,6 +241,24 @@ def _verdict_text(wall: Estimate | None, floor: Estimate | None, flagged: int, p
     return text
 
 
+def _meter_row(final: p.StatusReply) -> str:
+    """The manager's own measure of the job's cost, pooled over the paired runs with side tasks."""
+    pooled = [
+        d
+        for c in final.costs
+        if c.job.startswith("bench-with-with-") and not c.job.endswith("-warmup")
+        for d in c.recent
+    ]
+    what = "| training cost the manager measured on the runs' own steps (held back / harvested pairs, pooled)"
+    if not pooled:
+        return f"{what} | no pair complete | |"
+    est = median_interval(pooled)
+    interval = f"{_pct(est.low)} .. {_pct(est.high)}"
+    if est.coverage < 0.95:
+        interval += f" (covers {est.coverage:.1%})"
+    return f"{what} | {_pct(est.median)} ({interval}, {est.n} pairs) | |"
+
+
 def render(section: Section) -> str:
     """The markdown section of one benchmark."""
     runs = section.runs
@@ -326,6 +345,7 @@ def render(section: Section) -> str:
         f"({', '.join(f'{d}: {n / train_s:.1f}' for d, n in sorted(steps_by_task.items(), key=_by_device))}) | |"
         if train_s > 0
         else "| side-task throughput | no runs | |",
+        _meter_row(section.final),
         f"| bubble start -> side-task step start | p50 {latency.p50_ns / 1e6:.2f} ms, "
         f"p99 {latency.p99_ns / 1e6:.2f} ms ({latency.count} grants) | p99 <= 1 ms |",
         "",

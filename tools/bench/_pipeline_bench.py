@@ -221,6 +221,9 @@ class BenchOptions:
     with_only: int = 0
     """Instead of pairs: this many runs with side tasks and nothing else (bubble use, interference and
     latency; no slowdown). 0: pairs as ``pairs`` and ``controls`` say."""
+    holdback_every: int = 8
+    """``serve --holdback-every``: one block of steps in this many gets no side work, so that the
+    manager measures the job's cost on its own steps (its figure is reported beside the pairs')."""
 
     def __post_init__(self) -> None:
         if self.with_only < 0:
@@ -231,6 +234,8 @@ class BenchOptions:
             raise ValueError(f"controls must be >= 0, got {self.controls}")
         if self.steps <= SKIP_STEPS:
             raise ValueError(f"steps must be > {SKIP_STEPS}, got {self.steps}")
+        if self.holdback_every < 0 or self.holdback_every % 2:
+            raise ValueError(f"holdback_every must be 0 or an even number, got {self.holdback_every}")
         if self.side_priority not in ("same", "low"):
             raise ValueError(f"side_priority must be 'same' or 'low', got {self.side_priority!r}")
 
@@ -252,6 +257,14 @@ def add_bench_args(ap: argparse.ArgumentParser, *, steps: int = 25) -> None:
         "--keep",
         action="store_true",
         help="keep the runtime directory (logs, profile, and trace.json: every bubble and grant)",
+    )
+    ap.add_argument(
+        "--holdback-every",
+        type=int,
+        default=8,
+        metavar="BLOCKS",
+        help="serve --holdback-every: one block of 4 steps in this many runs without side work, for the manager's"
+        " own measure of the job's cost, reported beside the pairs' (default 8, serve's; 2 measures the most)",
     )
     ap.add_argument(
         "--with-only",
@@ -314,6 +327,7 @@ def bench_options(ns: argparse.Namespace) -> BenchOptions:
         side_priority=ns.side_priority,
         keep=ns.keep,
         with_only=ns.with_only,
+        holdback_every=ns.holdback_every,
     )
 
 
@@ -454,9 +468,10 @@ def _plain_env() -> dict[str, str]:
     return env
 
 
-def _run(cmd: list[str]) -> tuple[str, float]:
+def _run(cmd: list[str], *, job: str = "") -> tuple[str, float]:
     t0 = time.monotonic()
-    done = subprocess.run(cmd, env=_plain_env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
+    env = _plain_env() | ({"FREERIDE_JOB": job} if job else {})
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"{shlex.join(cmd)} exited with {done.returncode}:\n{done.stderr[-4000:]}")
     return done.stdout, time.monotonic() - t0
@@ -523,7 +538,8 @@ def _one_run(job: Job, planned: PlannedRun, steps: int, runtime: Path, endpoints
             cmd = _freeride("launch", "--runtime-dir", str(runtime / "nobody"), "--", *job.cmd(steps))
         case "with":
             cmd = _freeride("launch", "--runtime-dir", str(runtime), "--", *job.cmd(steps))
-    stdout, wall = _run(cmd)
+    # each run its own job for the manager's meter: its held-back steps are drawn anew
+    stdout, wall = _run(cmd, job=f"bench-{planned.kind}-{planned.pair_kind}-{planned.pair}-{planned.role}")
     figures = parse_steps(stdout)
     result = RunResult(
         planned.kind, planned.role, planned.pair, planned.pair_kind, figures.step_ms, figures.cpu_ms, wall
@@ -572,7 +588,13 @@ def bench(
         trace = ["--trace", str(runtime / "trace.json")] if options.keep else []
         with open(runtime / "serve.log", "wb") as log:
             serve = subprocess.Popen(
-                [*serve_cmd(runtime, profile_path, options.side_priority, supported=supported), *trace, *serve_args],
+                [
+                    *serve_cmd(runtime, profile_path, options.side_priority, supported=supported),
+                    *trace,
+                    "--holdback-every",
+                    str(options.holdback_every),
+                    *serve_args,
+                ],
                 env=_plain_env(),
                 stdout=subprocess.DEVNULL,
                 stderr=log,
