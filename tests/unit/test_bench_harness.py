@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import importlib
 import json
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -483,3 +484,38 @@ def test_a_manager_that_exits_fails_the_wait_at_once_with_its_log(harness: Modul
     never: Callable[[], bool] = lambda: False  # noqa: E731
     with pytest.raises(harness.ManagerFailed, match=r"(?s)freeride serve exited with 1; its log ends:.*timed out"):
         harness._wait_for("the manager", 20, never, serve, log)  # at once: an exit does not wait 20 s out
+
+
+# -- the manager's own measure, and what FreeRide costs with no side work ---------------
+
+
+def test_parse_steps_takes_the_held_back_steps_of_the_runs_job(harness: ModuleType) -> None:
+    schedule = harness.holdback_of("bench-with-with-0-b", 2)
+    steps = [100.0 + i for i in range(60)]
+    figures = harness.parse_steps("\n".join(_lines(0, steps)), schedule)
+    slots = [schedule.slot(i) for i in range(60)]
+    # held back and measured (not a block's first step), past the steps every figure leaves out
+    held = [ms for i, ms in enumerate(steps) if i >= 3 and slots[i] and slots[i].role == "held" and slots[i].measured]
+    assert len(held) >= 6 and figures.held_step_ms == statistics.median(held)
+    assert harness.parse_steps("\n".join(_lines(0, steps))).held_step_ms is None
+    assert harness.holdback_of("x", 0) is None
+
+
+def test_render_names_the_cost_with_no_side_work_and_the_meters_pooled_figure(report: ModuleType) -> None:
+    runs = _runs(report, 0.02)
+    for r in runs:
+        if r.kind == "with":
+            r.held_step_ms = r.step_ms / 1.02 * 1.005  # FreeRide running, side work held back: +0.5 %
+    costs = [
+        p.TrainingCost(job=f"bench-with-with-{k}-b", steps=40, pairs=4, recent=[0.01, 0.015, 0.02, 0.012])
+        for k in range(8)
+    ] + [p.TrainingCost(job="bench-with-alone--1-warmup", steps=40, pairs=1, recent=[0.5])]
+    final = p.StatusReply(
+        devices=[], tasks=[], latency=p.LatencySummary(count=0, p50_ns=0, p99_ns=0, max_ns=0), events=0,
+        rejected_frames=0, uptime_ns=0, costs=costs,
+    )  # fmt: skip
+    text = report.render(_section(report, runs, final=final))
+    assert "| FreeRide running, no side work: the steps of the runs with side tasks" in text
+    assert "| +0.50 % | +0.50 % .. +0.50 % | 8 |" in text
+    # the warm-up run's job is left out of the pooled pairs
+    assert "(held back / harvested pairs, pooled) | +1.35 % (+1.20 % .. +1.50 %, 32 pairs) | |" in text

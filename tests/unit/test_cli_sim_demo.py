@@ -137,8 +137,9 @@ def test_demo_flags_reach_the_pipeline(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_demo_defaults_are_a_valid_sim() -> None:
     options = freeride.demo.DemoOptions()
+    # 60 steps: the 7 held-back / harvested pairs a 95 % interval of the cost needs (2-step blocks, 1 in 4 held)
     assert options.sim.num_chunks == 1
-    assert (options.sim.forward_s, options.sim.backward_s, options.sim.steps) == (0.010, 0.020, 40)
+    assert (options.sim.forward_s, options.sim.backward_s, options.sim.steps) == (0.010, 0.020, 60)
 
 
 @pytest.mark.usefixtures("fakes")

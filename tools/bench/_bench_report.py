@@ -44,6 +44,8 @@ class RunResult:
     cpu_ms: float | None
     """Sum over ranks of each rank's median CPU time per step; None if the job does not report it."""
     wall_s: float
+    held_step_ms: float | None = None
+    """Rank 0's median time of the measured steps the manager held back from side work (None: none)."""
     bubble_ns: int = 0
     used_ns: int = 0
     overruns: int = 0
@@ -89,7 +91,7 @@ class Section:
 
 
 def paired(
-    runs: Sequence[RunResult], pair_kind: RunKind, figure: Literal["step_ms", "cpu_ms"]
+    runs: Sequence[RunResult], pair_kind: RunKind, figure: Literal["step_ms", "cpu_ms", "held_step_ms"]
 ) -> list[tuple[float, float]]:
     """``(a, b)`` figures of the unflagged pairs of ``pair_kind``, in pair order (missing figures skip the pair)."""
     by_pair: dict[int, dict[Role, RunResult]] = {}
@@ -101,7 +103,7 @@ def paired(
         a, b = sides.get("a"), sides.get("b")
         if a is None or b is None or b.flags:
             continue
-        fa, fb = getattr(a, figure), getattr(b, figure)
+        fa, fb = a.step_ms if figure == "held_step_ms" else getattr(a, figure), getattr(b, figure)
         if fa is not None and fb is not None:
             out.append((fa, fb))
     return out
@@ -270,6 +272,7 @@ def render(section: Section) -> str:
     floor = _estimate(paired(runs, "alone", "step_ms"))
     floor_cpu = _estimate(paired(runs, "alone", "cpu_ms"))
     hooked = _estimate(paired(runs, "hooked", "step_ms"))
+    held = _estimate(paired(runs, "with", "held_step_ms"))
     warm = [r for r in runs if r.role == "warmup"]
     warm_alone = next((r for r in warm if r.kind == "alone"), None)
     warm_with = next((r for r in warm if r.kind == "with"), None)
@@ -316,6 +319,16 @@ def render(section: Section) -> str:
     ]
     if hooked is not None:
         lines.append(_figure_row("hooks, no manager (hooked / alone)", hooked, judged=False, missing=""))
+    if held is not None:
+        lines.append(
+            _figure_row(
+                "FreeRide running, no side work: the steps of the runs with side tasks that the manager held back"
+                " (held back / alone)",
+                held,
+                judged=False,
+                missing="",
+            )
+        )
     if warm_alone is not None and warm_with is not None:
         lines.append(
             f"| warm-up pair, left out (with / alone) | {_pct(warm_with.step_ms / warm_alone.step_ms - 1)} | | 1 | |"

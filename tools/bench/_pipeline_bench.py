@@ -39,6 +39,7 @@ from _bench_report import Role, RunKind, RunResult, Section, render  # tools/ben
 from freeride import protocol as p
 from freeride.profile import load_profile
 from freeride.serve.guard import describe as describe_guard
+from freeride.serve.holdback import HoldbackSchedule
 from freeride.transport import ControlClient, Endpoints, ManagerUnreachable
 from freeride.units import parse_duration_ns
 from sidetasks import resolve
@@ -391,16 +392,22 @@ class StepFigures:
     """Sum over ranks of each rank's median CPU time per step; None if the job does not report it."""
     trained_ns: int
     """Sum over ranks of all their step times: how long the stages trained."""
+    held_step_ms: float | None = None
+    """Rank 0's median over the measured steps held back from side work (None: none, or no schedule given)."""
 
 
-def parse_steps(stdout: str) -> StepFigures:
+def parse_steps(stdout: str, holdback: HoldbackSchedule | None = None) -> StepFigures:
     """The figures of a run from its JSON lines (one per rank and step, with ``step_ms`` and maybe ``cpu_ms``).
+
+    With the manager's ``holdback`` schedule of the run's job, also the median of rank 0's steps
+    that it held back from side work and measures (its ``step``, else the line's place in order).
 
     Raises:
         RuntimeError: rank 0 printed no more than :data:`SKIP_STEPS` steps.
     """
     steps: dict[int, list[float]] = {}
     cpu: dict[int, list[float]] = {}
+    held: list[float] = []
     for line in stdout.splitlines():
         if not line.startswith("{"):
             continue
@@ -408,7 +415,12 @@ def parse_steps(stdout: str) -> StepFigures:
         if "step_ms" not in record:
             continue
         rank = int(record["rank"])
-        steps.setdefault(rank, []).append(float(record["step_ms"]))
+        mine = steps.setdefault(rank, [])
+        step = int(record.get("step", len(mine)))
+        mine.append(float(record["step_ms"]))
+        slot = holdback.slot(step) if holdback is not None and rank == 0 and step >= SKIP_STEPS else None
+        if slot is not None and slot.role == "held" and slot.measured:
+            held.append(float(record["step_ms"]))
         if "cpu_ms" in record:
             cpu.setdefault(rank, []).append(float(record["cpu_ms"]))
     times = steps.get(0, [])
@@ -418,7 +430,12 @@ def parse_steps(stdout: str) -> StepFigures:
     if cpu and all(len(v) > SKIP_STEPS for v in cpu.values()):
         cpu_ms = sum(statistics.median(v[SKIP_STEPS:]) for v in cpu.values())
     trained_ns = round(sum(sum(v) for v in steps.values()) * 1e6)
-    return StepFigures(step_ms=statistics.median(times[SKIP_STEPS:]), cpu_ms=cpu_ms, trained_ns=trained_ns)
+    return StepFigures(
+        step_ms=statistics.median(times[SKIP_STEPS:]),
+        cpu_ms=cpu_ms,
+        trained_ns=trained_ns,
+        held_step_ms=statistics.median(held) if held else None,
+    )
 
 
 def with_figures(result: RunResult, before: p.StatusReply, after: p.StatusReply) -> None:
@@ -529,7 +546,16 @@ def _stop(serve: subprocess.Popen[bytes]) -> None:
             serve.wait()
 
 
-def _one_run(job: Job, planned: PlannedRun, steps: int, runtime: Path, endpoints: Endpoints) -> RunResult:
+def holdback_of(job: str, every: int) -> HoldbackSchedule | None:
+    """The held-back steps ``serve --holdback-every every`` gives the job named ``job`` (None: none)."""
+    if not every:
+        return None
+    return HoldbackSchedule(p.Holdback(job=job, every=every, max_every=4 * every))
+
+
+def _one_run(
+    job: Job, planned: PlannedRun, steps: int, runtime: Path, endpoints: Endpoints, holdback_every: int
+) -> RunResult:
     before = _status(endpoints) if planned.kind == "with" else None
     match planned.kind:
         case "alone":
@@ -539,12 +565,14 @@ def _one_run(job: Job, planned: PlannedRun, steps: int, runtime: Path, endpoints
         case "with":
             cmd = _freeride("launch", "--runtime-dir", str(runtime), "--", *job.cmd(steps))
     # each run its own job for the manager's meter: its held-back steps are drawn anew
-    stdout, wall = _run(cmd, job=f"bench-{planned.kind}-{planned.pair_kind}-{planned.pair}-{planned.role}")
-    figures = parse_steps(stdout)
+    name = f"bench-{planned.kind}-{planned.pair_kind}-{planned.pair}-{planned.role}"
+    stdout, wall = _run(cmd, job=name)
+    figures = parse_steps(stdout, holdback_of(name, holdback_every) if planned.kind == "with" else None)
     result = RunResult(
         planned.kind, planned.role, planned.pair, planned.pair_kind, figures.step_ms, figures.cpu_ms, wall
     )
     result.trained_ns = figures.trained_ns
+    result.held_step_ms = figures.held_step_ms
     if before is not None:
         with_figures(result, before, _status(endpoints))
     return result
@@ -611,7 +639,7 @@ def bench(
         _wait_for("side tasks to start", 120, lambda: _tasks_running(endpoints, count), serve, runtime / "serve.log")
         runs: list[RunResult] = []
         for planned in plan(options):
-            result = _one_run(job, planned, options.steps, runtime, endpoints)
+            result = _one_run(job, planned, options.steps, runtime, endpoints, options.holdback_every)
             runs.append(result)
             cpu = f", cpu {result.cpu_ms:.2f} ms" if result.cpu_ms is not None else ""
             flags = f" [{'; '.join(result.flags)}]" if result.flags else ""
