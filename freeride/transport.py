@@ -32,7 +32,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 import msgspec
 import zmq
@@ -485,7 +485,17 @@ class _AsyncOwner(Generic[_M]):
 
 
 class EventReceiver(_AsyncOwner[p.BackendEvent]):
-    """The manager's PULL socket for backend events."""
+    """The manager's PULL socket for backend events.
+
+    It waits on the socket's descriptor itself (a reader on the event loop) and
+    reads with non-blocking receives, never through pyzmq's asyncio receive:
+    events mostly come one at a time, each a wake-up of the manager, and
+    pyzmq's Future per receive makes each wake-up cost more CPU, which on a
+    machine without spare cores is taken from training (docs/benchmarks.md,
+    "Where the simulated pipeline's slowdown goes"). Only this object reads
+    the socket, so the descriptor's edge-triggered signal is never taken by
+    another reader.
+    """
 
     def __init__(
         self, ctx: zmq.asyncio.Context, endpoint: str, *, rcvhwm: int = 100_000, curve: CurveServerKeys | None = None
@@ -496,13 +506,57 @@ class EventReceiver(_AsyncOwner[p.BackendEvent]):
         sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_EVENT_FRAME)
         sock.bind(endpoint)
         super().__init__(sock, msgspec.msgpack.Decoder(p.BackendEvent))
+        self._reading: tuple[asyncio.AbstractEventLoop, int] | None = None
+        """The loop and descriptor the reader is registered on (``None``: not yet)."""
+        self._ready = asyncio.Event()
+
+    def close(self) -> None:
+        if self._reading is not None:
+            loop, fd = self._reading
+            self._reading = None
+            if not loop.is_closed():
+                loop.remove_reader(fd)
+        super().close()
+
+    def _drain(self, limit: int) -> list[list[bytes]]:
+        """Up to ``limit`` messages already queued, without waiting.
+
+        Receives until one would block: a receive that finds the socket empty
+        re-arms its descriptor, so the next message signals it (cheaper under a
+        flood than asking ``ZMQ_EVENTS`` before each receive).
+        """
+        out: list[list[bytes]] = []
+        while len(out) < limit:
+            frames = self._queued_nowait()
+            if frames is None:
+                break
+            out.append(frames)
+        return out
+
+    async def _frames(self, limit: int) -> list[list[bytes]]:
+        batch = self._drain(limit)
+        while not batch:
+            if self._reading is None:
+                plain = self._plain
+                if plain is None:
+                    raise RuntimeError("socket already closed")
+                loop, fd = asyncio.get_running_loop(), cast(int, plain.getsockopt(zmq.FD))
+                loop.add_reader(fd, self._ready.set)
+                self._reading = (loop, fd)
+            self._ready.clear()
+            # the descriptor signals a change, not a level: look again after clearing, then wait
+            batch = self._drain(limit)
+            if not batch:
+                await self._ready.wait()
+                batch = self._drain(limit)
+        return batch
 
     async def recv(self) -> p.BackendEvent | BadFrame:
-        return self._event(await self._live().recv_multipart())
+        return self._event((await self._frames(1))[0])
 
     async def recv_batch(self, limit: int) -> list[p.BackendEvent | BadFrame]:
         """The next event, and up to ``limit - 1`` more that are already queued."""
-        return [self._event(frames) for frames in await self._recv_frames_batch(limit)]
+        return [self._event(frames) for frames in await self._frames(limit)]
 
     def _event(self, frames: list[bytes]) -> p.BackendEvent | BadFrame:
         if len(frames) != 1:
