@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from freeride import protocol as p
 from freeride.observe.stats import order_statistic_ranks
+from freeride.serve.budget import JUDGE_PAIRS
 
 __all__ = ["cost_line", "cost_lines", "percent"]
 
@@ -31,7 +32,7 @@ def cost_line(cost: p.TrainingCost) -> str:
         need = _pairs_needed(cost.confidence)
         return (
             f"training cost{job} {percent(cost.slowdown)} (measuring: {cost.pairs} of the {need} pairs a {level}"
-            f" interval needs; {interval} covers {cost.coverage:.1%}; {cost.steps} steps)"
+            f" interval needs; {interval} covers {cost.coverage * 100:.1f} %; {cost.steps} steps)"
         )
     return f"training cost{job} {percent(cost.slowdown)} ({level}: {interval}, {cost.steps} steps, {cost.pairs} pairs)"
 
@@ -47,13 +48,18 @@ def cost_lines(costs: list[p.TrainingCost], devices: list[p.DeviceStatus]) -> li
     if bubble:
         share = max(c.held_share for c in costs)
         lines.append(
-            f"  measuring it: {held / bubble:.1%} of the bubble time held back so far"
+            f"  measuring it: {held / bubble * 100:.1f} % of the bubble time held back so far"
             f" (one step in {round(1 / share) if share else 0} now)"
         )
     for c in costs:
         if c.harvest_share < 1.0:
-            taken = f" ({backed / bubble:.1%} of the bubble time so far)" if bubble else ""
+            taken = f" ({backed / bubble * 100:.1f} % of the bubble time so far)" if bubble else ""
             lines.append(f"  slowdown budget {percent(c.budget, signed=False)}: {c.reason}{taken}")
         elif c.budget:
-            lines.append(f"  slowdown budget {percent(c.budget, signed=False)}: held (every bubble granted)")
+            judged = (
+                f"; an upper bound above it is acted on from {JUDGE_PAIRS} pairs on"
+                if c.pairs < JUDGE_PAIRS and c.high > c.budget
+                else ""
+            )
+            lines.append(f"  slowdown budget {percent(c.budget, signed=False)}: every bubble granted{judged}")
     return lines

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 from freeride.observe.stats import MedianInterval
 
-__all__ = ["LEVELS", "SlowdownBudget", "granted"]
+__all__ = ["JUDGE_PAIRS", "LEVELS", "SlowdownBudget", "granted"]
+
+JUDGE_PAIRS = 16
+"""Pairs measured at a level before the upper end of its interval alone may step it down, or it may step up."""
 
 LEVELS = (1.0, 0.75, 0.5, 0.25, 0.0)
 """The share of bubbles granted at each level (0: all, the default)."""
@@ -48,7 +51,7 @@ class SlowdownBudget:
             or a level may step back up.
     """
 
-    def __init__(self, budget: float, *, min_coverage: float = 0.95, judge_pairs: int = 16) -> None:
+    def __init__(self, budget: float, *, min_coverage: float = 0.95, judge_pairs: int = JUDGE_PAIRS) -> None:
         if not 0 < budget < 1:
             raise ValueError(f"budget must be in (0, 1), got {budget}")
         self.budget = budget

@@ -298,3 +298,30 @@ def test_a_ranks_job_is_named_by_its_launcher_the_same_on_every_node(env: dict[s
     from backends.session import job_from_env
 
     assert job_from_env(env) == job
+
+
+def test_the_cost_reads_as_status_prints_it() -> None:
+    from freeride.observe.cost import cost_line, cost_lines
+
+    assert cost_line(p.TrainingCost(job="", steps=5, pairs=0)) == (
+        "training cost: measuring (5 steps, no held-back pair complete yet)"
+    )
+    few = p.TrainingCost(job="j", steps=40, pairs=3, slowdown=0.01, low=0.0, high=0.02, coverage=0.75, budget=0.005)
+    assert cost_line(few) == (
+        "training cost of job j +1.00 % (measuring: 3 of the 6 pairs a 95 % interval needs;"
+        " +0.00 .. +2.00 % covers 75.0 %; 40 steps)"
+    )
+    full = p.TrainingCost(
+        job="", steps=812, pairs=25, slowdown=0.0021, low=-0.001, high=0.0048, coverage=0.957, budget=0.005
+    )
+    assert cost_line(full) == "training cost +0.21 % (95 %: -0.10 .. +0.48 %, 812 steps, 25 pairs)"
+    device = p.DeviceStatus(
+        device="cpu:0", stage=0, rank=0, framework="sim", alive=True, bubbles=10, bubble_ns=1000, used_ns=0,
+        overruns=0, overrun_ns=0, spare_memory=-1, steps=10, held_back_ns=125,
+    )  # fmt: skip
+    lines = cost_lines([msgspec.structs.replace(full, held_share=1 / 8)], [device])
+    assert lines[1] == "  measuring it: 12.5 % of the bubble time held back so far (one step in 8 now)"
+    assert lines[2] == "  slowdown budget 0.50 %: every bubble granted"
+    assert "acted on from 16 pairs on" in cost_lines([msgspec.structs.replace(few, pairs=7, coverage=0.98)], [])[1]
+    backed = msgspec.structs.replace(full, harvest_share=0.5, reason="why")
+    assert cost_lines([backed], [device])[2] == "  slowdown budget 0.50 %: why (0.0 % of the bubble time so far)"
