@@ -471,17 +471,27 @@ class _AsyncOwner(Generic[_M]):
         except zmq.Again:
             return None
 
+    def _drain(self, limit: int) -> list[list[bytes]]:
+        """Up to ``limit`` messages already queued, without waiting.
+
+        Receives until one would block: a receive that finds the socket empty
+        re-arms its descriptor, so the next message signals it (cheaper under a
+        flood than asking ``ZMQ_EVENTS`` before each receive).
+        """
+        out: list[list[bytes]] = []
+        while len(out) < limit:
+            frames = self._queued_nowait()
+            if frames is None:
+                break
+            out.append(frames)
+        return out
+
     async def _recv_frames_batch(self, limit: int) -> list[list[bytes]]:
         # Awaiting a socket with messages queued returns at once without giving the
         # event loop a turn: a flooded socket read one message per await starves every
         # other task. The caller handles a batch, then yields.
-        batch: list[list[bytes]] = [await self._live().recv_multipart()]
-        while len(batch) < limit:
-            frames = self._queued_nowait()
-            if frames is None:
-                break
-            batch.append(frames)
-        return batch
+        first = await self._live().recv_multipart()
+        return [first, *self._drain(limit - 1)]
 
 
 class EventReceiver(_AsyncOwner[p.BackendEvent]):
@@ -517,21 +527,6 @@ class EventReceiver(_AsyncOwner[p.BackendEvent]):
             if not loop.is_closed():
                 loop.remove_reader(fd)
         super().close()
-
-    def _drain(self, limit: int) -> list[list[bytes]]:
-        """Up to ``limit`` messages already queued, without waiting.
-
-        Receives until one would block: a receive that finds the socket empty
-        re-arms its descriptor, so the next message signals it (cheaper under a
-        flood than asking ``ZMQ_EVENTS`` before each receive).
-        """
-        out: list[list[bytes]] = []
-        while len(out) < limit:
-            frames = self._queued_nowait()
-            if frames is None:
-                break
-            out.append(frames)
-        return out
 
     async def _frames(self, limit: int) -> list[list[bytes]]:
         batch = self._drain(limit)

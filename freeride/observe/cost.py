@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from freeride import protocol as p
-from freeride.observe.stats import order_statistic_ranks
+from freeride.observe.stats import pairs_needed
 from freeride.serve.budget import JUDGE_PAIRS
 
 __all__ = ["cost_line", "cost_lines", "percent"]
@@ -14,13 +14,6 @@ def percent(share: float, *, signed: bool = True) -> str:
     return f"{share * 100:{'+' if signed else ''}.2f} %"
 
 
-def _pairs_needed(confidence: float) -> int:
-    n = 1
-    while order_statistic_ranks(n, confidence)[2] < confidence:
-        n += 1
-    return n
-
-
 def cost_line(cost: p.TrainingCost) -> str:
     """``training cost +0.21 % (95 %: -0.10 .. +0.48 %, 812 steps)``, or what it still waits for."""
     job = f" of job {cost.job}" if cost.job else ""
@@ -29,7 +22,7 @@ def cost_line(cost: p.TrainingCost) -> str:
     level = f"{cost.confidence:.0%}".replace("%", " %")
     interval = f"{percent(cost.low)[:-2]} .. {percent(cost.high)}"
     if cost.coverage < cost.confidence:
-        need = _pairs_needed(cost.confidence)
+        need = pairs_needed(cost.confidence)
         return (
             f"training cost{job} {percent(cost.slowdown)} (measuring: {cost.pairs} of the {need} pairs a {level}"
             f" interval needs; {interval} covers {cost.coverage * 100:.1f} %; {cost.steps} steps)"

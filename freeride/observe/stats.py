@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["LatencyRecorder", "MedianInterval", "median_interval", "order_statistic_ranks", "quantile"]
+__all__ = ["LatencyRecorder", "MedianInterval", "median_interval", "order_statistic_ranks", "pairs_needed", "quantile"]
 
 
 def quantile(sorted_values: list[int], q: float) -> int:
@@ -122,6 +122,18 @@ def order_statistic_ranks(n: int, confidence: float = 0.95) -> tuple[int, int, f
             break
         best, best_coverage = k, coverage
     return best - 1, n - best, best_coverage
+
+
+def pairs_needed(confidence: float = 0.95) -> int:
+    """The fewest values whose interval of the median reaches ``confidence`` (6 at 95 %).
+
+    Raises:
+        ValueError: ``confidence`` not in (0, 1).
+    """
+    n = 1
+    while order_statistic_ranks(n, confidence)[2] < confidence:
+        n += 1
+    return n
 
 
 def median_interval(values: Sequence[float], *, confidence: float = 0.95) -> MedianInterval:

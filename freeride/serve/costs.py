@@ -18,6 +18,7 @@ from typing import Literal
 import msgspec
 
 from freeride import protocol as p
+from freeride.observe.stats import median_interval
 from freeride.serve.budget import SlowdownBudget, granted
 from freeride.serve.holdback import HoldbackSchedule
 from freeride.serve.meter import CostMeter
@@ -70,7 +71,7 @@ class TrainingCosts:
         self._jobs: dict[str, _Job] = {}
         self._rank_job: dict[int, str] = {}
 
-    def _job(self, name: str) -> _Job | None:
+    def _job(self, name: str) -> _Job:
         job = self._jobs.get(name)
         if job is None:
             if len(self._jobs) >= MAX_JOBS:  # the job heard of least recently makes room
@@ -95,7 +96,7 @@ class TrainingCosts:
         known = self._jobs.get(job)
         return known.meter if known is not None else None
 
-    def _of(self, rank: int) -> _Job | None:
+    def _of(self, rank: int) -> _Job:
         name = self._rank_job.get(rank)
         if name is None:
             # a rank whose Hello is not in yet (or a device before its first bubble): where the ranks
@@ -107,8 +108,6 @@ class TrainingCosts:
     def withheld(self, rank: int, step: int, index: int) -> Withheld:
         """Why bubble ``index`` of ``rank``'s step ``step`` gets no side work ("" if it may get some)."""
         job = self._of(rank)
-        if job is None:
-            return ""
         if job.schedule.held(step):
             return "held_back"
         if not granted(job.share, step, index):
@@ -117,18 +116,16 @@ class TrainingCosts:
 
     def may_arm(self, rank: int) -> bool:
         """Whether a worker may start on ``rank``'s own bubble events (only while every bubble is granted)."""
-        job = self._of(rank)
-        return job is None or job.share >= 1.0
+        return self._of(rank).share >= 1.0
 
     def holdback(self, rank: int) -> p.Holdback | None:
         """The held-back steps of ``rank``'s job, for an armed worker to leave alone (``None``: none)."""
-        job = self._of(rank)
-        return job.schedule.config if job is not None and self._holdback.enabled else None
+        return self._of(rank).schedule.config if self._holdback.enabled else None
 
     def step_finished(self, rank: int, step: int, duration_ns: int) -> None:
-        job = self._of(rank)
-        if job is None or not self._holdback.enabled:
+        if not self._holdback.enabled:
             return
+        job = self._of(rank)
         name = job.schedule.job
         if next(reversed(self._jobs)) != name:  # the most recently heard of last (see _job)
             self._jobs[name] = self._jobs.pop(name)
@@ -146,7 +143,7 @@ class TrainingCosts:
 
     def _status(self, job: _Job) -> p.TrainingCost:
         meter = job.meter
-        est = meter.estimate(job.period)
+        recent = meter.differences(job.period)
         base = p.TrainingCost(
             job=job.schedule.job,
             steps=meter.steps,
@@ -157,16 +154,11 @@ class TrainingCosts:
             reason=job.budget.reason if job.budget is not None else "",
             confidence=meter.confidence,
         )
-        if est is None:
+        if not recent:
             return base
+        est = median_interval(recent, confidence=meter.confidence)
         return msgspec.structs.replace(
-            base,
-            pairs=est.n,
-            slowdown=est.median,
-            low=est.low,
-            high=est.high,
-            coverage=est.coverage,
-            recent=meter.differences(job.period),
+            base, pairs=est.n, slowdown=est.median, low=est.low, high=est.high, coverage=est.coverage, recent=recent
         )
 
     def status(self) -> list[p.TrainingCost]:

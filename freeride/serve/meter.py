@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from freeride.observe.stats import MedianInterval, median_interval
 from freeride.serve.holdback import HoldbackSchedule
+from freeride.serve.ranks import MAX_RANKS
 
 __all__ = ["MAX_PENDING", "WINDOW", "CostMeter"]
 
@@ -76,7 +77,7 @@ class CostMeter:
         self.confidence = confidence
         self._pending: dict[int, _Pending] = {}
         self._last_cycle = -1
-        self._last_end = 0
+        """The latest cycle whose pair was closed: a step of it or of an earlier one comes too late."""
         self._rank_step: dict[int, int] = {}
         """The last step each rank reported: one going back means the job started over."""
         self._pairs: deque[tuple[float, int]] = deque(maxlen=4 * WINDOW)
@@ -99,11 +100,11 @@ class CostMeter:
             # the job started over (a restart counts steps from 0 again): its old pairs stay, the
             # unfinished one goes
             self._pending.clear()
-            self._last_cycle, self._last_end = -1, 0
+            self._last_cycle = -1
             self._rank_step.clear()
             self._steps_before = self.steps
         self._rank_step[rank] = step
-        if len(self._rank_step) > MAX_PENDING * 64:
+        if len(self._rank_step) > MAX_RANKS:
             self._rank_step.pop(next(iter(self._rank_step)))
         self.steps = max(self.steps, self._steps_before + step + 1)
         slot = self.schedule.slot(step)
@@ -134,7 +135,7 @@ class CostMeter:
         last: float | None = None
         for cycle in sorted(c for c, pend in self._pending.items() if pend.pair_end <= step):
             pending = self._pending.pop(cycle)
-            self._last_cycle, self._last_end = max(self._last_cycle, cycle), max(self._last_end, pending.pair_end)
+            self._last_cycle = max(self._last_cycle, cycle)
             difference = _difference(pending)
             if difference is not None:
                 self._pairs.append((difference, max(0, pending.period)))

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from freeride.observe.stats import median_interval, order_statistic_ranks
+from freeride.observe.stats import median_interval, pairs_needed
 
 __all__ = [
     "GOAL",
@@ -72,18 +72,6 @@ class Estimate:
     def half_width(self) -> float:
         """Half the interval's width: how finely these values resolve a difference."""
         return (self.high - self.low) / 2
-
-
-def pairs_needed(confidence: float = 0.95) -> int:
-    """The fewest values whose interval of the median reaches ``confidence`` (6 at 95 %).
-
-    Raises:
-        ValueError: ``confidence`` not in (0, 1).
-    """
-    n = 1
-    while order_statistic_ranks(n, confidence)[2] < confidence:
-        n += 1
-    return n
 
 
 def paired_slowdown(pairs: Sequence[tuple[float, float]], *, confidence: float = 0.95) -> Estimate:
