@@ -303,7 +303,7 @@ def format_status(status: p.StatusReply) -> str:
         f" {'interference':>13} {'of training':>11}"
     ]
     for d in status.devices:
-        share = d.used_ns / d.bubble_ns if d.bubble_ns else 0.0
+        share = d.used_ns / d.offered_ns if d.offered_ns else 0.0
         taken = f"{d.interference_ns / d.train_ns:.2%}" if d.train_ns else "-"
         lines.append(
             f"{printable(d.device):10} {d.stage:>5} {'yes' if d.alive else 'no':>5} {d.bubbles:>8} "
@@ -337,7 +337,8 @@ def format_status(status: p.StatusReply) -> str:
         lines += [f"{'':>4} {line}" for line in task_details(t)]
     lines.append("")
     lines.append(
-        "used: side-task compute inside bubbles, as a share of bubble time; interference: side-task compute after"
+        "used: side-task compute inside bubbles, as a share of the bubble time offered to side tasks (not held back"
+        " to measure the job's cost); interference: side-task compute after"
         " bubble ends (what a GPU would take from training), and its share of the stage's training time"
     )
     lat = status.latency

@@ -77,8 +77,7 @@ class DemoReport:
             step = statistics.median(r.step_ns) if r and r.step_ns else 0
             # step 0 includes start-up (ranks waiting for each other to exist)
             share = sum(r.wait_ns[1:]) / sum(r.step_ns[1:]) if r and len(r.step_ns) > 1 else 0.0
-            offered = d.bubble_ns - d.held_back_ns - d.backed_off_ns
-            used = d.used_ns / offered if offered > 0 else 0.0
+            used = d.used_ns / d.offered_ns if d.offered_ns else 0.0
             lines.append(
                 f"{d.stage:>5} {d.device:8} {format_ns(int(step)):>13} {share:>12.1%} {format_ns(d.bubble_ns):>11} "
                 f"{used:>17.1%} {d.overruns:>8}"

@@ -618,6 +618,11 @@ class DeviceStatus(_Msg, frozen=True, tag="device_status"):
     backed_off_ns: int = 0
     """Bubble time left out to keep the job's measured cost within the slowdown budget."""
 
+    @property
+    def offered_ns(self) -> int:
+        """Bubble time offered to side tasks: what was neither held back nor backed off."""
+        return max(0, self.bubble_ns - self.held_back_ns - self.backed_off_ns)
+
 
 class TaskStatus(_Msg, frozen=True, tag="task_status"):
     task_id: int

@@ -208,6 +208,8 @@ def test_side_tasks_run_in_the_bubbles_of_dualpipev(
     for device in profile.devices:
         d = by_device[device]
         assert d.steps == STEPS and d.bubbles >= STEPS - 1, (device, d.steps, d.bubbles)
-        assert d.used_ns > 0.3 * d.bubble_ns, (device, d.used_ns, d.bubble_ns)
+        # of the bubble time offered (a short job's held-back steps can be a large share of all of it):
+        # 60-75 % on a quiet machine, 35 % seen on a loaded one
+        assert d.used_ns > 0.2 * d.offered_ns, (device, d.used_ns, d.offered_ns, d.bubble_ns)
         assert d.interference_ns <= 0.25 * d.used_ns, (device, d.interference_ns, d.used_ns)
         assert tasks[device].steps > 0 and tasks[device].state == "running"

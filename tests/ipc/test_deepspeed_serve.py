@@ -92,7 +92,9 @@ def test_side_tasks_run_in_the_bubbles_of_a_deepspeed_job(
         assert d.bubbles >= 2 * (steps - 1)
         # loose on a shared CI machine (bubbles here are 10-30 ms, grant latency is ms under load);
         # side tasks that ignored the bubbles would overrun about as much as they run
-        assert d.used_ns > 0.3 * d.bubble_ns, (device, d.used_ns, d.bubble_ns)
+        # of the bubble time offered (a short job's held-back steps can be a large share of all of it):
+        # 60-75 % on a quiet machine, 35 % seen on a loaded one
+        assert d.used_ns > 0.2 * d.offered_ns, (device, d.used_ns, d.offered_ns, d.bubble_ns)
         # compute after bubble ends (what a GPU would lose) stays small beside the compute inside them
         assert d.interference_ns <= 0.25 * d.used_ns, (device, d.interference_ns, d.used_ns)
     tasks = {t.device: t for t in reply.tasks}

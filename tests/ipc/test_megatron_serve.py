@@ -145,7 +145,8 @@ def test_side_tasks_run_in_the_bubbles_of_a_megatron_job(
         assert d.bubbles >= steps - 1
         # loose: on a shared 2-core machine the side task gets its core only part of the time
         # (bubbles here are 5-30 ms); the benchmark reports the real share
-        assert d.used_ns > 0.15 * d.bubble_ns, (device, d.used_ns, d.bubble_ns)
+        # of the bubble time offered: a short job's held-back steps can be a large share of it
+        assert d.used_ns > 0.15 * d.offered_ns, (device, d.used_ns, d.offered_ns, d.bubble_ns)
         assert d.overrun_ns <= 0.1 * d.used_ns, (device, d.overrun_ns, d.used_ns)
     tasks = {t.device: t for t in reply.tasks}
     assert all(tasks[device].steps > 0 and tasks[device].state == "running" for device in devices)

@@ -325,3 +325,19 @@ def test_the_cost_reads_as_status_prints_it() -> None:
     assert "acted on from 16 pairs on" in cost_lines([msgspec.structs.replace(few, pairs=7, coverage=0.98)], [])[1]
     backed = msgspec.structs.replace(full, harvest_share=0.5, reason="why")
     assert cost_lines([backed], [device])[2] == "  slowdown budget 0.50 %: why (0.0 % of the bubble time so far)"
+
+
+def test_the_share_used_is_of_the_bubble_time_offered() -> None:
+    """Held-back and backed-off bubble time is not offered, so status and the demo count use against the rest."""
+    from freeride.cli import format_status
+
+    device = p.DeviceStatus(
+        device="cpu:0", stage=0, rank=0, framework="sim", alive=True, bubbles=10, bubble_ns=1000, used_ns=300,
+        overruns=0, overrun_ns=0, spare_memory=-1, steps=10, held_back_ns=250, backed_off_ns=150,
+    )  # fmt: skip
+    assert device.offered_ns == 600
+    latency = p.LatencySummary(count=0, p50_ns=0, p99_ns=0, max_ns=0)
+    reply = p.StatusReply(devices=[device], tasks=[], latency=latency, events=0, rejected_frames=0, uptime_ns=0)
+    row = format_status(reply).splitlines()[1]
+    assert " 50.0% " in row, row
+    assert msgspec.structs.replace(device, held_back_ns=2000).offered_ns == 0
