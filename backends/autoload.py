@@ -11,16 +11,16 @@ import importlib
 import logging
 from types import ModuleType
 
-from backends import importhook
+from freeride.backends import importhook
 
 __all__ = ["HOOKS", "activate"]
 
 logger = logging.getLogger(__name__)
 
 HOOKS: dict[str, str] = {
-    "deepspeed.runtime.pipe.engine": "backends.deepspeed",
-    "megatron.core.pipeline_parallel.schedules": "backends.megatron",
-    "torch.distributed.pipelining.schedules": "backends.torchpipe",
+    "deepspeed.runtime.pipe.engine": "freeride.backends.deepspeed",
+    "megatron.core.pipeline_parallel.schedules": "freeride.backends.megatron",
+    "torch.distributed.pipelining.schedules": "freeride.backends.torchpipe",
 }
 """Framework module -> adapter package whose ``on_import`` patches it."""
 

@@ -16,7 +16,7 @@ calibration pair (a host reading around an event on an idle stream). The
 training thread only records events and appends to a queue: it never waits,
 and all sends happen on the helper thread, which owns the session's socket from
 then on. Durations come from ``elapsed_time`` between the two events and go
-back to the :class:`~backends.tracker.StepTracker`, whose predictions are then
+back to the :class:`~freeride.backends.tracker.StepTracker`, whose predictions are then
 device times.
 
 Which clock an adapter uses is :func:`choose_timing`'s: the device's when the
@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from backends.session import BackendSession
+from freeride.backends.session import BackendSession
 
 __all__ = [
     "ENV_TIMING",
@@ -240,7 +240,7 @@ _STOP = _Call(lambda: None)
 class DeviceTimeline:
     """A stage's bubble events on the device's timeline (see the module docstring).
 
-    It is the :class:`~backends.tracker.BubbleSink` of a tracker in device mode,
+    It is the :class:`~freeride.backends.tracker.BubbleSink` of a tracker in device mode,
     and its :meth:`wait_began` / :meth:`wait_finished` / :meth:`drain` time every
     wait. Once created, only its helper thread talks to ``session``: call
     :meth:`heartbeat` and :meth:`close` here instead.

@@ -1,7 +1,7 @@
 """Patch a framework module right after it is imported, without touching user code.
 
 ``freeride launch`` puts a ``sitecustomize`` on ``PYTHONPATH`` that calls
-:func:`backends.autoload.activate`, which registers one patch per
+:func:`freeride.backends.autoload.activate`, which registers one patch per
 framework module here. When the training script (or the framework itself)
 imports that module, the patch runs on the freshly executed module, before
 anything else can use it. Modules already imported are patched at once.

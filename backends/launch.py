@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from backends.session import ENV_EVENTS
+from freeride.backends.session import ENV_EVENTS
 
 __all__ = ["ENV_MODE", "ENV_PROFILE_DIR", "CommandNotFound", "Mode", "find_command", "launch_env", "read_mode"]
 

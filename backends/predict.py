@@ -1,6 +1,6 @@
 """Expected bubble durations: the schedule's prediction, then what was measured.
 
-A rank knows where it will wait from its schedule (see :mod:`backends.schedule`)
+A rank knows where it will wait from its schedule (see :mod:`freeride.backends.schedule`)
 and, after the first step, how long each of those waits lasted. The predictor
 keys each wait by its place in the step (for example the action it precedes)
 and predicts from the last few measurements, falling back to the schedule's
@@ -11,7 +11,7 @@ then runs into the training step, while one predicted too short only leaves
 some of the bubble unused. Two policies:
 
 * ``"min"``, the shortest of the last ``history`` waits, for the framework
-  backends (:mod:`backends.tracker`), whose waits are noisy: replayed over a
+  backends (:mod:`freeride.backends.tracker`), whose waits are noisy: replayed over a
   loaded DeepSpeed run, the minimum of three halved the over-predicted time
   compared with the median, for twice the under-predicted time; and with
   ``"low"`` a DeepSpeed job's bubbles ended before their deadline a third of

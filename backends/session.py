@@ -7,7 +7,7 @@ one failed non-blocking send per event.
 
 Each session writes one line to stderr when it starts (the rank attached):
 framework, rank, stage, device and whether a manager is there, whatever the
-training script did to logging (the ``backends.attach`` logger has a handler of
+training script did to logging (the ``freeride.backends.attach`` logger has a handler of
 its own and does not propagate; set its level to WARNING to silence it).
 """
 
@@ -54,7 +54,7 @@ class _Stderr(logging.Handler):
 
 def attach_logger() -> logging.Logger:
     """The logger of the one line per rank at attach: INFO to stderr unless configured otherwise."""
-    attach = logging.getLogger("backends.attach")
+    attach = logging.getLogger("freeride.backends.attach")
     if not attach.handlers:
         handler = _Stderr()
         handler.setFormatter(logging.Formatter("freeride: %(message)s"))
@@ -196,7 +196,7 @@ class BackendSession:
     def _log_attached(self) -> None:
         c = self.config
         try:
-            from backends.launch import read_mode  # imports this module: read at run time
+            from freeride.backends.launch import read_mode  # imports this module: read at run time
 
             mode = read_mode()[0]
             there = (

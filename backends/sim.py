@@ -1,7 +1,7 @@
 """A simulated pipeline-parallel job: real processes, real waits, no framework.
 
 Each stage is a process that runs its rank's actions of a GPipe, 1F1B or
-interleaved schedule (see :mod:`backends.schedule`) in real time. A forward
+interleaved schedule (see :mod:`freeride.backends.schedule`) in real time. A forward
 waits for the activation message of the previous stage and a backward for the
 gradient message of the next, over pipes, so bubbles emerge the way they do in
 a real job: a stage blocked in a receive leaves its core idle. A barrier ends
@@ -31,13 +31,13 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
-from backends.launch import read_mode
-from backends.observations import ObservationLog
-from backends.predict import BubblePredictor
-from backends.schedule import Action, Durations, bubbles, build_schedule, simulate
-from backends.session import BackendConfig, BackendSession
-from backends.tracker import TAIL_KEY
 from freeride._procutil import bind_to_parent
+from freeride.backends.launch import read_mode
+from freeride.backends.observations import ObservationLog
+from freeride.backends.predict import BubblePredictor
+from freeride.backends.schedule import Action, Durations, bubbles, build_schedule, simulate
+from freeride.backends.session import BackendConfig, BackendSession
+from freeride.backends.tracker import TAIL_KEY
 from freeride.profile import RankObservations, StepRecord, WaitRecord
 
 __all__ = ["SimConfig", "SimPipeline", "StageResult", "run_stage"]

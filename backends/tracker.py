@@ -13,9 +13,9 @@ last one; an adapter may name a place itself (``"send:0B1"``, ``"tail:loss"``).
 Waits at one place that follow each other add up to one wait.
 
 The expected duration of a wait is what the last few waits at the same place
-lasted (:class:`~backends.predict.BubblePredictor`, which errs low: at places
+lasted (:class:`~freeride.backends.predict.BubblePredictor`, which errs low: at places
 where waits are mostly p2p latency, an occasional long one is not announced),
-and before any was measured the gap :func:`backends.schedule.simulate` finds
+and before any was measured the gap :func:`freeride.backends.schedule.simulate` finds
 there with this rank's measured compute times (every rank is taken to be as
 fast as this one).
 
@@ -37,8 +37,8 @@ from typing import Protocol
 
 import msgspec
 
-from backends.predict import BubblePredictor
-from backends.schedule import Action, Durations, Groups, Kind, Schedule, bubbles, simulate
+from freeride.backends.predict import BubblePredictor
+from freeride.backends.schedule import Action, Durations, Groups, Kind, Schedule, bubbles, simulate
 from freeride.profile import StepRecord, WaitRecord
 
 __all__ = ["TAIL_KEY", "BubbleSink", "DeviceWaits", "PlanKey", "StepPlan", "StepTracker", "schedule_priors"]
@@ -53,7 +53,7 @@ TAIL_KEY = "tail:end"
 
 
 class BubbleSink(Protocol):
-    """What the tracker reports to (a :class:`~backends.session.BackendSession`)."""
+    """What the tracker reports to (a :class:`~freeride.backends.session.BackendSession`)."""
 
     def bubble_started(self, step: int, expected_ns: int, *, spare_memory: int | None = None) -> bool: ...
 
@@ -63,7 +63,7 @@ class BubbleSink(Protocol):
 
 
 class DeviceWaits(Protocol):
-    """Times waits on the device (a :class:`~backends.cuda_timing.DeviceTimeline`).
+    """Times waits on the device (a :class:`~freeride.backends.cuda_timing.DeviceTimeline`).
 
     The tracker marks each wait's start and end; the device's durations come
     back later, by ticket, from :meth:`drain`. An announced wait is announced
@@ -101,12 +101,12 @@ class StepPlan:
     """No sync ends the step, so the tail bubble lands in the next step's first wait."""
     groups: tuple[tuple[int, ...], ...] | None = None
     """Per rank, the actions run between two blocking p2p calls (see
-    :func:`backends.schedule.simulate`); None: one each."""
+    :func:`freeride.backends.schedule.simulate`); None: one each."""
     tail_key: str = TAIL_KEY
     """Place key of the wait the simulated tail bubble is expected at (unless merged)."""
     simulated: bool = True
     """Predict waits from the simulated schedule until they are measured; False where
-    :func:`backends.schedule.simulate` cannot model the stages' placement (V-shaped)."""
+    :func:`freeride.backends.schedule.simulate` cannot model the stages' placement (V-shaped)."""
     priors: Callable[[Durations], Mapping[str, int]] | None = None
     """Predicts the waits, place key -> ns, from this rank's measured compute times
     instead of :func:`schedule_priors` (a framework whose own instruction lists say

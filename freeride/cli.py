@@ -29,7 +29,7 @@ from freeride.transport import ControlClient, Endpoints, ManagerUnreachable, cur
 from freeride.units import format_ns, parse_bytes, parse_duration_ns, parse_share, printable
 
 if TYPE_CHECKING:
-    from backends.sim import SimConfig
+    from freeride.backends.sim import SimConfig
 
 __all__ = ["build_parser", "main"]
 
@@ -39,7 +39,7 @@ _EPILOG = """\
 typical use:
   freeride serve &                                   # one per node, beside the training job
   freeride launch -- torchrun --nproc_per_node 4 train.py ...   # unmodified training script
-  freeride submit sidetasks.pagerank:PageRank --opt nodes=200000
+  freeride submit freeride.sidetasks.pagerank:PageRank --opt nodes=200000
   freeride status
 try it without a training job: freeride demo
 """
@@ -200,17 +200,18 @@ def _sm_share(percent: int) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from sidetasks import CATALOG, PROGRAMS, describe, resolve
+    from freeride.tasks import catalog, program_command, programs, resolve
 
     if args.list:
-        for name, target in CATALOG.items():
-            print(f"{name:16} {target:48} {describe(name)}")
-        for name, program in PROGRAMS.items():
-            print(f"{name:16} {'(program) ' + ' '.join(program):48} {describe(name)}")
+        from freeride.sidetasks import DESCRIPTIONS
+
+        rows = [*catalog().items(), *((name, f"(program) python -m {m}") for name, m in programs().items())]
+        width = max((len(what) for _, what in rows), default=0)
+        for name, what in rows:
+            print(f"{name:16} {what:{width}} {DESCRIPTIONS.get(name, '')}".rstrip())
         return 0
-    if args.target in PROGRAMS:  # a packaged plain program: run it as an imperative task
-        prog_argv = [sys.executable if a == "python" else a for a in PROGRAMS[args.target]]
-        args.imperative, args.command = True, prog_argv + list(args.command)
+    if args.target in programs():  # a registered plain program: run it as an imperative task
+        args.imperative, args.command = True, program_command(args.target) + list(args.command)
     if args.imperative:
         if not args.command:
             raise SystemExit("freeride: give the program after --, e.g. freeride submit --imperative -- python x.py")
@@ -409,7 +410,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _find_command(command: Sequence[str], env: dict[str, str]) -> str:
-    from backends.launch import CommandNotFound, find_command
+    from freeride.backends.launch import CommandNotFound, find_command
 
     try:
         return find_command(command[0], env)
@@ -419,7 +420,7 @@ def _find_command(command: Sequence[str], env: dict[str, str]) -> str:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from backends.launch import launch_env
+    from freeride.backends.launch import launch_env
 
     if not args.command:
         raise SystemExit("freeride: give the training command after --, e.g. freeride launch -- torchrun ...")
@@ -560,7 +561,7 @@ def cmd_profile_task(args: argparse.Namespace) -> int:
 
 def _sim_config(args: argparse.Namespace, endpoint: str) -> SimConfig:
     """The simulated job of ``freeride sim`` and ``freeride demo``, from their shared flags."""
-    from backends.sim import SimConfig
+    from freeride.backends.sim import SimConfig
 
     return SimConfig(
         endpoint=endpoint,
@@ -576,7 +577,7 @@ def _sim_config(args: argparse.Namespace, endpoint: str) -> SimConfig:
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    from backends.sim import SimPipeline
+    from freeride.backends.sim import SimPipeline
 
     _export_keys_dir(args, os.environ)  # the simulated ranks' emitters read it
     with SimPipeline(_sim_config(args, _endpoints(args).events)) as sim:

@@ -15,8 +15,8 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from backends.sim import SimConfig, SimPipeline, StageResult
 from freeride import protocol as p
+from freeride.backends.sim import SimConfig, SimPipeline, StageResult
 from freeride.observe.cost import cost_lines
 from freeride.serve.config import ServeConfig
 from freeride.serve.guard import describe as describe_guard
@@ -107,7 +107,7 @@ class DemoReport:
 
 
 def _target(task: str) -> str:
-    from sidetasks import resolve
+    from freeride.tasks import resolve
 
     return resolve(task)
 

@@ -69,7 +69,7 @@ class EstimatesKey(msgspec.Struct, frozen=True, kw_only=True):
     """What step times depend on: the task, its options and the device it runs on."""
 
     target: str
-    """``module:Class`` of the task (as :func:`sidetasks.resolve` spells it)."""
+    """``module:Class`` of the task (as :func:`freeride.tasks.resolve` spells it)."""
     options: dict[str, Scalar]
     """Every constructor argument, defaults included (see :func:`canonical_options`)."""
     device_kind: str

@@ -1,6 +1,6 @@
 """``freeride plan``: how much a job's bubbles would harvest, from its shape or its profile.
 
-The bubbles come from the schedule model (:func:`backends.schedule.simulate`
+The bubbles come from the schedule model (:func:`freeride.backends.schedule.simulate`
 replays the job's schedule with its per-stage forward and backward times);
 what side tasks fill of them, and what they take from training, from measured
 runs (:mod:`freeride.plan_measured`, or a share the user measured); the cost
@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from backends.schedule import SCHEDULE_NAMES, Durations, Schedule, bubbles, build_schedule, simulate
+from freeride.backends.schedule import SCHEDULE_NAMES, Durations, Schedule, bubbles, build_schedule, simulate
 from freeride.observe.report import Prices, cost_saving, price_ratio
 from freeride.plan_measured import MeasuredUse
 
@@ -61,7 +61,7 @@ class JobShape:
     chunks: int = 1
     """Model chunks per stage ``v`` (interleaved schedules)."""
     schedule: str = "1f1b"
-    """One of :data:`backends.schedule.SCHEDULE_NAMES`."""
+    """One of :data:`freeride.backends.schedule.SCHEDULE_NAMES`."""
     forward: tuple[float, ...]
     """Per stage, one micro-batch's forward (per chunk when interleaved): seconds, or ratios if not ``absolute``."""
     backward: tuple[float, ...]
@@ -377,7 +377,7 @@ def _assumptions(shape: JobShape, tasks: tuple[TaskShare, ...], times: _Times, p
     bwd = ", ".join(f"{t * 1e3:.3g}" for t in times.durations.backward)
     out = [
         f"shape: {shape.source}",
-        f"bubbles: the schedule model (backends.schedule.simulate) of {shape.schedule}, p={shape.pp},"
+        f"bubbles: the schedule model (freeride.backends.schedule.simulate) of {shape.schedule}, p={shape.pp},"
         f" m={shape.microbatches}"
         + (f", v={shape.chunks}" if shape.chunks > 1 else "")
         + f"; per micro-batch forward [{fwd}] ms, backward [{bwd}] ms per stage"

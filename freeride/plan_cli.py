@@ -16,7 +16,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from backends.schedule import SCHEDULE_NAMES
+from freeride.backends.schedule import SCHEDULE_NAMES
 from freeride.estimates import read_estimates_file
 from freeride.observe.report import Prices, parse_throughputs
 from freeride.plan import SCALE_GPUS, JobShape, Plan, PlanOptions, ScaleRow, TaskShare, make_plan
@@ -248,7 +248,7 @@ def tasks_from_args(args: argparse.Namespace) -> tuple[TaskShare, ...]:
     Raises:
         ValueError: No task, shares that do not add up, or an option naming a task not in the mix.
     """
-    from sidetasks import resolve
+    from freeride.tasks import resolve
 
     if not args.task:
         names = ", ".join(row.task for row in MEASURED)

@@ -1,6 +1,6 @@
 """Measured bubble use and interference that ``freeride plan`` multiplies its modelled bubbles by.
 
-The planner models how much bubble a job has (:mod:`backends.schedule`); how
+The planner models how much bubble a job has (:mod:`freeride.backends.schedule`); how
 much of that bubble a side task really fills, and what it takes from training,
 it does not model: it takes them from the measured runs listed here, each
 with where and when it was measured. They are copies of rows of

@@ -1,6 +1,6 @@
 """``freeride profile``: run a training command in profile mode, stop it once it has enough, keep what it measured.
 
-The ranks write their observations (:mod:`backends.observations`) into a
+The ranks write their observations (:mod:`freeride.backends.observations`) into a
 temporary directory; this module watches that directory and, once every rank
 of every stage has recorded ``steps`` training steps, ends the job: SIGTERM to
 the job's process group (it runs in a session of its own, so ``deepspeed``,
@@ -26,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backends.launch import launch_env
-from backends.observations import ENV_PROFILE_STEPS
+from freeride.backends.launch import launch_env
+from freeride.backends.observations import ENV_PROFILE_STEPS
 from freeride.profile import Profile, RankObservations, build_profile, read_observations, write_profile
 
 __all__ = [

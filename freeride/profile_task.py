@@ -176,8 +176,8 @@ def build_task(target: str, options: dict[str, Any]) -> tuple[str, type[Iterativ
     Raises:
         ValueError: An unknown target, an option the task does not take, or a bad value.
     """
+    from freeride.tasks import resolve
     from freeride.worker.main import load_target
-    from sidetasks import resolve
 
     resolved = resolve(target)
     try:

@@ -31,7 +31,7 @@ def check_submission(spec: p.TaskSpec) -> p.TaskSpec:
     Raises:
         SystemExit: options that do not match the class, or a target that is no task.
     """
-    from sidetasks import load
+    from freeride.tasks import load
 
     try:
         cls = load(spec.target)

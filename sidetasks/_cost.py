@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sidetasks._models import ARCHITECTURES
+from freeride.sidetasks._models import ARCHITECTURES
 
 __all__ = ["UPDATE_COST_PER_ELEMENT", "backward_cost", "segment_costs"]
 

@@ -14,8 +14,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from sidetasks._common import sample_seed
-from sidetasks._imageio import list_images, read_image
+from freeride.sidetasks._common import sample_seed
+from freeride.sidetasks._imageio import list_images, read_image
 
 __all__ = ["ImageFolder", "LabelledImages", "SyntheticImages"]
 

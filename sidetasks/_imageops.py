@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from sidetasks._common import sample_seed
+from freeride.sidetasks._common import sample_seed
 
 __all__ = ["edge_pipeline", "equalize_hist", "gaussian_blur", "gaussian_kernel", "sobel", "synthetic_scene", "to_gray"]
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from freeride.sidetask import TaskContext
-from sidetasks._common import DeviceTask, ShuffledCursor, check_fingerprint, joinable, sample_seed
+from freeride.sidetasks._common import DeviceTask, ShuffledCursor, check_fingerprint, joinable, sample_seed
 
 __all__ = ["GraphSGD", "planted_ratings", "read_ratings"]
 

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from freeride.sidetask import TaskContext
-from sidetasks._common import DeviceTask, check_fingerprint, synchronize
-from sidetasks._imageio import IMAGE_SUFFIXES, read_image, write_pnm
-from sidetasks._imageops import edge_pipeline, synthetic_scene
+from freeride.sidetasks._common import DeviceTask, check_fingerprint, synchronize
+from freeride.sidetasks._imageio import IMAGE_SUFFIXES, read_image, write_pnm
+from freeride.sidetasks._imageops import edge_pipeline, synthetic_scene
 
 __all__ = ["ImageProcessing"]
 
@@ -25,7 +25,7 @@ class ImageProcessing(DeviceTask):
     """Equalise, blur and edge-detect images in batches; one step is one batch.
 
     The images are synthetic scenes (reproducible from ``seed``; see
-    :func:`~sidetasks._imageops.synthetic_scene`) or every readable
+    :func:`~freeride.sidetasks._imageops.synthetic_scene`) or every readable
     image under ``data_dir`` in path order (``.pgm``/``.ppm``/``.pnm``/``.npy``,
     PNG/JPEG only with Pillow), resized to ``image_size`` squared so that they
     batch.

@@ -2,7 +2,7 @@
 
 This is the sample *imperative* side task: FreeRide runs it unmodified and
 suspends it with SIGSTOP between bubbles. Each image is equalised, blurred and
-Sobel-filtered (see :mod:`sidetasks._imageops`) and its edge map
+Sobel-filtered (see :mod:`freeride.sidetasks._imageops`) and its edge map
 written as ``.pgm`` under ``--out``. Every output file appears atomically and
 ``progress.json`` is rewritten atomically after each image, so the program can
 be stopped or killed at any point and simply started again with the same
@@ -10,8 +10,8 @@ arguments: it skips the images whose outputs already exist.
 
 Usage::
 
-    python -m sidetasks.imaging_cli --out DIR --images 1000 [--size 256] [--sigma 1.5] [--seed 0]
-    python -m sidetasks.imaging_cli --out DIR --input PHOTOS   # .pgm/.ppm/.npy (PNG/JPEG with Pillow)
+    python -m freeride.sidetasks.imaging_cli --out DIR --images 1000 [--size 256] [--sigma 1.5] [--seed 0]
+    python -m freeride.sidetasks.imaging_cli --out DIR --input PHOTOS   # .pgm/.ppm/.npy (PNG/JPEG with Pillow)
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from sidetasks._imageio import IMAGE_SUFFIXES, read_image, write_pnm
-from sidetasks._imageops import edge_pipeline, synthetic_scene
+from freeride.sidetasks._imageio import IMAGE_SUFFIXES, read_image, write_pnm
+from freeride.sidetasks._imageops import edge_pipeline, synthetic_scene
 
 __all__ = ["PROGRESS_FILE", "main", "parse_args"]
 
@@ -40,7 +40,7 @@ _DESCRIPTION = "Edge-detect images (equalise, blur, Sobel); resumable: rerun wit
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the command line (``argv`` defaults to ``sys.argv[1:]``)."""
-    p = argparse.ArgumentParser(prog="python -m sidetasks.imaging_cli", description=_DESCRIPTION)
+    p = argparse.ArgumentParser(prog="python -m freeride.sidetasks.imaging_cli", description=_DESCRIPTION)
     p.add_argument("--out", type=Path, required=True, help="output folder (created; reused to resume)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--images", type=int, help="process this many synthetic images")

@@ -6,7 +6,7 @@ the shape allows), scaled for small images. Nothing splits it by hand:
 :class:`freeride.partition.PartitionedTraining` traces it, opens slow blocks
 and splits wide convolutions and the classifier by output as the bubbles of
 its device require. The data is the synthetic labelled image set of the
-vision samples (see :class:`sidetasks._data.SyntheticImages`), walked in a
+vision samples (see :class:`freeride.sidetasks._data.SyntheticImages`), walked in a
 seeded order that a restore resumes without replaying it.
 """
 
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from freeride.partition import PartitionedTraining, TrainingParts
-from sidetasks._common import ShuffledCursor
-from sidetasks._data import SyntheticImages
+from freeride.sidetasks._common import ShuffledCursor
+from freeride.sidetasks._data import SyntheticImages
 
 __all__ = ["MobileNetV2Training"]
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from freeride.sidetask import TaskContext
-from sidetasks._common import DeviceTask, check_fingerprint, joinable, synchronize
+from freeride.sidetasks._common import DeviceTask, check_fingerprint, joinable, synchronize
 
 __all__ = ["PageRank", "generate_graph", "read_edge_list"]
 
@@ -216,7 +216,7 @@ class PageRank(DeviceTask):
         """The most units (a power of two) that fit in ``room_ns`` and, by their estimate, in ``target_ms``.
 
         A piece not run yet in this process is judged on twice the piece below
-        it (see :func:`~sidetasks._common.joinable`).
+        it (see :func:`~freeride.sidetasks._common.joinable`).
         """
         cap = min(room_ns, self._target_ns)
         one = estimate_ns("")

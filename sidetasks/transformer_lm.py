@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freeride.partition import PartitionedTraining, TrainingParts
-from sidetasks._common import sample_seed
+from freeride.sidetasks._common import sample_seed
 
 __all__ = ["TransformerLMTraining"]
 

@@ -2,7 +2,7 @@
 
 Data never comes from the network. By default it is a synthetic labelled set
 (noisy, shifted copies of one smooth random pattern per class; see
-:class:`~sidetasks._data.SyntheticImages`) that a network can learn
+:class:`~freeride.sidetasks._data.SyntheticImages`) that a network can learn
 within a few hundred steps. With ``data_dir`` it is a folder holding one
 sub-folder of images per class; ``.ppm``/``.pgm``/``.pnm`` and ``.npy`` files
 are always read, PNG and JPEG only when Pillow is installed. Every tenth file
@@ -32,7 +32,7 @@ from torch import nn
 
 from freeride.partition import PartitionedTraining, TrainingParts
 from freeride.sidetask import TaskContext
-from sidetasks._common import (
+from freeride.sidetasks._common import (
     DeviceTask,
     ShuffledCursor,
     capture_rng,
@@ -40,9 +40,9 @@ from sidetasks._common import (
     restore_rng,
     synchronize,
 )
-from sidetasks._cost import UPDATE_COST_PER_ELEMENT, backward_cost, segment_costs
-from sidetasks._data import ImageFolder, LabelledImages, SyntheticImages
-from sidetasks._models import build_model
+from freeride.sidetasks._cost import UPDATE_COST_PER_ELEMENT, backward_cost, segment_costs
+from freeride.sidetasks._data import ImageFolder, LabelledImages, SyntheticImages
+from freeride.sidetasks._models import build_model
 
 __all__ = [
     "ResNet18Inference",

@@ -4,8 +4,8 @@ For every case of :data:`CASES` (plain data: one line per case), on the CPU
 stand-in (one pinned core per stage; sleeping layers stand in for kernels):
 
 1. **theory**: the idle share of the schedule replayed by
-   :func:`backends.schedule.simulate` with uniform stages and backward = 2 x
-   forward (``-`` where ``backends.schedule`` does not model the schedule);
+   :func:`freeride.backends.schedule.simulate` with uniform stages and backward = 2 x
+   forward (``-`` where ``freeride.backends.schedule`` does not model the schedule);
 2. **measured**: ``freeride profile --steps N --picture ...`` on the unmodified
    training script, the mean over stages of the profiled bubble share;
 3. **used**: ``freeride serve --profile`` with one graph-SGD side task pinned to
@@ -37,8 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends.schedule import SCHEDULE_NAMES, Durations, bubble_fraction, build_schedule, simulate
 from freeride import protocol as p
+from freeride.backends.schedule import SCHEDULE_NAMES, Durations, bubble_fraction, build_schedule, simulate
 from freeride.observe.picture import render_profile
 from freeride.profile import Profile, load_profile
 from freeride.transport import ControlClient, Endpoints
@@ -68,7 +68,7 @@ class Case:
     v: int = 1
     """Model chunks per rank (interleaved schedules)."""
     model: str = ""
-    """The name in ``backends.schedule`` the theory comes from (default: ``schedule``, if it knows it)."""
+    """The name in ``freeride.backends.schedule`` the theory comes from (default: ``schedule``, if it knows it)."""
 
     @property
     def ident(self) -> str:
@@ -130,7 +130,7 @@ CASES: list[Case] = [
     *(Case(backend="torchpipe", schedule="dualpipev", p=2, m=m, v=2, model="-") for m in (4, 8)),
     *(Case(backend="deepspeed", schedule="dualpipev", p=2, m=m, v=2, model="-") for m in (4, 8)),
 ]
-"""The atlas' rows. ZBV has no model in backends.schedule (V placement, W passes): its theory is left out."""
+"""The atlas' rows. ZBV has no model in freeride.backends.schedule (V placement, W passes): its theory is left out."""
 
 
 def theory(case: Case) -> float | None:

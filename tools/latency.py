@@ -20,14 +20,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from backends.sim import SimConfig, SimPipeline
 from freeride import protocol as p
+from freeride.backends.sim import SimConfig, SimPipeline
 from freeride.observe.stats import quantile
 from freeride.serve.config import ServeConfig
 from freeride.serve.manager import Manager
 from freeride.transport import Endpoints
 
-TASK = "sidetasks.graph_sgd:GraphSGD"
+TASK = "freeride.sidetasks.graph_sgd:GraphSGD"
 TASK_OPTIONS: dict[str, str | int | float | bool] = {"users": 500, "items": 200, "batch_edges": 512, "eval_every": 0}
 """Small SGD steps (well under a millisecond) that never finish: every bubble gets steps."""
 
@@ -44,8 +44,8 @@ async def measure(bubbles: int, forward_ms: float, backward_ms: float, microbatc
         backward_s=backward_ms / 1e3,
         steps=1,
     )
-    from backends.schedule import Durations, build_schedule, simulate
-    from backends.schedule import bubbles as find_bubbles
+    from freeride.backends.schedule import Durations, build_schedule, simulate
+    from freeride.backends.schedule import bubbles as find_bubbles
 
     timeline = simulate(build_schedule("1f1b", 2, microbatches), Durations.uniform(2, sim.forward_s, sim.backward_s))
     per_step = sum(len(w) for w in find_bubbles(timeline, min_duration=sim.min_bubble_s))

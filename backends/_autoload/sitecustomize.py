@@ -9,7 +9,7 @@ import os
 import sys
 
 try:
-    from backends import autoload
+    from freeride.backends import autoload
 
     autoload.activate()
 except Exception as exc:  # never stop the user's program from starting

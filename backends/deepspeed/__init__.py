@@ -7,7 +7,7 @@ Two ways in, neither of which changes how the model trains:
   imported, and every pipeline engine of the job is watched from its first batch.
 * One line in the script, after ``deepspeed.initialize``::
 
-      handle = backends.deepspeed.attach(engine)
+      handle = freeride.backends.deepspeed.attach(engine)
 
 Without a manager listening, training runs as it would without FreeRide.
 """
@@ -21,8 +21,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from backends.deepspeed import _compat
-from backends.deepspeed.adapter import DeepSpeedAdapter
+from freeride.backends.deepspeed import _compat
+from freeride.backends.deepspeed.adapter import DeepSpeedAdapter
 
 __all__ = ["DeepSpeedAdapter", "attach", "attached", "on_import"]
 

@@ -11,7 +11,7 @@ Checked against DeepSpeed 0.19.8 (``deepspeed/runtime/pipe/engine.py``,
 * ``PipelineEngine._aggregate_total_loss(self)`` is the loss broadcast over the
   pipe group that ``train_batch`` runs after the schedule;
 * ``TrainSchedule`` runs each stage's forward and backward passes in the order of
-  :func:`backends.schedule.one_f_one_b` (checked by the unit tests);
+  :func:`freeride.backends.schedule.one_f_one_b` (checked by the unit tests);
 * ``OptimizerStep`` clips gradients through ``deepspeed.comm.all_reduce`` over the
   model-parallel group (``gradient_clipping > 0``): the end-of-step sync;
 * ``TrainSchedule._step_to_micro_batch`` (tests only: it cross-checks our own

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-from backends.deepspeed import _compat
+from freeride.backends.deepspeed import _compat
 
 __all__ = ["device_memory", "device_name"]
 

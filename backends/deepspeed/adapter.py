@@ -16,17 +16,17 @@ One :class:`DeepSpeedAdapter` watches one engine. Each training batch it
   send that blocks before that action, ``tail:p2p`` for DualPipeV's commits after
   the last pass, or ``tail:tied<i>`` / ``tail:dp<i>`` / ``tail:opt<i>`` /
   ``tail:loss`` for the end-of-step syncs;
-* leaves the rest to a :class:`~backends.tracker.StepTracker` with the plan of the
+* leaves the rest to a :class:`~freeride.backends.tracker.StepTracker` with the plan of the
   schedule that runs (1F1B, or DualPipeV's own instruction lists, see
-  :mod:`backends.deepspeed.dualpipev`): prediction from the measured history at
+  :mod:`freeride.backends.deepspeed.dualpipev`): prediction from the measured history at
   each place and, before there is any, from a replay of the schedule with this
   rank's compute times; ``StepFinished`` per ``train_batch``; in profile
-  mode, every wait recorded in an :class:`~backends.observations.ObservationLog`
+  mode, every wait recorded in an :class:`~freeride.backends.observations.ObservationLog`
   for :func:`freeride.profile.build_profile`.
 
 On a GPU whose p2p goes through NCCL the instructions return to the host before
 the device has waited: bubbles are then timed on the device's timeline
-(:mod:`backends.cuda_timing`), announced when the compute stream reaches the
+(:mod:`freeride.backends.cuda_timing`), announced when the compute stream reaches the
 wait and measured by CUDA events; ``timing`` (or ``FREERIDE_BUBBLE_TIMING``)
 forces host or device timing.
 
@@ -44,14 +44,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from backends.cuda_timing import DeviceTimeline, Timing, timeline_for
-from backends.deepspeed import _compat, dualpipev
-from backends.deepspeed._device import device_memory, device_name
-from backends.launch import Mode, read_mode
-from backends.observations import ObservationLog
-from backends.schedule import Kind, one_f_one_b
-from backends.session import BackendConfig, BackendSession, events_endpoint_from_env
-from backends.tracker import StepPlan, StepTracker
+from freeride.backends.cuda_timing import DeviceTimeline, Timing, timeline_for
+from freeride.backends.deepspeed import _compat, dualpipev
+from freeride.backends.deepspeed._device import device_memory, device_name
+from freeride.backends.launch import Mode, read_mode
+from freeride.backends.observations import ObservationLog
+from freeride.backends.schedule import Kind, one_f_one_b
+from freeride.backends.session import BackendConfig, BackendSession, events_endpoint_from_env
+from freeride.backends.tracker import StepPlan, StepTracker
 from freeride.profile import RankObservations, StepRecord
 
 __all__ = ["TAIL_LOSS", "DeepSpeedAdapter", "reduce_key", "tail_key"]

@@ -1,7 +1,7 @@
 """DeepSpeed's DualPipeV instruction lists as a FreeRide schedule, and the waits they imply.
 
 Pure: no DeepSpeed, no torch. Its input is what
-:func:`backends.deepspeed._compat.instruction_rows` reads off a
+:func:`freeride.backends.deepspeed._compat.instruction_rows` reads off a
 ``DualPipeVSchedule``: per pipeline rank, the instructions of one batch as
 ``(class name, keyword arguments)``.
 
@@ -9,7 +9,7 @@ DualPipeV puts two stages on every rank in a V: rank ``r`` runs stage ``r``
 (phase 0, activations flow towards the last rank) and stage ``2p - 1 - r``
 (phase 1, back towards rank 0, which computes the loss). Its instructions carry
 ``buffer_id = phase * m + micro_batch`` and ``phase``; a pass becomes the
-:class:`~backends.schedule.Action` ``rank kind micro_batch c<phase>``. Sends and
+:class:`~freeride.backends.schedule.Action` ``rank kind micro_batch c<phase>``. Sends and
 receives only queue work; ``CommitP2P`` launches the queue as one batch and
 waits for all of it, so the commits are where a rank idles. A commit's place is
 the compute action that follows it (``"1F3c1"``) when it receives, and
@@ -21,7 +21,7 @@ and is no wait.
 instruction lists with given compute times: a commit returns once each of its
 sends and receives has been posted by the peer (gloo hands a tensor over only to
 a posted receive) plus one hop of latency. That replay follows the V, the
-unequal phases and the commits exactly, where :func:`backends.schedule.simulate`
+unequal phases and the commits exactly, where :func:`freeride.backends.schedule.simulate`
 (loop placement, one pass per hop) cannot.
 """
 
@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from backends.schedule import Action, Durations, Kind, Schedule
+from freeride.backends.schedule import Action, Durations, Kind, Schedule
 
 __all__ = [
     "SCHEDULE_NAME",

@@ -7,7 +7,7 @@ Two ways to attach, neither needs a change to the training loop:
   is imported, before the script can call ``get_forward_backward_func()``.
 * one line in the script, before ``get_forward_backward_func()``::
 
-      from backends.megatron import attach
+      from freeride.backends.megatron import attach
       attach()
 
   or, for a schedule function obtained earlier,
@@ -38,7 +38,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, TypeVar, overload
 
-from backends.megatron import _compat
+from freeride.backends.megatron import _compat
 
 __all__ = ["attach", "on_import"]
 
@@ -54,7 +54,7 @@ def on_import(module: ModuleType) -> None:
         module: ``megatron.core.pipeline_parallel.schedules``.
     """
     try:
-        from backends.megatron.patches import patch_schedules
+        from freeride.backends.megatron.patches import patch_schedules
 
         if patch_schedules(module):
             logger.debug("[attach] megatron schedules patched")
@@ -91,7 +91,7 @@ def attach(forward_backward_func: _F | None = None) -> _F | None:
     if forward_backward_func is None:
         return None
     try:
-        from backends.megatron.patches import wrap_schedule
+        from freeride.backends.megatron.patches import wrap_schedule
 
         name = getattr(forward_backward_func, "__name__", "")
         return wrap_schedule(forward_backward_func, name)  # type: ignore[return-value]

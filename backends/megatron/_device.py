@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from backends.schedule import Kind
+from freeride.backends.schedule import Kind
 
 __all__ = ["RankDevice"]
 
@@ -94,6 +94,6 @@ class RankDevice:
 
 
 def _cpu_shim_active() -> bool:
-    from backends.megatron import cpu_shim
+    from freeride.backends.megatron import cpu_shim
 
     return cpu_shim.active()

@@ -1,21 +1,21 @@
 """The Megatron-core adapter of one training process.
 
-The patches of :mod:`backends.megatron.patches` report every
+The patches of :mod:`freeride.backends.megatron.patches` report every
 ``forward_backward`` call, compute action and receive wait of the process to
-one :class:`MegatronAdapter`, which keeps a :class:`~backends.tracker.StepTracker`
+one :class:`MegatronAdapter`, which keeps a :class:`~freeride.backends.tracker.StepTracker`
 (each wait's place is the next action of megatron's schedule, see
-:mod:`backends.megatron.plan`) and a :class:`~backends.session.BackendSession`
-(and, in profile mode, the :class:`~backends.observations.ObservationLog`
+:mod:`freeride.backends.megatron.plan`) and a :class:`~freeride.backends.session.BackendSession`
+(and, in profile mode, the :class:`~freeride.backends.observations.ObservationLog`
 ``freeride profile`` reads).
 
 On a GPU whose p2p goes through NCCL the receives return to the host before
 the device has waited (``_p2p_ops`` without ``batch_p2p_sync``): bubbles are
-then timed on the device's timeline (:mod:`backends.cuda_timing`); with host
+then timed on the device's timeline (:mod:`freeride.backends.cuda_timing`); with host
 timing on a GPU (forced, or gloo) the tracker synchronises the stream around
 each announced wait instead. ``FREERIDE_BUBBLE_TIMING`` forces either.
 
 Forward-only calls (evaluation, inference) are tracked with their own plan
-(:func:`backends.schedule.forward_only`) and are left out of the profile,
+(:func:`freeride.backends.schedule.forward_only`) and are left out of the profile,
 which describes training steps. With a ``finalize_model_grads_func`` the
 rank's tail is the wait inside that call (its gradient all-reduces hold the
 rank until the last stage it syncs with is done), announced at the plan's
@@ -34,15 +34,15 @@ import os
 import time
 from typing import Any
 
-from backends.cuda_timing import DeviceApi, DeviceTimeline, Timing, timeline_for
-from backends.launch import read_mode
-from backends.megatron import _compat
-from backends.megatron._device import RankDevice
-from backends.megatron.plan import iterations, megatron_schedule
-from backends.observations import ObservationLog
-from backends.schedule import Kind
-from backends.session import BackendConfig, BackendSession, events_endpoint_from_env
-from backends.tracker import StepPlan, StepTracker
+from freeride.backends.cuda_timing import DeviceApi, DeviceTimeline, Timing, timeline_for
+from freeride.backends.launch import read_mode
+from freeride.backends.megatron import _compat
+from freeride.backends.megatron._device import RankDevice
+from freeride.backends.megatron.plan import iterations, megatron_schedule
+from freeride.backends.observations import ObservationLog
+from freeride.backends.schedule import Kind
+from freeride.backends.session import BackendConfig, BackendSession, events_endpoint_from_env
+from freeride.backends.tracker import StepPlan, StepTracker
 from freeride.profile import RankObservations, StepRecord, write_observations
 
 __all__ = ["MegatronAdapter", "current_adapter", "reset_adapter"]
@@ -125,7 +125,7 @@ class MegatronAdapter:
             plan = self._plans[key] = self._plan(name, info)
         tracker = self._tracker or self._start(info, name)
         if info.has_finalize and not info.forward_only:
-            from backends.megatron.patches import wrap_finalize
+            from freeride.backends.megatron.patches import wrap_finalize
 
             wrap_finalize(info.config)
         self._forward_only = info.forward_only

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from backends.megatron import _compat
+from freeride.backends.megatron import _compat
 
 __all__ = ["CudaToCpuMode", "ShimRefused", "activate", "active", "cpu_shim", "deactivate"]
 

@@ -8,8 +8,8 @@ methods of ``P2PCommunicator`` and the request handles of ``_p2p_ops`` (the
 waits, also with ``overlap_p2p_comm``); :func:`wrap_finalize` times the
 model config's ``finalize_model_grads_func`` as the step's tail wait. Each
 wrapper runs the megatron call unchanged and tells
-:func:`~backends.megatron.adapter.current_adapter` about it. The names come
-from :mod:`backends.megatron._compat`.
+:func:`~freeride.backends.megatron.adapter.current_adapter` about it. The names come
+from :mod:`freeride.backends.megatron._compat`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from backends.megatron import _compat
-from backends.megatron.adapter import current_adapter
-from backends.schedule import Kind
+from freeride.backends.megatron import _compat
+from freeride.backends.megatron.adapter import current_adapter
+from freeride.backends.schedule import Kind
 
 __all__ = ["patch_p2p", "patch_schedules", "wrap_finalize", "wrap_schedule"]
 

@@ -8,16 +8,16 @@ backward) and then makes one blocking p2p call that sends what the iteration
 produced and receives everything the next iteration needs. A rank therefore
 waits before an iteration for all of its inputs, and its outputs leave only
 when the iteration is over. :func:`iterations` gives those runs, which
-:func:`backends.schedule.simulate` replays as its ``groups``; 1F1B (and
+:func:`freeride.backends.schedule.simulate` replays as its ``groups``; 1F1B (and
 interleaved with ``overlap_p2p_comm``, whose waits sit right before each
 action) are iterations of one action, the plain replay.
 """
 
 from __future__ import annotations
 
-from backends.megatron import _compat
-from backends.schedule import Schedule, interleaved, interleaved_from_table, one_f_one_b
-from backends.schedule import forward_only as forward_only_of
+from freeride.backends.megatron import _compat
+from freeride.backends.schedule import Schedule, interleaved, interleaved_from_table, one_f_one_b
+from freeride.backends.schedule import forward_only as forward_only_of
 
 __all__ = ["iterations", "megatron_schedule", "warmup_count"]
 
@@ -35,10 +35,10 @@ def megatron_schedule(name: str, p: int, m: int, v: int, group: int, *, forward_
     """The per-rank order megatron-core runs for ``1f1b`` or ``interleaved``.
 
     Megatron's default ``microbatch_group_size_per_vp_stage = p`` is exactly
-    :func:`backends.schedule.interleaved`; other group sizes follow megatron's
+    :func:`freeride.backends.schedule.interleaved`; other group sizes follow megatron's
     own schedule table. With ``forward_only`` (megatron's ``forward_only=True`` calls:
     evaluation, inference), each rank runs its forwards in the same order and
-    nothing else (:func:`backends.schedule.forward_only`).
+    nothing else (:func:`freeride.backends.schedule.forward_only`).
 
     Raises:
         ValueError: Unknown name, or sizes megatron would reject.

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from backends.schedule import Kind
-from backends.torchpipe import _compat
-from backends.torchpipe.adapter import TorchPipeAdapter
+from freeride.backends.schedule import Kind
+from freeride.backends.torchpipe import _compat
+from freeride.backends.torchpipe.adapter import TorchPipeAdapter
 
 __all__ = ["TorchPipeAdapter", "attached", "on_import"]
 

@@ -3,9 +3,9 @@
 One :class:`TorchPipeAdapter` watches one schedule object. Each training
 ``step()`` it
 
-* begins a step in a :class:`~backends.tracker.StepTracker` whose plan is the
+* begins a step in a :class:`~freeride.backends.tracker.StepTracker` whose plan is the
   schedule's own action lists translated to ``2F0`` notation
-  (:mod:`backends.torchpipe.translate`);
+  (:mod:`freeride.backends.torchpipe.translate`);
 * reports every compute pass (``forward_one_chunk``: F, ``backward_one_chunk``:
   B, ``backward_weight_one_chunk``: W) so the tracker knows which action comes next;
 * treats every ``_wait_batch_p2p`` as a wait: one that holds a receive is keyed by
@@ -18,7 +18,7 @@ One :class:`TorchPipeAdapter` watches one schedule object. Each training
   at :data:`TAIL_REDUCE`;
 * on CUDA with NCCL, where ``_wait_batch_p2p`` returns to the host before the
   compute stream has waited, times those waits on the device's timeline
-  (:mod:`backends.cuda_timing`) as the DeepSpeed and Megatron adapters do;
+  (:mod:`freeride.backends.cuda_timing`) as the DeepSpeed and Megatron adapters do;
 * ends the step when ``step()`` returns. torch's schedules have no pipeline-wide
   sync of their own at the end, so a rank's tail lands in the next step's first
   receive (``merge_tail``).
@@ -38,14 +38,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from backends.cuda_timing import DeviceTimeline, Timing, timeline_for
-from backends.launch import Mode, read_mode
-from backends.observations import ObservationLog
-from backends.schedule import Kind, Schedule, gpipe, one_f_one_b
-from backends.session import BackendConfig, BackendSession, events_endpoint_from_env
-from backends.torchpipe import _compat
-from backends.torchpipe.translate import loop_placed, to_schedule
-from backends.tracker import StepPlan, StepTracker
+from freeride.backends.cuda_timing import DeviceTimeline, Timing, timeline_for
+from freeride.backends.launch import Mode, read_mode
+from freeride.backends.observations import ObservationLog
+from freeride.backends.schedule import Kind, Schedule, gpipe, one_f_one_b
+from freeride.backends.session import BackendConfig, BackendSession, events_endpoint_from_env
+from freeride.backends.torchpipe import _compat
+from freeride.backends.torchpipe.translate import loop_placed, to_schedule
+from freeride.backends.tracker import StepPlan, StepTracker
 from freeride.profile import RankObservations, StepRecord
 
 __all__ = ["SINGLE_STAGE_ORDERS", "TAIL_REDUCE", "TorchPipeAdapter", "device_name", "manager_reachable"]

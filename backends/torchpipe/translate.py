@@ -7,14 +7,14 @@ input-gradient backward and ``W`` the weight-gradient backward of zero-bubble
 schedules, plus communication and sharding entries (``SEND_F``, ``RECV_B``,
 ``UNSHARD``, ``REDUCE_GRAD``...) that are not compute. FreeRide writes
 ``rank kind micro-batch [chunk]``, with ``B`` standing for the input-gradient
-part whenever the schedule also has the ``W`` (:class:`backends.schedule.Action`),
+part whenever the schedule also has the ``W`` (:class:`freeride.backends.schedule.Action`),
 so torch's ``I`` and ``B`` both become our ``B``.
 
 A rank's chunks are its stage indices in ascending order: ``chunk c`` of rank
 ``r`` is the rank's c-th stage. For loop-style placement (interleaved 1F1B:
 stage ``s`` on rank ``s % p``) that is our ``chunk * p + rank``; for V-style
 placement (ZBV, DualPipeV: rank ``r`` holds ``r`` and ``2p-1-r``) the chunks
-name places faithfully but :func:`backends.schedule.simulate` would follow the
+name places faithfully but :func:`freeride.backends.schedule.simulate` would follow the
 wrong neighbours, which :func:`loop_placed` tells.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from backends.schedule import Action, Kind, Schedule
+from freeride.backends.schedule import Action, Kind, Schedule
 
 __all__ = ["COMPUTE_KINDS", "NON_COMPUTE", "loop_placed", "to_schedule"]
 
@@ -54,7 +54,7 @@ def to_schedule(
     num_ranks: int,
     num_microbatches: int,
 ) -> Schedule:
-    """Translate torch's per-rank action lists into a :class:`~backends.schedule.Schedule`.
+    """Translate torch's per-rank action lists into a :class:`~freeride.backends.schedule.Schedule`.
 
     Args:
         name: The schedule's label (torch's class name).

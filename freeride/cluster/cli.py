@@ -52,7 +52,7 @@ def _queue_call(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.N
 def _job_specs(args: argparse.Namespace) -> list[p.TaskSpec]:
     from freeride.cli import _parse_opts
     from freeride.submission import check_submission
-    from sidetasks import resolve
+    from freeride.tasks import resolve
 
     if not args.name:
         raise SystemExit("freeride: give the jobs a --name (job NAME-I for shard I; names key checkpoints)")

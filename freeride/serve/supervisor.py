@@ -226,7 +226,7 @@ class Supervisor:
         if problem:
             return p.Rejected(reason=problem)
         if spec.kind == "iterative":  # one spelling per task: its name keys its checkpoint
-            from sidetasks import resolve
+            from freeride.tasks import resolve
 
             spec = msgspec.structs.replace(spec, target=resolve(spec.target))
             checked = with_declarations(spec)
@@ -714,7 +714,7 @@ def _check_spec(spec: p.TaskSpec) -> str:
         problem = spec_problem(spec) or _checkpoint_dir_problem(spec.checkpoint_dir)
         if problem:
             return problem
-        from sidetasks import resolve
+        from freeride.tasks import resolve
 
         try:
             module = resolve(spec.target).rpartition(":")[0]

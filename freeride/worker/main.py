@@ -38,8 +38,8 @@ logger = logging.getLogger(__name__)
 
 
 def load_target(target: str) -> type[IterativeTask]:
-    """Import a task named as :func:`sidetasks.resolve` accepts and check it is an :class:`IterativeTask`."""
-    from sidetasks import load
+    """Import a task named as :func:`freeride.tasks.resolve` accepts and check it is an :class:`IterativeTask`."""
+    from freeride.tasks import load
 
     return load(target)
 

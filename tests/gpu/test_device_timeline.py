@@ -17,9 +17,9 @@ from typing import Any, cast
 
 import pytest
 
-from backends.cuda_timing import DeviceTimeline
-from backends.session import BackendConfig, BackendSession
 from freeride import protocol as p
+from freeride.backends.cuda_timing import DeviceTimeline
+from freeride.backends.session import BackendConfig, BackendSession
 from freeride.transport import EventEmitter
 
 pytestmark = pytest.mark.gpu

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backends.launch import ENV_MODE, ENV_PROFILE_DIR
-from backends.session import ENV_EVENTS
 from freeride import protocol as p
+from freeride.backends.launch import ENV_MODE, ENV_PROFILE_DIR
+from freeride.backends.session import ENV_EVENTS
 from freeride.transport import BadFrame, EventReceiver, new_async_context
 
 __all__ = ["SCRIPT", "TrainRun", "plain_env", "run_training", "train_cmd"]

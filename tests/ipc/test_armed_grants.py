@@ -1,6 +1,6 @@
 """Armed grants end to end: a real rank session, a real manager and a real worker.
 
-The rank (a :class:`~backends.session.BackendSession` in this process, over the
+The rank (a :class:`~freeride.backends.session.BackendSession` in this process, over the
 real event socket) also publishes its bubble starts; the manager arms the
 worker between bubbles, and the worker starts its steps on the rank's own
 event. The manager must still revoke each bubble at its end and account for
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from conftest import running_manager, wait_until
 
-from backends.session import BackendConfig, BackendSession
 from freeride import protocol as p
+from freeride.backends.session import BackendConfig, BackendSession
 from freeride.observe.base import Observer
 from freeride.serve.config import ServeConfig
 from freeride.serve.manager import Manager

@@ -15,8 +15,8 @@ import msgspec
 import pytest
 from conftest import running_manager, wait_until
 
-from backends.sim import SimConfig, SimPipeline
 from freeride import protocol as p
+from freeride.backends.sim import SimConfig, SimPipeline
 from freeride.serve.config import ServeConfig
 from freeride.serve.manager import Manager
 from freeride.transport import Endpoints

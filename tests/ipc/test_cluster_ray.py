@@ -30,7 +30,7 @@ import pytest
 from conftest import freeride_cmd, poll, serving
 
 from freeride.cluster import messages as m
-from sidetasks.sweep import expected_sum
+from freeride.sidetasks.sweep import expected_sum
 
 ray = pytest.importorskip("ray", reason="the cluster queue needs Ray: pip install 'freeride[ray]'")
 cluster_utils = pytest.importorskip("ray.cluster_utils")

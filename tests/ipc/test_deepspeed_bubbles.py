@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from _deepspeed import TrainRun, run_training, train_cmd
 
-from backends.launch import launch_env
-from backends.schedule import Durations, bubbles, one_f_one_b, simulate
 from freeride import protocol as p
+from freeride.backends.launch import launch_env
+from freeride.backends.schedule import Durations, bubbles, one_f_one_b, simulate
 from freeride.cli import main
 from freeride.profile import RankObservations, build_profile, read_observations, write_profile
 from freeride.transport import Endpoints

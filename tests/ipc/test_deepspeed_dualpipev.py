@@ -33,10 +33,10 @@ from _deepspeed import TrainRun, plain_env, run_training, train_cmd
 from conftest import freeride_cmd, serving, status, submit_spin_steps
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
-from backends.deepspeed import _compat, dualpipev
-from backends.launch import launch_env
-from backends.schedule import Durations
 from freeride import protocol as p
+from freeride.backends.deepspeed import _compat, dualpipev
+from freeride.backends.launch import launch_env
+from freeride.backends.schedule import Durations
 from freeride.profile import RankObservations, build_profile, read_observations, write_profile
 from freeride.transport import Endpoints
 

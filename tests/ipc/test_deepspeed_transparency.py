@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from _deepspeed import TrainRun, plain_env, run_training, train_cmd
 
-from backends.launch import launch_env
-from backends.session import ENV_EVENTS
 from freeride import protocol as p
+from freeride.backends.launch import launch_env
+from freeride.backends.session import ENV_EVENTS
 from freeride.transport import Endpoints
 
 pytestmark = pytest.mark.slow

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import HERE, freeride_cmd, wait_until
 
-from backends.sim import SimConfig, SimPipeline
 from freeride import protocol as p
+from freeride.backends.sim import SimConfig, SimPipeline
 from freeride.serve.manager import Manager
 
 REPO = HERE.parents[1]

@@ -21,7 +21,7 @@ from types import ModuleType
 import pytest
 from conftest import wait_until
 
-from backends.sim import SimConfig, SimPipeline
+from freeride.backends.sim import SimConfig, SimPipeline
 from freeride.serve.manager import Manager
 from freeride.sidetask import TaskContext, TaskStopped, UnboundedGate, run_alone
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import wait_until
 
-from backends.sim import SimConfig, SimPipeline
 from freeride import protocol as p
+from freeride.backends.sim import SimConfig, SimPipeline
 from freeride.serve.manager import Manager
 
 BUSY = [sys.executable, "-c", "while True: pass"]

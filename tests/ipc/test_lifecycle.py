@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import freeride_cmd, poll, status, wait_until
 
-from backends.sim import SimConfig, SimPipeline
 from freeride import protocol as p
+from freeride.backends.sim import SimConfig, SimPipeline
 from freeride.serve.manager import Manager
 
 

@@ -18,8 +18,8 @@ from typing import Any
 
 from conftest import running_manager, wait_until
 
-from backends.sim import SimConfig, SimPipeline
 from freeride import protocol as p
+from freeride.backends.sim import SimConfig, SimPipeline
 from freeride.observe.base import Observer
 from freeride.serve.config import ServeConfig
 from freeride.serve.manager import Manager

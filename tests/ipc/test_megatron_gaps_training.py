@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from backends.launch import launch_env
 from freeride import protocol as p
+from freeride.backends.launch import launch_env
 from freeride.profile import read_observations
 from freeride.transport import EventReceiver, new_async_context
 

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 from conftest import freeride_cmd, serving, status, submit_spin_steps
 
-from backends.megatron.plan import iterations, megatron_schedule
-from backends.schedule import Durations
-from backends.tracker import schedule_priors
 from freeride import protocol as p
+from freeride.backends.megatron.plan import iterations, megatron_schedule
+from freeride.backends.schedule import Durations
+from freeride.backends.tracker import schedule_priors
 from freeride.profile import load_profile
 
 pytestmark = pytest.mark.slow

@@ -22,12 +22,12 @@ from typing import Any
 
 import pytest
 
-from backends.launch import launch_env
-from backends.megatron.plan import iterations, megatron_schedule
-from backends.schedule import Durations
-from backends.session import ENV_EVENTS
-from backends.tracker import schedule_priors
 from freeride import protocol as p
+from freeride.backends.launch import launch_env
+from freeride.backends.megatron.plan import iterations, megatron_schedule
+from freeride.backends.schedule import Durations
+from freeride.backends.session import ENV_EVENTS
+from freeride.backends.tracker import schedule_priors
 from freeride.profile import RankObservations, read_observations
 from freeride.transport import EventReceiver, new_async_context
 

@@ -22,8 +22,8 @@ from conftest import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from backends.sim import SimConfig, SimPipeline, StageResult
 from freeride import protocol as p
+from freeride.backends.sim import SimConfig, SimPipeline, StageResult
 from freeride.observe.metrics import MetricsExporter
 from freeride.observe.report import ReportOptions, build_report
 from freeride.observe.timeline import load_trace

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 from conftest import HERE, wait_until
 
-from backends.sim import SimConfig, SimPipeline
 from freeride import protocol as p
+from freeride.backends.sim import SimConfig, SimPipeline
 from freeride.observe.base import Observer
 from freeride.serve.manager import Manager
+from freeride.tasks import catalog
 from freeride.worker.checkpoint import load_checkpoint
-from sidetasks import CATALOG
 
 STAGE = 1
 ROOT = HERE.parents[1]
@@ -73,7 +73,7 @@ async def test_transformer_lm_trains_in_pieces_inside_bubbles(manager: Manager) 
     device = devices[STAGE]
     seen = _Seen(device)
     manager.observers.add(seen)
-    spec = p.TaskSpec(kind="iterative", target=CATALOG["transformer-lm"], device=device, options=OPTIONS)
+    spec = p.TaskSpec(kind="iterative", target=catalog()["transformer-lm"], device=device, options=OPTIONS)
     reply = manager.submit(spec)
     assert isinstance(reply, p.Submitted), reply
     await wait_until(lambda: all(t.state == "running" for t in manager.tasks.values()), 120, "transformer-lm set up")

@@ -13,8 +13,8 @@ import pytest
 import zmq
 from conftest import poll, status, wait_until
 
-from backends.sim import SimConfig, SimPipeline
 from freeride import protocol as p
+from freeride.backends.sim import SimConfig, SimPipeline
 from freeride.serve.manager import Manager
 from freeride.transport import Endpoints, EventEmitter
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sidetasks.imaging_cli import PROGRESS_FILE, main
+from freeride.sidetasks.imaging_cli import PROGRESS_FILE, main
 
 ARGS = ["--images", "32", "--size", "128", "--seed", "11"]
 
@@ -30,7 +30,7 @@ def program(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     out = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sidetasks.imaging_cli", "--out", str(out), *ARGS],
+        [sys.executable, "-m", "freeride.sidetasks.imaging_cli", "--out", str(out), *ARGS],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

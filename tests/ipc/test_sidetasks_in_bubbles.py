@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from conftest import wait_until
 
-from backends.sim import SimConfig, SimPipeline
 from freeride import protocol as p
+from freeride.backends.sim import SimConfig, SimPipeline
 from freeride.observe.base import Observer
 from freeride.serve.manager import Manager
-from sidetasks import CATALOG
+from freeride.tasks import catalog
 
 STAGE = 1
 
@@ -78,7 +78,7 @@ async def test_workload_runs_only_inside_bubbles(manager: Manager, name: str) ->
     device = devices[STAGE]
     seen = _Seen(device)
     manager.observers.add(seen)
-    spec = p.TaskSpec(kind="iterative", target=CATALOG[name], device=device, options=WORKLOADS[name])
+    spec = p.TaskSpec(kind="iterative", target=catalog()[name], device=device, options=WORKLOADS[name])
     reply = manager.submit(spec)
     assert isinstance(reply, p.Submitted), reply
     await wait_until(lambda: all(t.state == "running" for t in manager.tasks.values()), 120, f"{name} set up")

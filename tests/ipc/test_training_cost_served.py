@@ -14,8 +14,8 @@ from pathlib import Path
 
 from conftest import running_manager, wait_until
 
-from backends.sim import SimConfig, SimPipeline
 from freeride import protocol as p
+from freeride.backends.sim import SimConfig, SimPipeline
 from freeride.cli import format_status
 from freeride.observe.report import ReportOptions, build_report
 from freeride.observe.timeline import load_trace

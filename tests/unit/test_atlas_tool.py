@@ -1,4 +1,4 @@
-"""tools/atlas.py: cases as data, the theory column from backends.schedule, the table it writes."""
+"""tools/atlas.py: cases as data, the theory column from freeride.backends.schedule, the table it writes."""
 
 from __future__ import annotations
 

@@ -8,9 +8,9 @@ from typing import cast
 
 import pytest
 
-from backends.launch import ENV_MODE
-from backends.session import BackendConfig, BackendSession, attach_logger
 from freeride import protocol as p
+from freeride.backends.launch import ENV_MODE
+from freeride.backends.session import BackendConfig, BackendSession, attach_logger
 from freeride.transport import EventEmitter
 
 

@@ -317,7 +317,7 @@ def _section(report: ModuleType, runs: list[Any], **over: Any) -> Any:
         date="2026-01-01 00:00 UTC",
         load="0.50 -> 1.50",
         training="python train.py --steps 25",
-        task_target="sidetasks.graph_sgd:GraphSGD",
+        task_target="freeride.sidetasks.graph_sgd:GraphSGD",
         task_options=("batch_edges=2048",),
         side_priority="same",
         profile=_profile(),

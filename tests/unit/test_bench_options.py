@@ -28,14 +28,14 @@ def bench_module(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], ModuleType]
 def test_graph_sgd_gets_its_default(bench_module: Callable[[str], ModuleType]) -> None:
     harness = bench_module("_pipeline_bench")
     task = harness.side_task("graph-sgd", [], "2ms")
-    assert task.target == "sidetasks.graph_sgd:GraphSGD"
+    assert task.target == "freeride.sidetasks.graph_sgd:GraphSGD"
     assert task.options == ("batch_edges=2048",)
 
 
 def test_other_tasks_get_no_graph_sgd_default(bench_module: Callable[[str], ModuleType]) -> None:
     harness = bench_module("_pipeline_bench")
     assert harness.side_task("pagerank", [], "2ms").options == ()
-    assert harness.side_task("sidetasks.pagerank:PageRank", ["nodes=1000"], "2ms").options == ("nodes=1000",)
+    assert harness.side_task("freeride.sidetasks.pagerank:PageRank", ["nodes=1000"], "2ms").options == ("nodes=1000",)
 
 
 def test_options_override_defaults_key_by_key(bench_module: Callable[[str], ModuleType]) -> None:
@@ -64,9 +64,9 @@ def test_bad_input_is_a_value_error(
 @pytest.mark.parametrize(
     ("argv", "target", "options"),
     [
-        ([], "sidetasks.graph_sgd:GraphSGD", ("batch_edges=2048",)),
-        (["--task", "pagerank"], "sidetasks.pagerank:PageRank", ()),
-        (["--task", "pagerank", "--opt", "nodes=1000"], "sidetasks.pagerank:PageRank", ("nodes=1000",)),
+        ([], "freeride.sidetasks.graph_sgd:GraphSGD", ("batch_edges=2048",)),
+        (["--task", "pagerank"], "freeride.sidetasks.pagerank:PageRank", ()),
+        (["--task", "pagerank", "--opt", "nodes=1000"], "freeride.sidetasks.pagerank:PageRank", ("nodes=1000",)),
     ],
 )
 def test_scripts_submit_the_task_they_were_given(
@@ -106,8 +106,8 @@ def test_scripts_submit_a_filler_beside_the_task_with_fill(
     assert module.main(argv) == 0
     tasks = seen[0]
     assert [(t.target, t.options, t.fill) for t in tasks] == [
-        ("sidetasks.vision:ResNet50Training", (), False),
-        ("sidetasks.pagerank:PageRank", ("nodes=20000",), True),
+        ("freeride.sidetasks.vision:ResNet50Training", (), False),
+        ("freeride.sidetasks.pagerank:PageRank", ("nodes=20000",), True),
     ]
     assert tasks[1].step_time == "1ms"
     capsys.readouterr()

@@ -39,9 +39,9 @@ def _run(module: ModuleType, monkeypatch: pytest.MonkeyPatch, argv: list[str]) -
 @pytest.mark.parametrize(
     ("argv", "target", "options"),
     [
-        ([], "sidetasks.graph_sgd:GraphSGD", ("batch_edges=2048",)),
-        (["--task", "pagerank"], "sidetasks.pagerank:PageRank", ()),
-        (["--task", "pagerank", "--opt", "nodes=1000"], "sidetasks.pagerank:PageRank", ("nodes=1000",)),
+        ([], "freeride.sidetasks.graph_sgd:GraphSGD", ("batch_edges=2048",)),
+        (["--task", "pagerank"], "freeride.sidetasks.pagerank:PageRank", ()),
+        (["--task", "pagerank", "--opt", "nodes=1000"], "freeride.sidetasks.pagerank:PageRank", ("nodes=1000",)),
     ],
 )
 def test_it_submits_the_task_it_was_given(

@@ -17,10 +17,10 @@ from typing import ClassVar, Self
 
 import pytest
 
-import backends.sim
+import freeride.backends.sim
 import freeride.demo
-from backends.sim import SimConfig, StageResult
 from freeride import protocol as p
+from freeride.backends.sim import SimConfig, StageResult
 from freeride.cli import main
 from freeride.serve.config import ServeConfig
 from freeride.transport import Endpoints
@@ -108,7 +108,7 @@ class _FakeManager:
 def fakes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_FakePipeline, "configs", [])
     monkeypatch.setattr(_FakeManager, "instances", [])
-    monkeypatch.setattr(backends.sim, "SimPipeline", _FakePipeline)
+    monkeypatch.setattr(freeride.backends.sim, "SimPipeline", _FakePipeline)
     monkeypatch.setattr(freeride.demo, "SimPipeline", _FakePipeline)
     monkeypatch.setattr(freeride.demo, "Manager", _FakeManager)
 
@@ -130,7 +130,7 @@ def test_demo_flags_reach_the_pipeline(capsys: pytest.CaptureFixture[str]) -> No
     assert config.endpoint == manager.config.endpoints.events
     assert dataclasses.replace(config, endpoint="") == EXPECTED
     assert [stage for _, stage, _ in manager.devices] == [0, 1, 2]
-    assert [spec.target for spec in manager.specs] == ["sidetasks.pagerank:PageRank"] * 3
+    assert [spec.target for spec in manager.specs] == ["freeride.sidetasks.pagerank:PageRank"] * 3
     assert all(spec.options == {"nodes": 100} for spec in manager.specs)
     assert "3 stages x 6 micro-batches x 2 chunks, 7 steps (spin compute)" in capsys.readouterr().out
 

@@ -19,7 +19,7 @@ class FakeClock:
 
 
 def _spec(name: str, peak: int = -1) -> p.TaskSpec:
-    return p.TaskSpec(kind="iterative", target="sidetasks.sweep:SweepShard", name=name, peak_memory=peak)
+    return p.TaskSpec(kind="iterative", target="freeride.sidetasks.sweep:SweepShard", name=name, peak_memory=peak)
 
 
 def _slots(n: int, spare: int = -1) -> list[m.Slot]:

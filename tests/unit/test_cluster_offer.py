@@ -10,7 +10,7 @@ import pytest
 from freeride import protocol as p
 from freeride.cluster.agent import AgentConfig
 from freeride.cluster.offer import OfferPolicy, offer, summarize
-from sidetasks.sweep import SweepShard, expected_sum
+from freeride.sidetasks.sweep import SweepShard, expected_sum
 
 
 def _device(name: str, *, alive: bool = True, bubble_ns: int = 300, train_ns: int = 700, spare: int = -1,

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from backends.session import BackendConfig
-from backends.sim import SimConfig
+from freeride.backends.session import BackendConfig
+from freeride.backends.sim import SimConfig
 from freeride.serve.config import ServeConfig
 from freeride.transport import Endpoints
 from freeride.units import format_bytes, format_ns, parse_bytes, parse_duration_ns

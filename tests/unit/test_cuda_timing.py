@@ -15,11 +15,11 @@ from typing import cast
 
 import pytest
 
-from backends.cuda_timing import DeviceTimeline, choose_timing, timing_from_env
-from backends.schedule import one_f_one_b
-from backends.session import BackendConfig, BackendSession
-from backends.tracker import StepPlan, StepTracker
 from freeride import protocol as p
+from freeride.backends.cuda_timing import DeviceTimeline, choose_timing, timing_from_env
+from freeride.backends.schedule import one_f_one_b
+from freeride.backends.session import BackendConfig, BackendSession
+from freeride.backends.tracker import StepPlan, StepTracker
 from freeride.profile import StepRecord
 from freeride.transport import EventEmitter
 

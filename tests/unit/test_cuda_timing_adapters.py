@@ -24,14 +24,14 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
 from test_deepspeed_adapter import T_B, T_F, Clock, FakeEngine, Recorder  # tests/unit is on sys.path
 
-from backends import session as session_mod
-from backends.cuda_timing import DeviceTimeline, choose_timing
-from backends.deepspeed.adapter import DeepSpeedAdapter
-from backends.megatron import _compat as mg_compat
-from backends.megatron import adapter as mg_adapter
-from backends.schedule import Action
-from backends.session import BackendConfig, BackendSession
 from freeride import protocol as p
+from freeride.backends import session as session_mod
+from freeride.backends.cuda_timing import DeviceTimeline, choose_timing
+from freeride.backends.deepspeed.adapter import DeepSpeedAdapter
+from freeride.backends.megatron import _compat as mg_compat
+from freeride.backends.megatron import adapter as mg_adapter
+from freeride.backends.schedule import Action
+from freeride.backends.session import BackendConfig, BackendSession
 from freeride.transport import EventEmitter
 
 MS = 1_000_000
@@ -156,7 +156,7 @@ def test_megatron_picks_the_device_timeline_on_cuda_with_nccl(monkeypatch: pytes
     monkeypatch.setattr(
         mg_adapter, "BackendSession", lambda config: BackendSession(config, emitter=cast(EventEmitter, recorder))
     )
-    monkeypatch.setattr("backends.cuda_timing.p2p_backend", lambda: "nccl")
+    monkeypatch.setattr("freeride.backends.cuda_timing.p2p_backend", lambda: "nccl")
     monkeypatch.delenv("FREERIDE_BUBBLE_TIMING", raising=False)
     adapter = mg_adapter.MegatronAdapter(device_api=gpu.api())
     waits = {(0, "F"): 30.0}  # stage 1 waits f + b for its first input on the device

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from freeride.declared import Declared, OptionError, OptionInfo, declared, declared_in_source, validate_options
-from sidetasks import CATALOG, load, resolve
+from freeride.tasks import catalog, load, resolve
 
 DECL = Declared(
     name="T",
@@ -53,15 +53,15 @@ def test_a_task_taking_kwargs_accepts_any_name() -> None:
     assert validate_options(Declared(name="T", open=True), {"anything": 1}) == {"anything": 1}
 
 
-@pytest.mark.parametrize("name", sorted(CATALOG))
+@pytest.mark.parametrize("name", sorted(catalog()))
 def test_source_reading_agrees_with_inspecting_the_imported_class(name: str) -> None:
-    assert declared_in_source(CATALOG[name]) == declared(load(name))
+    assert declared_in_source(catalog()[name]) == declared(load(name))
 
 
 def test_the_manager_reads_a_sample_without_importing_torch() -> None:
     code = (
         "import sys; from freeride.declared import declared_in_source; "
-        "d = declared_in_source('sidetasks.vision:ResNet18Training'); "
+        "d = declared_in_source('freeride.sidetasks.vision:ResNet18Training'); "
         "assert d is not None and 'batch_size' in [o.name for o in d.options], d; "
         "assert 'torch' not in sys.modules"
     )
@@ -77,10 +77,11 @@ def test_an_unreadable_class_is_left_to_the_worker(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["pagerank", "pagerank:PageRank", "sidetasks.pagerank:PageRank", "freeride.sidetasks.pagerank:PageRank"]
+    "name",
+    ["pagerank", "pagerank:PageRank", "freeride.sidetasks.pagerank:PageRank", "sidetasks.pagerank:PageRank"],
 )
 def test_every_spelling_of_a_sample_resolves_to_one_target(name: str) -> None:
-    assert resolve(name) == "sidetasks.pagerank:PageRank"
+    assert resolve(name) == "freeride.sidetasks.pagerank:PageRank"
 
 
 def test_a_task_in_a_file_resolves_to_an_absolute_path_and_loads(

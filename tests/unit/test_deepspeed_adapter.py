@@ -24,12 +24,12 @@ import deepspeed.comm
 import torch
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
-from backends import session as session_mod
-from backends.deepspeed import _compat
-from backends.deepspeed.adapter import TAIL_LOSS, DeepSpeedAdapter, tail_key
-from backends.schedule import Action, Durations, bubbles, one_f_one_b, simulate
-from backends.session import BackendConfig, BackendSession
 from freeride import protocol as p
+from freeride.backends import session as session_mod
+from freeride.backends.deepspeed import _compat
+from freeride.backends.deepspeed.adapter import TAIL_LOSS, DeepSpeedAdapter, tail_key
+from freeride.backends.schedule import Action, Durations, bubbles, one_f_one_b, simulate
+from freeride.backends.session import BackendConfig, BackendSession
 from freeride.profile import RankObservations, build_profile
 from freeride.transport import EventEmitter
 
@@ -335,7 +335,7 @@ def test_patch_is_idempotent_and_reversible() -> None:
 
 
 def test_attach_refuses_what_is_not_a_pipeline_engine() -> None:
-    from backends.deepspeed import attach, attached
+    from freeride.backends.deepspeed import attach, attached
 
     with pytest.raises(TypeError, match="PipelineEngine"):
         attach(object())
@@ -343,7 +343,7 @@ def test_attach_refuses_what_is_not_a_pipeline_engine() -> None:
 
 
 def test_device_names_and_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    from backends.deepspeed._device import device_memory, device_name
+    from freeride.backends.deepspeed._device import device_memory, device_name
 
     facts = _compat.EngineFacts(
         rank=3,

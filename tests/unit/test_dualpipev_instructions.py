@@ -23,12 +23,12 @@ import deepspeed.comm
 import torch
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
-from backends import session as session_mod
-from backends.deepspeed import _compat, dualpipev
-from backends.deepspeed.adapter import TAIL_LOSS, DeepSpeedAdapter, reduce_key, tail_key
-from backends.schedule import Action, Durations
-from backends.session import BackendConfig, BackendSession
 from freeride import protocol as p
+from freeride.backends import session as session_mod
+from freeride.backends.deepspeed import _compat, dualpipev
+from freeride.backends.deepspeed.adapter import TAIL_LOSS, DeepSpeedAdapter, reduce_key, tail_key
+from freeride.backends.schedule import Action, Durations
+from freeride.backends.session import BackendConfig, BackendSession
 from freeride.transport import EventEmitter
 
 MS = 1_000_000

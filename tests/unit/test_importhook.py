@@ -9,8 +9,8 @@ from types import ModuleType
 
 import pytest
 
-from backends import importhook
-from backends.launch import launch_env, read_mode
+from freeride.backends import importhook
+from freeride.backends.launch import launch_env, read_mode
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from backends import megatron
-from backends.megatron import _compat
-from backends.megatron.adapter import reset_adapter
+from freeride.backends import megatron
+from freeride.backends.megatron import _compat
+from freeride.backends.megatron.adapter import reset_adapter
 
 FLAG = "__freeride_megatron__"
 
@@ -122,7 +122,7 @@ def test_on_import_never_raises(monkeypatch: pytest.MonkeyPatch, caplog: pytest.
     def broken(module: ModuleType) -> bool:
         raise RuntimeError("boom")
 
-    import backends.megatron.patches as patches
+    import freeride.backends.megatron.patches as patches
 
     monkeypatch.setattr(patches, "patch_schedules", broken)
     with caplog.at_level(logging.ERROR):

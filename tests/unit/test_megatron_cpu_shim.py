@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from backends.megatron import cpu_shim
+from freeride.backends.megatron import cpu_shim
 
 schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 NAMES = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving")

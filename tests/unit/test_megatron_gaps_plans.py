@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from backends.megatron import _compat
-from backends.megatron.adapter import MegatronAdapter
-from backends.megatron.patches import wrap_finalize
-from backends.megatron.plan import iterations, megatron_schedule
-from backends.schedule import Action, Durations, Schedule, forward_only, one_f_one_b
-from backends.tracker import TAIL_KEY, StepPlan, StepTracker, schedule_priors
+from freeride.backends.megatron import _compat
+from freeride.backends.megatron.adapter import MegatronAdapter
+from freeride.backends.megatron.patches import wrap_finalize
+from freeride.backends.megatron.plan import iterations, megatron_schedule
+from freeride.backends.schedule import Action, Durations, Schedule, forward_only, one_f_one_b
+from freeride.backends.tracker import TAIL_KEY, StepPlan, StepTracker, schedule_priors
 
 schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 

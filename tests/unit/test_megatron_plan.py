@@ -1,7 +1,7 @@
 """Megatron's schedules as FreeRide schedules, checked against megatron-core's own code.
 
 These import megatron-core (no process groups, no GPU): its warm-up counts and
-interleaved table are the reference for :mod:`backends.megatron.plan`.
+interleaved table are the reference for :mod:`freeride.backends.megatron.plan`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from backends.megatron import _compat
-from backends.megatron.plan import iterations, megatron_schedule, warmup_count
-from backends.schedule import Durations, bubbles, interleaved, one_f_one_b, simulate
+from freeride.backends.megatron import _compat
+from freeride.backends.megatron.plan import iterations, megatron_schedule, warmup_count
+from freeride.backends.schedule import Durations, bubbles, interleaved, one_f_one_b, simulate
 
 schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 

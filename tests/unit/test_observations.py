@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.observations import MAX_RECORDED_STEPS, ObservationLog
+from freeride.backends.observations import MAX_RECORDED_STEPS, ObservationLog
 from freeride.profile import RankObservations, StepRecord, observation_path, read_observations
 
 S = 1_000_000_000
@@ -66,7 +66,7 @@ def test_close_runs_at_exit_until_closed(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_without_a_directory_steps_stay_in_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     log = ObservationLog(_base(), None)
-    monkeypatch.setattr("backends.observations.MAX_RECORDED_STEPS", 2)
+    monkeypatch.setattr("freeride.backends.observations.MAX_RECORDED_STEPS", 2)
     for step in range(3):
         log.add(StepRecord(step=step, duration_ns=S))
     assert [s.step for s in log.observations().steps] == [0, 1]

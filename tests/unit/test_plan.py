@@ -14,7 +14,7 @@ from freeride.observe.report import Prices
 from freeride.plan import JobShape, PlanOptions, TaskShare, make_plan, stage_shares
 from freeride.plan_measured import MEASURED, MeasuredUse, measured_for
 from freeride.profile import BubbleProfile, Profile, StageProfile, write_profile
-from sidetasks import resolve
+from freeride.tasks import resolve
 
 MS = 1_000_000
 USE = MeasuredUse(task="t", use=0.5, interference=0.01, job="j", steps=1, source="s")

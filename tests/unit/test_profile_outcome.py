@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.observations import ENV_PROFILE_STEPS, ObservationLog, profile_steps_from_env
+from freeride.backends.observations import ENV_PROFILE_STEPS, ObservationLog, profile_steps_from_env
 from freeride.observe.picture import profile_trace, render_profile, require_matplotlib
 from freeride.profile import BubbleProfile, Profile, RankObservations, StageProfile, StepRecord, read_observations
 from freeride.profile_run import ProfileOptions, enough_steps

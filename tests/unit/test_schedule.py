@@ -1,4 +1,4 @@
-"""Schedules as values, the dry-run simulator and bubble finding (backends.schedule)."""
+"""Schedules as values, the dry-run simulator and bubble finding (freeride.backends.schedule)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from unittest import mock
 
 import pytest
 
-from backends.schedule import (
+from freeride.backends.schedule import (
     SCHEDULE_NAMES,
     Action,
     BubbleWindow,

@@ -16,12 +16,12 @@ from _sidetaskfix import cpu_context
 from _torchfix import deterministic_one_thread  # noqa: F401 - autouse fixture
 
 from freeride.sidetask import IterativeTask, UnboundedGate, run_alone
+from freeride.sidetasks.graph_sgd import GraphSGD
+from freeride.sidetasks.imaging import ImageProcessing
+from freeride.sidetasks.pagerank import PageRank
+from freeride.sidetasks.vision import ResNet18Inference, ResNet18Training
 from freeride.worker.checkpoint import UnsafeCheckpoint, load_checkpoint
 from freeride.worker.main import _load_checkpoint, _save_checkpoint
-from sidetasks.graph_sgd import GraphSGD
-from sidetasks.imaging import ImageProcessing
-from sidetasks.pagerank import PageRank
-from sidetasks.vision import ResNet18Inference, ResNet18Training
 
 TINY: dict[str, Any] = {"image_size": 16, "num_classes": 4, "batch_size": 4, "train_size": 64, "seed": 0}
 

@@ -63,10 +63,10 @@ def test_a_missing_required_option_is_rejected(tmp_path: Path) -> None:
 
 def test_the_short_and_file_forms_are_accepted_and_options_take_the_declared_types(tmp_path: Path) -> None:
     sup = supervisor(tmp_path)
-    for target in ("pagerank", "pagerank:PageRank", "sidetasks.pagerank:PageRank"):
+    for target in ("pagerank", "pagerank:PageRank", "freeride.sidetasks.pagerank:PageRank"):
         reply = sup.submit(p.TaskSpec(kind="iterative", target=target, options={"alpha": 1}))
         assert isinstance(reply, p.Submitted), (target, reply)
-        assert sup.tasks[reply.task_id].spec.target == "sidetasks.pagerank:PageRank"
+        assert sup.tasks[reply.task_id].spec.target == "freeride.sidetasks.pagerank:PageRank"
         assert sup.tasks[reply.task_id].spec.options == {"alpha": 1.0}
     path = task_file(tmp_path)
     reply = sup.submit(p.TaskSpec(kind="iterative", target=f"{path}:Plain", options={"rate": 2, "name": 7}))

@@ -11,8 +11,8 @@ from typing import cast
 
 import pytest
 
-from backends.session import BackendConfig, BackendSession
 from freeride import protocol as p
+from freeride.backends.session import BackendConfig, BackendSession
 from freeride.schedstat import ThreadRunDelay
 from freeride.transport import EventEmitter
 

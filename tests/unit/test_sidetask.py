@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from backends.predict import BubblePredictor
+from freeride.backends.predict import BubblePredictor
 from freeride.sidetask import IterativeTask, StepEstimates, StepEstimator, TaskStopped, UnboundedGate, run_alone
 
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from sidetasks._common import ShuffledCursor
-from sidetasks._data import ImageFolder, SyntheticImages
-from sidetasks._imageio import IMAGE_SUFFIXES, list_images, read_image, write_pnm
+from freeride.sidetasks._common import ShuffledCursor
+from freeride.sidetasks._data import ImageFolder, SyntheticImages
+from freeride.sidetasks._imageio import IMAGE_SUFFIXES, list_images, read_image, write_pnm
 
 
 def _levels(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:

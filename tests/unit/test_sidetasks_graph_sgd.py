@@ -12,7 +12,7 @@ import torch
 from _sidetaskfix import cpu_context, deterministic_one_thread  # noqa: F401 - autouse fixture
 
 from freeride.sidetask import run_alone
-from sidetasks.graph_sgd import GraphSGD, planted_ratings, read_ratings
+from freeride.sidetasks.graph_sgd import GraphSGD, planted_ratings, read_ratings
 
 SMALL: dict[str, Any] = {
     "users": 300,

@@ -12,8 +12,8 @@ import torch
 from _sidetaskfix import cpu_context, deterministic_one_thread  # noqa: F401 - autouse fixture
 
 from freeride.sidetask import run_alone
-from sidetasks._imageio import read_image, write_pnm
-from sidetasks._imageops import (
+from freeride.sidetasks._imageio import read_image, write_pnm
+from freeride.sidetasks._imageops import (
     edge_pipeline,
     equalize_hist,
     gaussian_blur,
@@ -21,7 +21,7 @@ from sidetasks._imageops import (
     synthetic_scene,
     to_gray,
 )
-from sidetasks.imaging import ImageProcessing
+from freeride.sidetasks.imaging import ImageProcessing
 
 # --- references: direct formulas, pixel by pixel, in float64 numpy --------------------------------
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from _sidetaskfix import deterministic_one_thread  # noqa: F401 - autouse fixture
 
-from sidetasks._imageio import read_image, write_pnm
-from sidetasks._imageops import edge_pipeline, synthetic_scene
-from sidetasks.imaging_cli import PROGRESS_FILE, main
+from freeride.sidetasks._imageio import read_image, write_pnm
+from freeride.sidetasks._imageops import edge_pipeline, synthetic_scene
+from freeride.sidetasks.imaging_cli import PROGRESS_FILE, main
 
 ARGS = ["--images", "6", "--size", "32", "--sigma", "1.0", "--seed", "3"]
 

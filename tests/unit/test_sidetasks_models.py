@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from sidetasks._models import ARCHITECTURES, ResNet, build_model
+from freeride.sidetasks._models import ARCHITECTURES, ResNet, build_model
 
 # Parameter counts torchvision publishes for its ImageNet weights (1000 classes):
 # https://pytorch.org/vision/stable/models.html ("Params" column).

@@ -12,7 +12,7 @@ import torch
 from _sidetaskfix import cpu_context, deterministic_one_thread  # noqa: F401 - autouse fixture
 
 from freeride.sidetask import run_alone
-from sidetasks.pagerank import PageRank, generate_graph, read_edge_list
+from freeride.sidetasks.pagerank import PageRank, generate_graph, read_edge_list
 
 
 def _networkx_reference(graph: nx.DiGraph, alpha: float) -> dict[int, float]:

@@ -14,8 +14,8 @@ import freeride.partition.plan as plan_module
 from freeride.partition import PartitionedTraining
 from freeride.partition.graph import Atom, NodeGraph
 from freeride.sidetask import TaskContext
-from sidetasks.mobilenet import MobileNetV2Training
-from sidetasks.transformer_lm import TransformerLMTraining, generated_corpus
+from freeride.sidetasks.mobilenet import MobileNetV2Training
+from freeride.sidetasks.transformer_lm import TransformerLMTraining, generated_corpus
 
 SMALL: dict[str, tuple[type[PartitionedTraining], dict[str, Any]]] = {
     "transformer-lm": (

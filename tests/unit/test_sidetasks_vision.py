@@ -15,8 +15,8 @@ from _torchfix import deterministic_one_thread  # noqa: F401 - autouse fixture
 from freeride.partition import plan as plan_module
 from freeride.partition import training as training_module
 from freeride.sidetask import TaskContext, run_alone
-from sidetasks._imageio import write_pnm
-from sidetasks.vision import ResNet18Inference, ResNet18Training, VGG19Training
+from freeride.sidetasks._imageio import write_pnm
+from freeride.sidetasks.vision import ResNet18Inference, ResNet18Training, VGG19Training
 
 SMALL: dict[str, Any] = {
     "image_size": 16,

@@ -11,9 +11,9 @@ import pytest
 from _torchfix import deterministic_one_thread  # noqa: F401 - autouse fixture
 
 from freeride.sidetask import IterativeTask, TaskContext, UnboundedGate, run_alone
-from sidetasks._cost import segment_costs
-from sidetasks._models import ARCHITECTURES
-from sidetasks.vision import ResNet18Inference, ResNet18Training
+from freeride.sidetasks._cost import segment_costs
+from freeride.sidetasks._models import ARCHITECTURES
+from freeride.sidetasks.vision import ResNet18Inference, ResNet18Training
 
 TINY: dict[str, Any] = {"image_size": 16, "num_classes": 4, "batch_size": 4, "train_size": 64, "seed": 0}
 

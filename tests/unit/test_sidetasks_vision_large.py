@@ -11,7 +11,7 @@ import torch
 from _torchfix import deterministic_one_thread  # noqa: F401 - autouse fixture
 
 from freeride.sidetask import TaskContext, run_alone
-from sidetasks.vision import ResNet50Training, VGG19Inference, VGG19Training
+from freeride.sidetasks.vision import ResNet50Training, VGG19Inference, VGG19Training
 
 
 def _ctx(tmp_path: Path) -> TaskContext:

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from backends.schedule import Action, interleaved, one_f_one_b
-from backends.torchpipe import _compat
-from backends.torchpipe.adapter import TorchPipeAdapter
-from backends.torchpipe.translate import loop_placed, to_schedule
-from backends.tracker import StepPlan, StepTracker
+from freeride.backends.schedule import Action, interleaved, one_f_one_b
+from freeride.backends.torchpipe import _compat
+from freeride.backends.torchpipe.adapter import TorchPipeAdapter
+from freeride.backends.torchpipe.translate import loop_placed, to_schedule
+from freeride.backends.tracker import StepPlan, StepTracker
 
 
 class _Sink:
@@ -137,7 +137,7 @@ def test_a_torch_without_the_hooked_names_is_refused_by_name() -> None:
 
 
 def test_on_import_never_raises(caplog: pytest.LogCaptureFixture) -> None:
-    from backends.torchpipe import on_import
+    from freeride.backends.torchpipe import on_import
 
     with caplog.at_level(logging.ERROR):
         on_import(ModuleType("not_torch_schedules"))
@@ -259,7 +259,7 @@ def test_torchs_single_stage_loops_run_the_orders_the_plan_assumes(name: str, p:
     """SINGLE_STAGE_ORDERS stands in for torch's pipeline_order, which misnumbers 1F1B's micro-batches."""
     from torch.distributed.pipelining import schedules
 
-    from backends.torchpipe.adapter import SINGLE_STAGE_ORDERS
+    from freeride.backends.torchpipe.adapter import SINGLE_STAGE_ORDERS
 
     for stage in range(p):
         loop = object.__new__(getattr(schedules, name))

@@ -3,7 +3,7 @@
 With NCCL, torch's ``Work.wait()`` only makes the compute stream wait for the
 receive; the host goes on queueing kernels. The adapter is driven call by call
 as torch's ``Schedule1F1B`` drives it on the last of 2 ranks (the hooks of
-:mod:`backends.torchpipe`), with the host clock standing still in every wait
+:mod:`freeride.backends.torchpipe`), with the host clock standing still in every wait
 and the device clock moving instead. The CUDA events are the lock-step
 stand-in of ``tests/standins/fake_cuda.py`` (no CUDA on CPU machines): each
 event completes at the device time it is recorded at.
@@ -20,12 +20,12 @@ from typing import Any, cast
 import pytest
 from test_deepspeed_adapter import Clock, Recorder  # tests/unit is on sys.path
 
-from backends import cuda_timing
-from backends import session as session_mod
-from backends.cuda_timing import DeviceTimeline
-from backends.session import BackendConfig, BackendSession
-from backends.torchpipe.adapter import TorchPipeAdapter
 from freeride import protocol as p
+from freeride.backends import cuda_timing
+from freeride.backends import session as session_mod
+from freeride.backends.cuda_timing import DeviceTimeline
+from freeride.backends.session import BackendConfig, BackendSession
+from freeride.backends.torchpipe.adapter import TorchPipeAdapter
 from freeride.transport import EventEmitter
 
 MS = 1_000_000

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from backends.torchpipe.adapter import device_name
+from freeride.backends.torchpipe.adapter import device_name
 
 
 def _node(monkeypatch: pytest.MonkeyPatch, *, cores: int, ranks: int, local: int, pinned: int | None) -> None:

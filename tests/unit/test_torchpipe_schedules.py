@@ -20,10 +20,10 @@ import torch.distributed as dist
 from torch.distributed import pipelining as pp
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from backends.schedule import Action, Durations, Schedule, gpipe, interleaved, one_f_one_b, simulate
-from backends.torchpipe import _compat
-from backends.torchpipe.adapter import TorchPipeAdapter
-from backends.torchpipe.translate import COMPUTE_KINDS, NON_COMPUTE
+from freeride.backends.schedule import Action, Durations, Schedule, gpipe, interleaved, one_f_one_b, simulate
+from freeride.backends.torchpipe import _compat
+from freeride.backends.torchpipe.adapter import TorchPipeAdapter
+from freeride.backends.torchpipe.translate import COMPUTE_KINDS, NON_COMPUTE
 
 ALL = (
     "ScheduleGPipe",

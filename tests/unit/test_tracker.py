@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from backends.megatron.plan import iterations
-from backends.schedule import Action, Durations, Schedule, interleaved, one_f_one_b, simulate
-from backends.tracker import TAIL_KEY, StepPlan, StepTracker, schedule_priors
+from freeride.backends.megatron.plan import iterations
+from freeride.backends.schedule import Action, Durations, Schedule, interleaved, one_f_one_b, simulate
+from freeride.backends.tracker import TAIL_KEY, StepPlan, StepTracker, schedule_priors
 from freeride.profile import StepRecord
 
 MS = 1_000_000

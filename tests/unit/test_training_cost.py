@@ -295,7 +295,7 @@ def test_the_meters_figures_are_stable_statistics() -> None:
     ],
 )
 def test_a_ranks_job_is_named_by_its_launcher_the_same_on_every_node(env: dict[str, str], job: str) -> None:
-    from backends.session import job_from_env
+    from freeride.backends.session import job_from_env
 
     assert job_from_env(env) == job
 

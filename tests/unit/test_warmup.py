@@ -15,8 +15,8 @@ from _sidetaskfix import cpu_context, deterministic_one_thread  # noqa: F401 - a
 
 from freeride.partition import plan as plan_module
 from freeride.sidetask import IterativeTask, StepEstimates, TaskStopped, UnboundedGate, run_alone
+from freeride.sidetasks.vision import ResNet18Training
 from freeride.worker.warmup import RUNS_PER_KIND, WarmUp, warm_up
-from sidetasks.vision import ResNet18Training
 
 
 class Phases(IterativeTask):

@@ -40,9 +40,9 @@ from freeride import protocol as p
 from freeride.profile import load_profile
 from freeride.serve.guard import describe as describe_guard
 from freeride.serve.holdback import HoldbackSchedule
+from freeride.tasks import resolve
 from freeride.transport import ControlClient, Endpoints, ManagerUnreachable
 from freeride.units import parse_duration_ns
-from sidetasks import resolve
 
 __all__ = [
     "ManagerFailed",
@@ -138,7 +138,7 @@ class SideTask:
 
 TASK_DEFAULTS: dict[str, tuple[str, ...]] = {
     # the default batch steps far longer than a small job's bubbles
-    "sidetasks.graph_sgd:GraphSGD": ("batch_edges=2048",),
+    "freeride.sidetasks.graph_sgd:GraphSGD": ("batch_edges=2048",),
 }
 """Options a benchmark gives a side task (``module:Class``) unless ``--opt`` sets them; other tasks get none."""
 

@@ -1,6 +1,6 @@
-"""The simulated pipeline (``backends.sim``) as a training job for the benchmark harness.
+"""The simulated pipeline (``freeride.backends.sim``) as a training job for the benchmark harness.
 
-Runs a :class:`backends.sim.SimPipeline` (one real process per stage, blocked on
+Runs a :class:`freeride.backends.sim.SimPipeline` (one real process per stage, blocked on
 each other over pipes, each pinned to its core) and, when it is done, prints one
 JSON line per stage and step (``rank``, ``stage``, ``step``, ``step_ms``), as
 the training scripts do. Under ``freeride launch`` the stages send their bubble
@@ -28,9 +28,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from backends.schedule import Durations, bubbles, build_schedule, simulate
-from backends.session import ENV_EVENTS
-from backends.sim import SimConfig, SimPipeline, StageResult
+from freeride.backends.schedule import Durations, bubbles, build_schedule, simulate
+from freeride.backends.session import ENV_EVENTS
+from freeride.backends.sim import SimConfig, SimPipeline, StageResult
 from freeride.profile import BubbleProfile, Profile, StageProfile, write_profile
 from freeride.transport import Endpoints
 from freeride.units import parse_duration_ns

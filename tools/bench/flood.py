@@ -47,7 +47,7 @@ from freeride.transport import (
 
 __all__ = ["main"]
 
-TASK = "sidetasks.graph_sgd:GraphSGD"
+TASK = "freeride.sidetasks.graph_sgd:GraphSGD"
 TASK_OPTIONS: dict[str, str | int | float | bool] = {"users": 500, "items": 200, "batch_edges": 512, "eval_every": 0}
 """Small SGD steps (well under a millisecond) that never finish: every bubble gets steps."""
 
@@ -229,8 +229,8 @@ async def harvest(rate: float, seconds: float, *, elsewhere: bool = False) -> di
     ``elsewhere``: the flood goes to a sink process instead of the manager, so the
     host's cores carry the same sender (and a reader) but the manager does no work for it.
     """
-    from backends.schedule import Durations, build_schedule, simulate
-    from backends.sim import SimConfig, SimPipeline
+    from freeride.backends.schedule import Durations, build_schedule, simulate
+    from freeride.backends.sim import SimConfig, SimPipeline
 
     async with _Served() as manager:
         sim = SimConfig(endpoint=manager.config.endpoints.events, num_stages=2, forward_s=0.002, backward_s=0.004)

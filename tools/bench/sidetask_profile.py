@@ -85,11 +85,11 @@ def _child(name: str, options: dict[str, Any], steps: int, warmup: int, threads:
     import torch
 
     from freeride.sidetask import TaskContext, run_alone
-    from sidetasks import CATALOG
+    from freeride.tasks import catalog
 
     if threads:
         torch.set_num_threads(threads)
-    module_name, _, cls_name = CATALOG[name].partition(":")
+    module_name, _, cls_name = catalog()[name].partition(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
     base_kib = _status_kib("VmRSS")
@@ -160,9 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
 
-    from sidetasks import CATALOG
+    from freeride.tasks import catalog
 
-    names = args.names or list(CATALOG)
+    names = args.names or list(catalog())
     overrides: dict[str, dict[str, Any]] = {n: dict(_PROFILE_DEFAULTS.get(n, {})) for n in names}
     for spec in args.opt:
         name, _, pair = spec.partition(":")

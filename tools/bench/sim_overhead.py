@@ -1,6 +1,6 @@
 """What side tasks in a simulated pipeline's bubbles cost it, and how much of the bubbles they use.
 
-Runs the simulated 2-stage job of ``backends.sim`` (``tools/bench/_sim_job.py``:
+Runs the simulated 2-stage job of ``freeride.backends.sim`` (``tools/bench/_sim_job.py``:
 real processes blocked on each other over pipes, each pinned to its core,
 compute ``cpu`` burning that core until the stage has had its compute time) for N steps, alone and under ``freeride
 launch`` with one iterative side task per stage pinned to the stage's core, on

@@ -45,7 +45,7 @@ else
     fi
 fi
 
-if ! "$PY" -c "import torch, zmq, msgspec, uvloop, freeride, backends, sidetasks" 2>/dev/null; then
+if ! "$PY" -c "import torch, zmq, msgspec, uvloop, freeride.backends, freeride.sidetasks" 2>/dev/null; then
     echo "check: $PY cannot import torch, zmq, msgspec, uvloop and this checkout;" \
         "run tools/gpu/wheelhouse.sh on a machine with a package registry and copy .whl/ here" >&2
     exit 2

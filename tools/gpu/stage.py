@@ -13,9 +13,9 @@ waits). A receive waits as NCCL would:
   stream waits for it the same way), and the compute stream waits for it;
 * on CPU the host sleeps, as a gloo receive blocks.
 
-FreeRide's own rank-side pieces time it: a :class:`~backends.tracker.StepTracker`
-with the 1F1B plan, a :class:`~backends.session.BackendSession` and, where
-waits block on the device, a :class:`~backends.cuda_timing.DeviceTimeline`. It
+FreeRide's own rank-side pieces time it: a :class:`~freeride.backends.tracker.StepTracker`
+with the 1F1B plan, a :class:`~freeride.backends.session.BackendSession` and, where
+waits block on the device, a :class:`~freeride.backends.cuda_timing.DeviceTimeline`. It
 prints one JSON line per step (``rank``, ``step``, ``step_ms``, ``compute_ms``:
 the stage's own forward and backward time, by CUDA events on a GPU) for the
 benchmark harness, and with ``--stats-out`` writes what the bubbles looked like
@@ -41,10 +41,10 @@ from typing import Any
 
 import torch
 
-from backends.cuda_timing import DeviceTimeline, timeline_for
-from backends.schedule import Action, Durations, one_f_one_b
-from backends.session import ENV_EVENTS, BackendConfig, BackendSession
-from backends.tracker import StepPlan, StepTracker, schedule_priors
+from freeride.backends.cuda_timing import DeviceTimeline, timeline_for
+from freeride.backends.schedule import Action, Durations, one_f_one_b
+from freeride.backends.session import ENV_EVENTS, BackendConfig, BackendSession
+from freeride.backends.tracker import StepPlan, StepTracker, schedule_priors
 from freeride.profile import BubbleProfile, Profile, StageProfile, StepRecord, write_profile
 from freeride.transport import Endpoints
 

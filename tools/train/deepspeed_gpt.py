@@ -51,7 +51,7 @@ class TrainArgs(CommonArgs):
     """Command-line options, validated (the shared ones in :class:`CommonArgs`).
 
     ``recv_timers`` times DeepSpeed's p2p receives (``recv_ms``), sends (``send_ms``)
-    and all-reduces (``allreduce_ms``); ``attach`` calls ``backends.deepspeed.attach``.
+    and all-reduces (``allreduce_ms``); ``attach`` calls ``freeride.backends.deepspeed.attach``.
     """
 
     stages: int
@@ -283,9 +283,9 @@ def train(args: TrainArgs) -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     handle = None
     if args.attach:
-        import backends.deepspeed
+        import freeride.backends.deepspeed
 
-        handle = backends.deepspeed.attach(engine)
+        handle = freeride.backends.deepspeed.attach(engine)
     data = _batches(args)
     out = open(args.jsonl.format(rank=rank), "a", encoding="utf-8") if args.jsonl else None  # noqa: SIM115
     try:

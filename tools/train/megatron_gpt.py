@@ -315,11 +315,11 @@ def train(args: TrainArgs) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if args.attach:
-        from backends.megatron import attach
+        from freeride.backends.megatron import attach
 
         attach()
     if args.device == "cpu":
-        from backends.megatron import cpu_shim
+        from freeride.backends.megatron import cpu_shim
 
         cpu_shim.activate()
     interleaved = args.schedule == "interleaved"
@@ -375,7 +375,7 @@ def train(args: TrainArgs) -> None:
                 _emit(_evaluate(args, forward_backward, model, held_out, timers, rank, stage, step), out)
         median = statistics.median(times[1:]) if len(times) > 1 else times[0]
         done: dict[str, Any] = {"rank": rank, "done": True, "median_step_ms": round(median, 3)}
-        adapter = sys.modules.get("backends.megatron.adapter")
+        adapter = sys.modules.get("freeride.backends.megatron.adapter")
         if adapter is not None:  # attached: how it went
             done["freeride"] = adapter.current_adapter().stats()
         _emit(done, out)
