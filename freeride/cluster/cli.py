@@ -167,7 +167,7 @@ def register(
     """Add ``freeride cluster`` and its subcommands to the ``freeride`` parser."""
     cluster = subs.add_parser(
         "cluster",
-        help="a side-job queue for the whole job, on Ray (needs freeride[ray]): submit, status, report, join",
+        help="a side-job queue for the whole job, on Ray (needs freeride-runtime[ray]): submit, status, report, join",
         description="One queue of side jobs for every node of a job; each node's `cluster join` takes what fits"
         " its bubbles (docs/cluster.md).",
     )

@@ -6,7 +6,7 @@ call at a time (``max_concurrency=1``: the ledger needs no locks). It lives on
 the Ray head node, so losing any other node leaves the queue whole; it lives
 as long as the Ray cluster, or until ``freeride cluster stop``.
 
-Ray is an optional extra (``pip install 'freeride[ray]'``); it is imported
+Ray is an optional extra (``pip install 'freeride-runtime[ray]'``); it is imported
 only when a queue is reached.
 """
 
@@ -48,7 +48,7 @@ def import_ray() -> ModuleType:
         import ray
     except ImportError:
         raise RayMissing(
-            "the cluster queue needs Ray: pip install 'freeride[ray]' (or `pip install ray`) on every node"
+            "the cluster queue needs Ray: pip install 'freeride-runtime[ray]' (or `pip install ray`) on every node"
         ) from None
     return ray
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["profile_trace", "render", "render_profile", "require_matplotlib"]
 
-_INSTALL = "pip install 'matplotlib>=3.8' (it comes with FreeRide's test extra: pip install -e '.[test]')"
+_INSTALL = "pip install 'matplotlib>=3.8' (FreeRide's plot extra: pip install 'freeride-runtime[plot]')"
 
 
 def require_matplotlib() -> None:

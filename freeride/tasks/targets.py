@@ -33,6 +33,7 @@ __all__ = ["catalog", "load", "program_command", "programs", "resolve"]
 
 TASKS_GROUP = "freeride.tasks"
 PROGRAMS_GROUP = "freeride.programs"
+DISTRIBUTION = "freeride-runtime"
 _OLD_SAMPLES = "sidetasks."
 """The samples' module prefix before they installed under ``freeride.``: still accepted."""
 
@@ -45,7 +46,7 @@ def _registered(group: str) -> dict[str, str]:
     if found:
         return found
     try:  # not installed: this source tree's own registrations
-        importlib.metadata.distribution("freeride")
+        importlib.metadata.distribution(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
         if pyproject.is_file():
@@ -120,7 +121,7 @@ def load(name: str) -> type[IterativeTask]:
     """Import the task ``name`` (anything :func:`resolve` accepts) and check it is an ``IterativeTask``.
 
     Raises:
-        ValueError: ``name`` is not a task name.
+        ValueError: ``name`` is not a task name, or names a file that does not exist or does not parse.
         ImportError: its module or file cannot be imported.
         TypeError: what it names is not a subclass of ``freeride.IterativeTask``.
     """
@@ -143,6 +144,8 @@ def _import_file(path: Path) -> ModuleType:
     module_name = f"freeride_task_{path.stem}_{zlib.crc32(str(path).encode()):08x}"
     if module_name in sys.modules:
         return sys.modules[module_name]
+    if not path.is_file():
+        raise ValueError(f"side task file {path} does not exist")
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {path}: not a Python file")
@@ -150,6 +153,9 @@ def _import_file(path: Path) -> ModuleType:
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        del sys.modules[module_name]
+        raise ValueError(f"{exc.filename}:{exc.lineno}: {exc.msg}") from None
     except BaseException:
         del sys.modules[module_name]
         raise

@@ -32,7 +32,7 @@ from conftest import freeride_cmd, poll, serving
 from freeride.cluster import messages as m
 from freeride.sidetasks.sweep import expected_sum
 
-ray = pytest.importorskip("ray", reason="the cluster queue needs Ray: pip install 'freeride[ray]'")
+ray = pytest.importorskip("ray", reason="the cluster queue needs Ray: pip install 'freeride-runtime[ray]'")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]

@@ -31,6 +31,6 @@ def test_bad_agent_settings_fail_with_the_field(tmp_path: Path, capsys: pytest.C
 
 
 def test_an_address_where_no_ray_listens_is_one_line_and_3(capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("ray", reason="the cluster queue needs Ray: pip install 'freeride[ray]'")
+    pytest.importorskip("ray", reason="the cluster queue needs Ray: pip install 'freeride-runtime[ray]'")
     assert main(["cluster", "status", "--address", "127.0.0.1:1"]) == 3  # refused at once: Ray would retry
     assert "no Ray cluster answers at 127.0.0.1:1" in capsys.readouterr().err

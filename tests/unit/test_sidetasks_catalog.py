@@ -79,3 +79,18 @@ def test_samples_use_only_the_public_task_api(path: Path) -> None:
 def test_the_imperative_sample_does_not_touch_freeride_at_all() -> None:
     imports = _freeride_imports(SAMPLES / "imaging_cli.py")
     assert imports and all(module.startswith("freeride.sidetasks._image") for module, _ in imports)
+
+
+def test_a_source_tree_that_was_never_installed_reads_its_own_registrations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a machine that puts the checkout on ``PYTHONPATH`` (tools/gpu/check.sh): no entry points, no metadata."""
+    import importlib.metadata
+
+    from freeride.tasks import targets
+
+    def not_installed(name: str) -> importlib.metadata.Distribution:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    installed = targets._registered(targets.TASKS_GROUP), targets._registered(targets.PROGRAMS_GROUP)
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
+    assert (targets._registered(targets.TASKS_GROUP), targets._registered(targets.PROGRAMS_GROUP)) == installed
