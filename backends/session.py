@@ -74,6 +74,9 @@ def manager_reachable(sent: int, endpoint: str) -> bool:
 
 HELLO_EVERY_NS = 5_000_000_000
 """How often a rank repeats its Hello (a manager may start after the job)."""
+CONNECT_WAIT_MS = 100
+"""At attach, once: how long a rank waits for its connection to a manager whose socket exists, so that its
+first Hello is not dropped (the manager then knows the job from its first step)."""
 
 ENV_EVENTS = "FREERIDE_EVENTS"
 """Environment variable `freeride launch` sets to the manager's events endpoint."""
@@ -189,6 +192,7 @@ class BackendSession:
             t_ns=time.monotonic_ns(),
             job=config.job or job_from_env(),
         )
+        self._emitter.wait_connected(CONNECT_WAIT_MS)
         self._maybe_hello(time.monotonic_ns())
         atexit.register(self.close)
         self._log_attached()

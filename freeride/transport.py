@@ -155,8 +155,18 @@ def bubbles_endpoint(events: str, rank: int) -> str:
     return f"ipc://{path}" if len(path.encode()) <= MAX_IPC_PATH else ""
 
 
+RUNTIME_DIR_ENV = "FREERIDE_RUNTIME_DIR"
+
+
 def default_runtime_dir() -> Path:
-    """``$XDG_RUNTIME_DIR/freeride`` if that exists, else ``<tmp>/freeride-<uid>``."""
+    """Where a manager's sockets live unless ``--runtime-dir`` says.
+
+    ``$FREERIDE_RUNTIME_DIR`` if set, else ``$XDG_RUNTIME_DIR/freeride`` if that
+    exists, else ``<tmp>/freeride-<uid>``.
+    """
+    given = os.environ.get(RUNTIME_DIR_ENV)
+    if given:
+        return Path(given).expanduser()
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg and Path(xdg).is_dir():
         return Path(xdg) / "freeride"
@@ -314,6 +324,24 @@ class EventEmitter:
             self.close()
             return
         sock.connect(endpoint)
+
+    def wait_connected(self, timeout_ms: int) -> bool:
+        """Wait at most ``timeout_ms`` for the connection to the manager; whether it is up.
+
+        For the first message only (a rank's ``Hello`` at attach, which would be
+        dropped if sent before the connection is up): an ipc endpoint whose socket
+        file does not exist has no manager to wait for, and returns at once.
+        """
+        sock = self._sock
+        if sock is None or os.getpid() != self._pid:
+            return False
+        if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[6:]):
+            return False
+        try:
+            return bool(sock.poll(timeout_ms, zmq.POLLOUT))
+        except Exception:  # never raise into the training job
+            logger.debug("[emit] waiting for the connection failed", exc_info=True)
+            return False
 
     def emit(self, event: p.BackendEvent) -> bool:
         """Send ``event`` if the manager can take it now; count a drop otherwise."""
@@ -728,6 +756,11 @@ class ControlClient:
         """
         if self._sock is None:
             raise RuntimeError("ControlClient is closed")
+        if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[6:]):
+            raise ManagerUnreachable(  # nothing to wait for
+                f"no FreeRide manager runs on {self.endpoint} (no socket there); "
+                "start one with `freeride serve` (same --runtime-dir) or pass --runtime-dir"
+            )
         self._sock.send(_encoder.encode(req))
         if not self._sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
             raise ManagerUnreachable(

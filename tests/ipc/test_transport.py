@@ -103,3 +103,29 @@ async def test_emitter_backs_off_without_a_manager_and_recovers_when_one_comes(r
         emitter.close()
         receiver.close()
         ctx.term()
+
+
+async def test_a_ranks_first_message_waits_for_the_connection_and_is_not_dropped(runtime_dir: Path) -> None:
+    endpoint = f"ipc://{runtime_dir}/events"
+    ctx = new_async_context()
+    receiver = EventReceiver(ctx, endpoint)
+    emitter = EventEmitter(endpoint)
+    try:
+        assert emitter.wait_connected(2000)
+        assert emitter.emit(beat(7))  # the first send, at once
+        first = await receiver.recv()
+        assert isinstance(first, p.Heartbeat) and first.rank == 7 and emitter.dropped == 0
+    finally:
+        emitter.close()
+        receiver.close()
+        ctx.term()
+
+
+def test_without_a_manager_socket_nothing_is_waited_for(runtime_dir: Path) -> None:
+    emitter = EventEmitter(f"ipc://{runtime_dir}/events")
+    try:
+        start = time.monotonic()
+        assert not emitter.wait_connected(2000)
+        assert time.monotonic() - start < 0.5
+    finally:
+        emitter.close()

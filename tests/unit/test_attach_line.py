@@ -20,6 +20,10 @@ class _Emitter:
     def __init__(self, sent: int) -> None:
         self.sent, self.dropped = sent, 0
 
+    def wait_connected(self, timeout_ms: int) -> bool:
+
+        return True
+
     def emit(self, event: p.BackendEvent) -> bool:
         return self.sent > 0
 

@@ -47,6 +47,10 @@ class Recorder:
         self.dropped = 0
         self.sent = 0
 
+    def wait_connected(self, timeout_ms: int) -> bool:
+
+        return True
+
     def emit(self, event: p.BackendEvent) -> bool:
         with self.cond:
             self.events.append(event)

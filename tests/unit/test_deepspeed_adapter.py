@@ -57,6 +57,10 @@ class Recorder:
         self.dropped = 0
         self.sent = 0
 
+    def wait_connected(self, timeout_ms: int) -> bool:
+
+        return True
+
     def emit(self, event: p.BackendEvent) -> bool:
         self.events.append(event)
         return True

@@ -26,6 +26,10 @@ class Recorder:
         self.events: list[p.BackendEvent] = []
         self.dropped = self.sent = 0
 
+    def wait_connected(self, timeout_ms: int) -> bool:
+
+        return True
+
     def emit(self, event: p.BackendEvent) -> bool:
         self.events.append(event)
         return True

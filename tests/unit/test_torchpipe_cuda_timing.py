@@ -42,6 +42,10 @@ class StepRecorder(Recorder):
         super().__init__()
         self.step_done = threading.Semaphore(0)
 
+    def wait_connected(self, timeout_ms: int) -> bool:
+
+        return True
+
     def emit(self, event: p.BackendEvent) -> bool:
         sent = super().emit(event)
         if isinstance(event, p.StepFinished):
