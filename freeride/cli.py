@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, get_args
 
 import msgspec
 
+import freeride
 from freeride import auth
 from freeride import protocol as p
 from freeride.gpu.mps import MpsError
@@ -298,7 +299,8 @@ def _guard_line(d: p.DeviceStatus) -> str:
     return f"{printable(d.device):10} guard: {describe_guard(d)} ({printable(d.guard_reason) or 'no reason given'})"
 
 
-def format_status(status: p.StatusReply) -> str:
+def format_status(status: p.StatusReply, *, verbose: bool = False) -> str:
+    """The status table; ``verbose`` adds each device's guard settings and typical bubble, and a legend."""
     lines = [
         f"{'device':10} {'stage':>5} {'alive':>5} {'bubbles':>8} {'bubble time':>12} {'used':>7} {'overruns':>8}"
         f" {'interference':>13} {'of training':>11}"
@@ -310,13 +312,14 @@ def format_status(status: p.StatusReply) -> str:
             f"{printable(d.device):10} {d.stage:>5} {'yes' if d.alive else 'no':>5} {d.bubbles:>8} "
             f"{format_ns(d.bubble_ns):>12} {share:>6.1%} {d.overruns:>8} {format_ns(d.interference_ns):>13} {taken:>11}"
         )
-    lines.extend(_guard_line(d) for d in status.devices if d.margin_ns >= 0)
-    lines.extend(
-        f"{printable(d.device):10} typical bubble: {d.typical_bubble_ns / 1e6:.1f} ms (half the bubble time lies in"
-        " bubbles at least this long; side tasks that size their steps size them for it)"
-        for d in status.devices
-        if d.typical_bubble_ns > 0
-    )
+    if verbose:
+        lines.extend(_guard_line(d) for d in status.devices if d.margin_ns >= 0)
+        lines.extend(
+            f"{printable(d.device):10} typical bubble: {d.typical_bubble_ns / 1e6:.1f} ms (half the bubble time lies"
+            " in bubbles at least this long; side tasks that size their steps size them for it)"
+            for d in status.devices
+            if d.typical_bubble_ns > 0
+        )
     lines.extend(f"{printable(d.device):10} {printable(d.no_bubbles)}" for d in status.devices if d.no_bubbles)
     lines.extend(printable(line) for line in cost_lines(status.costs, status.devices))
     lines.append("")
@@ -336,12 +339,13 @@ def format_status(status: p.StatusReply) -> str:
         if liveness:
             lines.append(f"{'':>4} {liveness}")
         lines += [f"{'':>4} {line}" for line in task_details(t)]
-    lines.append("")
-    lines.append(
-        "used: side-task compute inside bubbles, as a share of the bubble time offered to side tasks (not held back"
-        " to measure the job's cost); interference: side-task compute after"
-        " bubble ends (what a GPU would take from training), and its share of the stage's training time"
-    )
+    if verbose:
+        lines.append("")
+        lines.append(
+            "used: side-task compute inside bubbles, as a share of the bubble time offered to side tasks (not held"
+            " back to measure the job's cost); interference: side-task compute after bubble ends (what a GPU would"
+            " take from training), and its share of the stage's training time"
+        )
     lat = status.latency
     lines.append("")
     lines.append(
@@ -368,7 +372,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(msgspec.json.encode(reply).decode())
     else:
-        print(format_status(reply))
+        print(format_status(reply, verbose=args.verbose))
     return 0
 
 
@@ -603,10 +607,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="freeride",
-        description="Run side tasks inside the pipeline bubbles of DeepSpeed and Megatron training jobs.",
+        description="Run side tasks inside the pipeline bubbles of DeepSpeed, Megatron and PyTorch pipeline"
+        " training jobs.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"freeride {freeride.__version__}")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     subs = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
@@ -734,6 +740,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = subs.add_parser("status", help="show devices, bubbles and side tasks")
     _add_runtime(s)
     s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument(
+        "-v", "--verbose", action="store_true", help="also each device's guard settings and typical bubble, a legend"
+    )
     s.add_argument("--watch", action="store_true", help="live view, redrawn every --interval seconds (Ctrl-C ends)")
     s.add_argument("--interval", type=float, default=1.0, help="seconds between redraws of --watch (default 1)")
     s.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
@@ -935,7 +944,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     A reader that closes our stdout early (``freeride report trace.json | head``)
     ends the command quietly with 141, the status a shell gives a process ended
-    by SIGPIPE.
+    by SIGPIPE; Ctrl-C ends it with 130, as a shell reports SIGINT, without a
+    traceback.
     """
     try:
         try:
@@ -946,6 +956,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _stdout_to_devnull()
         return 141
+    except KeyboardInterrupt:  # Ctrl-C: what was started has been stopped on the way out
+        print("freeride: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

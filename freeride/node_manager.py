@@ -113,10 +113,12 @@ def _wait_answering(connect: Connect, pid: int, timeout_s: float, probe_s: float
     """Whether manager ``pid`` answers within ``timeout_s``; False at once if it exits."""
     deadline = time.monotonic() + timeout_s
     while _pid_alive(pid):
-        if _answers(connect, min(probe_s, max(deadline - time.monotonic(), 0.05))):
+        probed = time.monotonic()
+        if _answers(connect, min(probe_s, max(deadline - probed, 0.05))):
             return True
         if time.monotonic() > deadline:
             return False
+        time.sleep(max(0.0, min(0.05, probed + 0.05 - time.monotonic())))  # no socket yet: a probe fails at once
     return False
 
 

@@ -148,6 +148,10 @@ def _prepare_process(opts: ProfileTaskOptions) -> str:
         if "torch" in sys.modules:
             raise ValueError("profile a GPU task in a fresh process (torch was imported before the device was chosen)")
         os.environ["CUDA_VISIBLE_DEVICES"] = index
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {opts.device}: torch sees no CUDA device here (profile on cpu:N instead)")
         return "cuda:0"
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if opts.cores:

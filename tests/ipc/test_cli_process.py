@@ -7,8 +7,10 @@ None of these needs a manager: ``--help``, ``submit --list``, ``report`` and
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,3 +74,65 @@ def test_a_closed_stdout_ends_quietly(command: str, tmp_path: Path) -> None:
         os.close(write_end)
     assert done.stderr == ""
     assert done.returncode == 141
+
+
+def test_version() -> None:
+    import freeride
+
+    done = _run("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"freeride {freeride.__version__}", done
+
+
+@pytest.mark.parametrize("command", [["status"], ["cancel", "3"]])
+def test_no_manager_is_said_at_once_where_no_socket_exists(command: list[str], tmp_path: Path) -> None:
+    """The runtime dir comes from ``FREERIDE_RUNTIME_DIR`` here; with no socket in it nothing is waited for."""
+    env = {**os.environ, "FREERIDE_RUNTIME_DIR": str(tmp_path)}
+    start = time.monotonic()
+    done = subprocess.run([*FREERIDE, *command], capture_output=True, text=True, timeout=120, env=env)
+    # the interpreter's start-up and imports, not the 5-30 s a reply deadline would take
+    assert time.monotonic() - start < 4.0
+    assert done.returncode == 3, done
+    assert done.stderr.splitlines() == [
+        f"freeride: no FreeRide manager runs on ipc://{tmp_path}/control (no socket there); start one with"
+        " `freeride serve` (same --runtime-dir) or pass --runtime-dir"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("source", "said"),
+    [
+        (None, "does not exist"),
+        ("class Broken(:\n", "invalid syntax"),
+        ("import freeride\nclass Other(freeride.IterativeTask):\n    pass\n", "has no 'Mine'"),
+    ],
+    ids=["missing-file", "syntax-error", "missing-class"],
+)
+def test_a_bad_task_file_is_one_line_without_traceback(source: str | None, said: str, tmp_path: Path) -> None:
+    path = tmp_path / "task.py"
+    if source is not None:
+        path.write_text(source)
+    done = _run("submit", "--runtime-dir", str(tmp_path), f"{path}:Mine")
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert len(done.stderr.splitlines()) == 1 and said in done.stderr, done.stderr
+
+
+def test_ctrl_c_in_the_demo_stops_it_without_a_traceback() -> None:
+    """SIGINT to the demo's process group, as a terminal's Ctrl-C sends it, once its job trains."""
+    demo = subprocess.Popen(
+        [*FREERIDE, "demo", "--steps", "400"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        time.sleep(6.0)
+        os.killpg(demo.pid, signal.SIGINT)
+        _, err = demo.communicate(timeout=60)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait()
+    assert demo.returncode == 130, (demo.returncode, err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+    assert err.splitlines()[-1] == "freeride: interrupted", err[-3000:]

@@ -114,4 +114,4 @@ async def test_status_shows_the_guard_widening_a_margin_that_lets_side_work_spil
         f"margin {device.margin_ns / 1e6:.2f} ms, bubbles predicted x{c.widen_factor_by:.2f},"
         f" bubbles under {c.min_bubble_ns / 1e6:g} ms left out (0)"
     )
-    assert f"guard: {shown} ({device.guard_reason})" in format_status(reply_status)
+    assert f"guard: {shown} ({device.guard_reason})" in format_status(reply_status, verbose=True)

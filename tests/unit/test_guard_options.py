@@ -67,7 +67,7 @@ def _status(**guard: object) -> p.StatusReply:
 
 def test_status_shows_each_devices_margin_factor_and_reason() -> None:
     reason = "widened: interference 0.90% > target 0.50% over last 20 bubbles"
-    text = format_status(_status(margin_ns=600_000, prediction_factor=0.9, guard_reason=reason))
+    text = format_status(_status(margin_ns=600_000, prediction_factor=0.9, guard_reason=reason), verbose=True)
     assert f"cpu:0      guard: margin 0.60 ms, bubbles predicted x0.90 ({reason})" in text.splitlines()
 
 
@@ -75,7 +75,8 @@ def test_status_shows_the_bubbles_a_guard_leaves_out() -> None:
     reason = "short bubbles left out: interference 0.67% > target 0.50% over last 50 bubbles"
     status = _status(margin_ns=500_000, prediction_factor=1.0, guard_reason=reason, min_bubble_ns=4_000_000, left_out=9)
     line = f"cpu:0      guard: margin 0.50 ms, bubbles predicted x1.00, bubbles under 4 ms left out (9) ({reason})"
-    assert line in format_status(status).splitlines()
+    assert line in format_status(status, verbose=True).splitlines()
+    assert "guard:" not in format_status(status)  # internals only with -v
     families = {f.name: f for f in StatusCollector(lambda: status, dict).collect()}
     [shortest] = families["freeride_min_bubble_seconds"].samples
     assert shortest.value == pytest.approx(0.004)
@@ -83,13 +84,13 @@ def test_status_shows_the_bubbles_a_guard_leaves_out() -> None:
 
 
 def test_status_shows_the_typical_bubble_that_tasks_size_their_steps_for() -> None:
-    lines = format_status(_status(typical_bubble_ns=30_000_000)).splitlines()
+    lines = format_status(_status(typical_bubble_ns=30_000_000), verbose=True).splitlines()
     assert any(line.startswith("cpu:0      typical bubble: 30.0 ms (half the bubble time") for line in lines)
-    assert "typical bubble" not in format_status(_status())  # not known yet: nothing shown
+    assert "typical bubble" not in format_status(_status(), verbose=True)  # not known yet: nothing shown
 
 
 def test_status_of_a_manager_without_a_guard_shows_no_guard_line() -> None:
-    assert "guard:" not in format_status(_status())
+    assert "guard:" not in format_status(_status(), verbose=True)
 
 
 def test_metrics_export_margin_and_factor_per_device() -> None:
