@@ -15,7 +15,7 @@ grows, so its bubble share grows::
                      PlanOptions())
     print(plan.text())
 
-Everything here is pure: no clocks, no I/O (reading files is :mod:`freeride.plan_cli`'s job).
+Everything here is pure: no clocks, no I/O (reading files is :mod:`freeride.cli.plan`'s job).
 """
 
 from __future__ import annotations

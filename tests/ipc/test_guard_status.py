@@ -20,7 +20,7 @@ import pytest
 from conftest import running_manager, status, wait_until
 
 from freeride import protocol as p
-from freeride.cli import format_status
+from freeride.cli.status import format_status
 from freeride.serve.config import ServeConfig
 from freeride.serve.guard import GuardConfig
 from freeride.serve.manager import Manager

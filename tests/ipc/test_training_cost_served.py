@@ -16,7 +16,7 @@ from conftest import running_manager, wait_until
 
 from freeride import protocol as p
 from freeride.backends.sim import SimConfig, SimPipeline
-from freeride.cli import format_status
+from freeride.cli.status import format_status
 from freeride.observe.report import ReportOptions, build_report
 from freeride.observe.timeline import load_trace
 from freeride.serve.config import ServeConfig

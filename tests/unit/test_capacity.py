@@ -218,15 +218,16 @@ def test_placement_settings_name_the_bad_field(tmp_path: Path, field: str, value
 
 
 def test_serve_takes_the_settle_time_and_move_interval(tmp_path: Path) -> None:
-    from freeride.cli import _serve_config, build_parser
+    from freeride.cli import build_parser
+    from freeride.cli.serve import serve_config
 
     args = build_parser().parse_args(["serve", "--runtime-dir", str(tmp_path), "--settle", "2s", "--move-every", "90s"])
-    config = _serve_config(args)
+    config = serve_config(args)
     assert (config.settle_s, config.move_every_s) == (2.0, 90.0)
 
 
 def test_status_says_why_a_task_waits_and_how_often_it_moved() -> None:
-    from freeride.cli import format_status
+    from freeride.cli.status import format_status
 
     def shown(**kw: object) -> str:
         status = p.TaskStatus(task_id=1, name="t", kind="iterative", state="pending", device="", steps=0, busy_ns=0)

@@ -7,12 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from freeride.cli import _launch_serve_argv, _serve_config, build_parser
+from freeride.cli import build_parser
+from freeride.cli.launch import launch_serve_argv
+from freeride.cli.serve import serve_config
 
 
 def _launch(tmp_path: Path, *flags: str) -> list[str]:
     args = build_parser().parse_args(["launch", "--runtime-dir", str(tmp_path), *flags])
-    return _launch_serve_argv(args)
+    return launch_serve_argv(args)
 
 
 def test_a_started_manager_serves_the_launchs_runtime_dir_until_its_jobs_end(tmp_path: Path) -> None:
@@ -28,7 +30,7 @@ def test_a_started_manager_serves_the_launchs_runtime_dir_until_its_jobs_end(tmp
         "--state-dir",
         "/scratch/a b",
     ]
-    config = _serve_config(build_parser().parse_args(["serve", *serve]))
+    config = serve_config(build_parser().parse_args(["serve", *serve]))
     assert config.side_priority == "same" and config.state_dir == Path("/scratch/a b")
 
 
@@ -50,6 +52,6 @@ def test_launchs_own_options_are_refused_in_serve_args(tmp_path: Path, flag: str
 
 def test_metrics_host_reaches_the_config(tmp_path: Path) -> None:
     serve = ["serve", "--runtime-dir", str(tmp_path), "--metrics-port", "0"]
-    assert _serve_config(build_parser().parse_args(serve)).metrics_host == "127.0.0.1"
-    config = _serve_config(build_parser().parse_args([*serve, "--metrics-host", "0.0.0.0"]))
+    assert serve_config(build_parser().parse_args(serve)).metrics_host == "127.0.0.1"
+    config = serve_config(build_parser().parse_args([*serve, "--metrics-host", "0.0.0.0"]))
     assert config.metrics_host == "0.0.0.0"

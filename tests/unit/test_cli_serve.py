@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from freeride.cli import _serve_config, build_parser
+from freeride.cli import build_parser
+from freeride.cli.serve import serve_config
 
 
 def test_every_serve_flag_reaches_the_config(tmp_path: Path) -> None:
@@ -37,7 +38,7 @@ def test_every_serve_flag_reaches_the_config(tmp_path: Path) -> None:
             "500",
         ]
     )
-    config = _serve_config(args)
+    config = serve_config(args)
     assert (config.margin_ns, config.checkpoint_every_s, config.backend_timeout_s) == (500_000, 5.0, 7.0)
     assert config.side_priority == "same"
     assert (config.hang_after_s, config.hang_factor) == (3.0, 4.0)
@@ -46,7 +47,7 @@ def test_every_serve_flag_reaches_the_config(tmp_path: Path) -> None:
 
 
 def test_serve_defaults(tmp_path: Path) -> None:
-    config = _serve_config(build_parser().parse_args(["serve", "--runtime-dir", str(tmp_path)]))
+    config = serve_config(build_parser().parse_args(["serve", "--runtime-dir", str(tmp_path)]))
     assert config.side_priority == "low" and config.hang_after_s == 10.0 and config.max_loss_s == 120.0
 
 

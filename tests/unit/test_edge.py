@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from freeride import protocol as p
-from freeride.cli import format_status
+from freeride.cli.status import format_status
 from freeride.clock import ManualClock
 from freeride.observe.base import Observers
 from freeride.observe.stats import LatencyRecorder

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from freeride import protocol as p
-from freeride.cli import _serve_config, build_parser, format_status
+from freeride.cli import build_parser
+from freeride.cli.serve import serve_config
+from freeride.cli.status import format_status
 from freeride.demo import DemoOptions, DemoReport
 from freeride.observe.metrics import StatusCollector
 from freeride.serve.config import ServeConfig
@@ -28,9 +30,9 @@ def test_parse_share_refuses_what_is_not_a_share(text: str) -> None:
 
 def test_the_interference_target_flag_reaches_the_config(tmp_path: Path) -> None:
     args = build_parser().parse_args(["serve", "--runtime-dir", str(tmp_path), "--interference-target", "1%"])
-    assert _serve_config(args).interference_target == pytest.approx(0.01)
+    assert serve_config(args).interference_target == pytest.approx(0.01)
     default = build_parser().parse_args(["serve", "--runtime-dir", str(tmp_path)])
-    assert _serve_config(default).interference_target == pytest.approx(0.005)
+    assert serve_config(default).interference_target == pytest.approx(0.005)
 
 
 @pytest.mark.parametrize("target", [0.0, 1.0, 50.0])

@@ -157,7 +157,7 @@ def test_a_grant_given_back_idle_passes_the_bubble_on() -> None:
 
 
 def test_status_explains_estimates_bubbles_not_fitted_waits_and_failures() -> None:
-    from freeride.cli import format_status
+    from freeride.cli.status import format_status
 
     base = {"kind": "iterative", "device": "cpu:0", "steps": 3, "busy_ns": 0}
     tasks = [

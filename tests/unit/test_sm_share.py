@@ -15,7 +15,7 @@ import msgspec
 import pytest
 
 from freeride import protocol as p
-from freeride.cli import format_status
+from freeride.cli.status import format_status
 from freeride.clock import ManualClock
 from freeride.gpu.smshare import DEFAULT_SM_SHARE, ENV_SM_SHARE, plan_sm_share, resolve_sm_share
 from freeride.gpu.streams import step_end_sync, use_side_stream

@@ -329,7 +329,7 @@ def test_the_cost_reads_as_status_prints_it() -> None:
 
 def test_the_share_used_is_of_the_bubble_time_offered() -> None:
     """Held-back and backed-off bubble time is not offered, so status and the demo count use against the rest."""
-    from freeride.cli import format_status
+    from freeride.cli.status import format_status
 
     device = p.DeviceStatus(
         device="cpu:0", stage=0, rank=0, framework="sim", alive=True, bubbles=10, bubble_ns=1000, used_ns=300,

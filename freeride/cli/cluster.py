@@ -1,6 +1,6 @@
 """``freeride cluster ...``: the cluster-wide side-job queue on Ray, from the command line.
 
-``freeride.cli`` registers these with :func:`register`; everything else about
+:func:`add_parsers` adds them to the ``freeride`` parser; everything else about
 the commands lives here.
 """
 
@@ -20,12 +20,14 @@ from pathlib import Path
 import msgspec
 
 from freeride import protocol as p
+from freeride.cli import common
+from freeride.cli.common import Subparsers
 from freeride.cluster import messages as m
 from freeride.cluster.offer import OfferPolicy
 from freeride.cluster.queue import ClusterQueue, QueueUnreachable, RayMissing
 from freeride.units import parse_bytes, parse_duration_ns, parse_share
 
-__all__ = ["register"]
+__all__ = ["add_parsers"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +52,7 @@ def _queue_call(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.N
 
 
 def _job_specs(args: argparse.Namespace) -> list[p.TaskSpec]:
-    from freeride.cli import _parse_opts
-    from freeride.submission import check_submission
+    from freeride.cli.submission import check_submission
     from freeride.tasks import resolve
 
     if not args.name:
@@ -67,7 +68,7 @@ def _job_specs(args: argparse.Namespace) -> list[p.TaskSpec]:
         target = resolve(args.target)
     except ValueError as exc:
         raise SystemExit(f"freeride: {exc}") from None
-    options = _parse_opts(args.opt)
+    options = common.parse_opts(args.opt)
     specs = []
     for shard in range(args.shards):
         sharded = {**options, "shard": shard, "shards": args.shards} if args.shards > 1 else options
@@ -142,7 +143,6 @@ def cmd_cluster_stop(args: argparse.Namespace) -> int:
 
 @_queue_call
 def cmd_cluster_join(args: argparse.Namespace) -> int:
-    from freeride.cli import _control
     from freeride.cluster.agent import Agent, AgentConfig
 
     config = AgentConfig(
@@ -152,7 +152,7 @@ def cmd_cluster_join(args: argparse.Namespace) -> int:
         policy=OfferPolicy(jobs_per_device=args.jobs_per_device, min_share=parse_share(args.min_share)),
     )
     stop = threading.Event()
-    with ClusterQueue(_address(args), create=True, timeout_s=args.timeout) as queue, _control(args) as control:
+    with ClusterQueue(_address(args), create=True, timeout_s=args.timeout) as queue, common.control(args) as control:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         print(f"freeride: node {config.node} joined the cluster queue", flush=True)
@@ -160,10 +160,7 @@ def cmd_cluster_join(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(
-    subs: argparse._SubParsersAction[argparse.ArgumentParser],
-    add_runtime: Callable[[argparse.ArgumentParser], None],
-) -> None:
+def add_parsers(subs: Subparsers) -> None:
     """Add ``freeride cluster`` and its subcommands to the ``freeride`` parser."""
     cluster = subs.add_parser(
         "cluster",
@@ -173,12 +170,12 @@ def register(
     )
     commands = cluster.add_subparsers(dest="cluster_cmd", required=True, metavar="COMMAND")
 
-    def common(sub: argparse.ArgumentParser, timeout: float = 30.0) -> None:
+    def queue_options(sub: argparse.ArgumentParser, timeout: float = 30.0) -> None:
         sub.add_argument("--address", metavar="ADDR", help=_ADDRESS_HELP)
         sub.add_argument("--timeout", type=float, default=timeout, help="seconds to wait for the queue")
 
     s = commands.add_parser("submit", help="queue side jobs (many shards at once) for every node")
-    common(s)
+    queue_options(s)
     s.add_argument("target", help="module:Class of an iterative task, or a name from `freeride submit --list`")
     s.add_argument("--name", help="job name; with --shards N the jobs are NAME-0 .. NAME-(N-1)")
     s.add_argument("--shards", type=int, default=1, help="queue N jobs, job I with options shard=I shards=N")
@@ -197,26 +194,26 @@ def register(
     s.set_defaults(fn=cmd_cluster_submit)
 
     s = commands.add_parser("status", help="jobs by state, every node's leases and bubbles, each job")
-    common(s)
+    queue_options(s)
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--nodes", action="store_true", help="nodes only, no job table")
     s.set_defaults(fn=cmd_cluster_status)
 
     s = commands.add_parser("report", help="bubble time, harvested share and interference of every node, summed")
-    common(s)
+    queue_options(s)
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(fn=cmd_cluster_report)
 
     s = commands.add_parser("stop", help="end the queue (every job in it is forgotten)")
-    common(s)
+    queue_options(s)
     s.set_defaults(fn=cmd_cluster_stop)
 
     s = commands.add_parser(
         "join",
         help="run this node's agent beside its `freeride serve`: lease jobs that fit, run them, report them",
     )
-    common(s)
-    add_runtime(s)
+    queue_options(s)
+    common.add_runtime(s)
     s.add_argument("--node", help="this node's name in the queue (default: the host name)")
     s.add_argument(
         "--lease",

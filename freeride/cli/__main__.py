@@ -1,0 +1,7 @@
+"""``python -m freeride.cli``: the same as the ``freeride`` command."""
+
+import sys
+
+from freeride.cli.main import main
+
+sys.exit(main())
