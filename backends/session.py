@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import msgspec
 
 from freeride import protocol as p
-from freeride.schedstat import ThreadRunDelay
+from freeride.host.schedstat import ThreadRunDelay
 from freeride.transport import BubblePublisher, Endpoints, EventEmitter, bubbles_endpoint, default_runtime_dir
 
 __all__ = [

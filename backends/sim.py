@@ -31,13 +31,13 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
-from freeride._procutil import bind_to_parent
 from freeride.backends.launch import read_mode
 from freeride.backends.observations import ObservationLog
 from freeride.backends.predict import BubblePredictor
 from freeride.backends.schedule import Action, Durations, bubbles, build_schedule, simulate
 from freeride.backends.session import BackendConfig, BackendSession
 from freeride.backends.tracker import TAIL_KEY
+from freeride.host.procs import bind_to_parent
 from freeride.profile import RankObservations, StepRecord, WaitRecord
 
 __all__ = ["SimConfig", "SimPipeline", "StageResult", "run_stage"]

@@ -2,6 +2,6 @@
 
 import sys
 
-from freeride.cli import main
+from freeride.cli.main import main
 
 sys.exit(main())

@@ -281,7 +281,7 @@ class TaskSpec(_Msg, frozen=True, tag="task_spec"):
     """An imperative task's working directory (absolute); empty: the task's own workdir under the state dir."""
     env: Annotated[dict[Name, Text], msgspec.Meta(max_length=4096)] = {}
     """An imperative task's variables, laid over the manager's small base environment
-    (see :mod:`freeride.programs`); never shown in status."""
+    (see :mod:`freeride.tasks.programs`); never shown in status."""
     sync_every: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
     """A PyTorch program synchronizes CUDA every this many optimizer steps (0: never)."""
     progress_file: Text = ""
@@ -323,7 +323,7 @@ class Assign(_Msg, frozen=True, tag="assign"):
     warm_up: bool = False
     """No training runs on the device yet: rehearse each step kind before the first bubble, then undo it."""
     estimates_dir: str = ""
-    """Directory of the step-time estimates kept across runs (see :mod:`freeride.estimates`); empty: none kept."""
+    """Directory of the step-time estimates kept across runs (see :mod:`freeride.tasks.estimates`); empty: none kept."""
     bubble_ns: Nanos = 0
     """The device's typical bubble: half its bubble time lies in bubbles at least this long (0: not known yet).
 

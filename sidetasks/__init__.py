@@ -1,7 +1,7 @@
 """Packaged sample side tasks.
 
 Each registers under a short name in FreeRide's ``pyproject.toml`` (entry-point
-groups ``freeride.tasks`` and ``freeride.programs``; see :mod:`freeride.tasks`),
+groups ``freeride.tasks`` and ``freeride.programs``; see :mod:`freeride.tasks.targets`),
 so nothing imports the samples to find them. :func:`describe` has a one-line
 description of each.
 """

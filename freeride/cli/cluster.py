@@ -53,7 +53,7 @@ def _queue_call(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.N
 
 def _job_specs(args: argparse.Namespace) -> list[p.TaskSpec]:
     from freeride.cli.submission import check_submission
-    from freeride.tasks import resolve
+    from freeride.tasks.targets import resolve
 
     if not args.name:
         raise SystemExit("freeride: give the jobs a --name (job NAME-I for shard I; names key checkpoints)")

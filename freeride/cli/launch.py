@@ -33,7 +33,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def node_manager(args: argparse.Namespace) -> None:
     """Find the node's manager or start one; the training runs whatever happens to it."""
-    from freeride.node_manager import ManagerNotStarted, StartOptions, ensure_manager
+    from freeride.cli.node_manager import ManagerNotStarted, StartOptions, ensure_manager
 
     endpoints = common.endpoints(args)
     curve = auth.load_client_keys(common.keys_dir(args)) if endpoints.control.startswith("tcp://") else None

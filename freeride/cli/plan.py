@@ -2,9 +2,9 @@
 
 The job's shape comes from the command line or from a ``freeride profile``
 file; the side-task mix from ``--task`` (with the measured use of
-:mod:`freeride.plan_measured`, or ``--use`` for a share measured elsewhere,
+:mod:`freeride.planning.measured`, or ``--use`` for a share measured elsewhere,
 e.g. by ``freeride report``), step times from ``freeride profile-task``
-estimates files; the model and the formula from :mod:`freeride.plan`.
+estimates files; the model and the formula from :mod:`freeride.planning.model`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from freeride.backends.schedule import SCHEDULE_NAMES
-from freeride.estimates import read_estimates_file
 from freeride.observe.report import Prices, parse_throughputs
-from freeride.plan import SCALE_GPUS, JobShape, Plan, PlanOptions, ScaleRow, TaskShare, make_plan
-from freeride.plan_measured import DEMO, MEASURED, MeasuredUse, measured_for
+from freeride.planning.measured import DEMO, MEASURED, MeasuredUse, measured_for
+from freeride.planning.model import SCALE_GPUS, JobShape, Plan, PlanOptions, ScaleRow, TaskShare, make_plan
 from freeride.profile import StageProfile, load_profile
+from freeride.tasks.estimates import read_estimates_file
 from freeride.units import format_ns, parse_duration_ns, parse_share
 
 __all__ = ["add_plan_parser", "cmd_plan", "plan_dict", "plan_text", "shape_from_args", "tasks_from_args"]
@@ -248,7 +248,7 @@ def tasks_from_args(args: argparse.Namespace) -> tuple[TaskShare, ...]:
     Raises:
         ValueError: No task, shares that do not add up, or an option naming a task not in the mix.
     """
-    from freeride.tasks import resolve
+    from freeride.tasks.targets import resolve
 
     if not args.task:
         names = ", ".join(row.task for row in MEASURED)

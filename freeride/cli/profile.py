@@ -9,14 +9,14 @@ from pathlib import Path
 
 from freeride.cli import common
 from freeride.cli.common import Subparsers
-from freeride.profile_task import DEFAULT_SAMPLES, DEFAULT_STEPS
+from freeride.cli.profile_task import DEFAULT_SAMPLES, DEFAULT_STEPS
 from freeride.transport import default_runtime_dir
 
 __all__ = ["add_parsers", "cmd_profile", "cmd_profile_task"]
 
 
 def _add_profile_options(s: argparse.ArgumentParser) -> None:
-    from freeride.profile_run import DEFAULT_PROFILE_STEPS
+    from freeride.cli.profile_run import DEFAULT_PROFILE_STEPS
 
     s.add_argument(
         "--steps",
@@ -28,8 +28,8 @@ def _add_profile_options(s: argparse.ArgumentParser) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from freeride.cli.profile_run import ProfileOptions, run_profile
     from freeride.observe.picture import require_matplotlib
-    from freeride.profile_run import ProfileOptions, run_profile
 
     if not args.command:
         raise SystemExit("freeride: give the training command after --")
@@ -57,7 +57,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_profile_task(args: argparse.Namespace) -> int:
     from freeride.auth import ensure_private_dir
-    from freeride.profile_task import ProfileTaskOptions, profile_task  # imports torch only to run the task
+    from freeride.cli.profile_task import ProfileTaskOptions, profile_task  # imports torch only to run the task
 
     # by default where `freeride serve` keeps its state
     state_dir = Path(args.state_dir) if args.state_dir else ensure_private_dir(common.runtime_dir(args)) / "state"

@@ -3,7 +3,7 @@
 A relative path is the submitting shell's: ``--cwd`` and a program given as
 ``./run.sh`` are resolved here, against the client's working directory, since
 the manager runs elsewhere. The environment is the client's (see
-:mod:`freeride.programs` for what the program gets and why).
+:mod:`freeride.tasks.programs` for what the program gets and why).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import argparse
 import os
 
 from freeride import protocol as p
-from freeride.programs import MAX_SYNC_EVERY, parse_env, spec_problem
+from freeride.tasks.programs import MAX_SYNC_EVERY, parse_env, spec_problem
 
 __all__ = ["PROGRAM_OPTIONS", "add_program_options", "cancel_outcome", "program_spec"]
 

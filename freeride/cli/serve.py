@@ -65,7 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 print(f"freeride: serving; backends send to {config.endpoints.events}", flush=True)
                 await manager.run(stop)
             return
-        from freeride.jobs import JobWatch
+        from freeride.host.jobs import JobWatch
 
         # the watch's lock outlives the manager: no launch registers with it while it closes
         with JobWatch(common.runtime_dir(args)) as watch:

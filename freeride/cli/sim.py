@@ -47,7 +47,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from freeride.demo import DemoOptions, run_demo
+    from freeride.cli.demo import DemoOptions, run_demo
 
     # the demo runs its own manager, which fills in the endpoint
     options = DemoOptions(sim=_sim_config(args, endpoint=""), task=args.task)

@@ -13,7 +13,7 @@ import time
 import msgspec
 
 from freeride import protocol as p
-from freeride.declared import OptionError, declared, validate_options
+from freeride.tasks.declared import OptionError, declared, validate_options
 from freeride.transport import ControlClient
 from freeride.units import format_ns, printable
 
@@ -31,7 +31,7 @@ def check_submission(spec: p.TaskSpec) -> p.TaskSpec:
     Raises:
         SystemExit: options that do not match the class, or a target that is no task.
     """
-    from freeride.tasks import load
+    from freeride.tasks.targets import load
 
     try:
         cls = load(spec.target)

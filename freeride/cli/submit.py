@@ -24,7 +24,7 @@ def _sm_share(percent: int) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from freeride.tasks import catalog, program_command, programs, resolve
+    from freeride.tasks.targets import catalog, program_command, programs, resolve
 
     if args.list:
         from freeride.sidetasks import DESCRIPTIONS

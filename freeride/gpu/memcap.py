@@ -10,7 +10,7 @@
   libraries maps far more than it touches (CPython with torch: about 0.7 GiB), so
   the limit is the task's peak plus ``address_space_overhead``.
 
-  Where the manager can make cgroups (:mod:`freeride._cgroup`) the processes of a
+  Where the manager can make cgroups (:mod:`freeride.host.cgroup`) the processes of a
   CPU task are also capped together by the memory they use: an imperative
   program at its peak plus 1/16, a worker at its use once set up plus its peak.
   ``RLIMIT_AS`` stays on as the outer bound, so that a huge allocation fails

@@ -1,7 +1,7 @@
 """What the manager reads from a task before starting it: its options, peak memory and device.
 
 The manager checks a submitted task against what its class declares (read from
-source by :func:`freeride.declared.declared_in_source`, never imported: the
+source by :func:`freeride.tasks.declared.declared_in_source`, never imported: the
 event loop must not stall on torch), so bad options are refused at submit, and
 a class's ``peak_memory`` and ``device_kind`` count when the submitter gave none.
 """
@@ -13,8 +13,8 @@ from collections.abc import Collection, Sequence
 import msgspec
 
 from freeride import protocol as p
-from freeride.declared import OptionError, declared_in_source, validate_options
 from freeride.serve.placement import DeviceView, NoFit
+from freeride.tasks.declared import OptionError, declared_in_source, validate_options
 
 __all__ = ["TRACEBACK_LINES", "gpu_views", "last_lines", "pending_reason", "with_declarations"]
 

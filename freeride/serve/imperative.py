@@ -26,7 +26,7 @@ kills the program's group, so no stopped program outlives the runtime.
 (A process forked, not spawned, by the runtime would inherit that pipe end and
 delay this until it exits.)
 
-With a :class:`~freeride._cgroup.TaskCgroup` the stopped shim is moved into it
+With a :class:`~freeride.host.cgroup.TaskCgroup` the stopped shim is moved into it
 before the program starts: every process the program makes is then signalled
 with its group, one that called ``setsid`` included, and killed with it; the
 cgroup also caps their memory together, by what they use. Without one a
@@ -55,9 +55,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from freeride._cgroup import TaskCgroup
-from freeride._procutil import RESET_SIGNALS, SHELL, DeadlineTimer, group_members, read_state, spawn_watchdog
 from freeride.admission import latest_end_ns
+from freeride.host.cgroup import TaskCgroup
+from freeride.host.procs import RESET_SIGNALS, SHELL, DeadlineTimer, group_members, read_state, spawn_watchdog
 
 __all__ = ["SPIN_BUDGET_NS", "ExitInfo", "ImperativeProcess", "sync_every_env"]
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from freeride import protocol as p
-from freeride._procutil import group_members, process_cpu_ns
 from freeride.clock import MONOTONIC, Clock
+from freeride.host.procs import group_members, process_cpu_ns
 from freeride.serve.imperative import ImperativeProcess
 
 __all__ = ["ProgramRunner", "ReportFn", "Runner", "SendFn", "WorkerRunner"]

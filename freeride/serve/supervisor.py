@@ -24,12 +24,11 @@ from typing import Any, assert_never
 import msgspec
 
 from freeride import protocol as p
-from freeride._cgroup import TaskCgroup, remove_own_cgroups
 from freeride.clock import MONOTONIC, Clock
 from freeride.gpu.memcap import MemoryCap, plan_memory_cap
 from freeride.gpu.smshare import plan_sm_share
+from freeride.host.cgroup import TaskCgroup, remove_own_cgroups
 from freeride.observe.base import Observers
-from freeride.programs import device_env, program_env, spec_problem
 from freeride.serve.capacity import Settling, bubble_share, plan_moves
 from freeride.serve.config import ServeConfig
 from freeride.serve.cores import side_task_cores, stage_position, thread_env
@@ -41,6 +40,7 @@ from freeride.serve.ranks import DeviceInfo
 from freeride.serve.runners import ProgramRunner, SendFn, WorkerRunner
 from freeride.serve.scheduler import DeviceScheduler
 from freeride.serve.tasks import TaskRecord, restart_delay_s, spawn_worker, stop_process, task_name
+from freeride.tasks.programs import device_env, program_env, spec_problem
 
 __all__ = ["KEEP_ENDED", "MAX_LIVE_TASKS", "Supervisor"]
 
@@ -226,7 +226,7 @@ class Supervisor:
         if problem:
             return p.Rejected(reason=problem)
         if spec.kind == "iterative":  # one spelling per task: its name keys its checkpoint
-            from freeride.tasks import resolve
+            from freeride.tasks.targets import resolve
 
             spec = msgspec.structs.replace(spec, target=resolve(spec.target))
             checked = with_declarations(spec)
@@ -714,7 +714,7 @@ def _check_spec(spec: p.TaskSpec) -> str:
         problem = spec_problem(spec) or _checkpoint_dir_problem(spec.checkpoint_dir)
         if problem:
             return problem
-        from freeride.tasks import resolve
+        from freeride.tasks.targets import resolve
 
         try:
             module = resolve(spec.target).rpartition(":")[0]

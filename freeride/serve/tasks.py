@@ -19,7 +19,7 @@ from freeride import protocol as p
 from freeride.transport import worker_identity
 
 if TYPE_CHECKING:
-    from freeride._cgroup import TaskCgroup
+    from freeride.host.cgroup import TaskCgroup
     from freeride.serve.runners import Runner
 
 __all__ = ["BadTransition", "TaskRecord", "restart_delay_s", "spawn_worker", "stop_process", "task_name"]

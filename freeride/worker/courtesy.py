@@ -5,7 +5,7 @@ wakes the side worker on the rank's own core, and the kernel may run the worker
 at once, before the rank has reached its blocking call: the rank then waits,
 runnable, for a scheduler slice (2-5 ms seen here) while nothing of training
 is lost, since it had only to block. But the rank reads that wait in its run
-delay counter (:mod:`freeride.schedstat`) as if it were the stage waiting for
+delay counter (:mod:`freeride.host.schedstat`) as if it were the stage waiting for
 its core at the bubble's end: the manager charged it as interference (in the
 GPU-faithful mode) and the simulated stages took it off the bubble's measured
 length, so the next predictions came out short. In a demo run, 77 ms of such

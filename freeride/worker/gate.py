@@ -23,7 +23,7 @@ from typing import Protocol, TypeVar, assert_never
 from freeride import protocol as p
 from freeride.admission import fits, room_ns
 from freeride.clock import MONOTONIC, Clock
-from freeride.schedstat import ThreadRunDelay
+from freeride.host.schedstat import ThreadRunDelay
 from freeride.sidetask import IterativeTask, StepEstimates, TaskStopped
 from freeride.transport import BadFrame
 from freeride.worker.armed import Arming, BubbleFeed

@@ -20,11 +20,11 @@ import traceback
 from pathlib import Path
 
 from freeride import protocol as p
-from freeride._procutil import bind_to_parent
-from freeride.declared import declared, validate_options
-from freeride.estimates import EstimatesStore
 from freeride.gpu.streams import step_end_sync, use_side_stream
+from freeride.host.procs import bind_to_parent
 from freeride.sidetask import IterativeTask, TaskContext, TaskStopped
+from freeride.tasks.declared import declared, validate_options
+from freeride.tasks.estimates import EstimatesStore
 from freeride.transport import BubbleListener, WorkerLink, new_async_context
 from freeride.worker.armed import RankFeed
 from freeride.worker.checkpoint import load_checkpoint, state_bytes
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 def load_target(target: str) -> type[IterativeTask]:
     """Import a task named as :func:`freeride.tasks.resolve` accepts and check it is an :class:`IterativeTask`."""
-    from freeride.tasks import load
+    from freeride.tasks.targets import load
 
     return load(target)
 

@@ -22,7 +22,7 @@ from _deepspeed import TrainRun, run_training, train_cmd
 from freeride import protocol as p
 from freeride.backends.launch import launch_env
 from freeride.backends.schedule import Durations, bubbles, one_f_one_b, simulate
-from freeride.cli import main
+from freeride.cli.main import main
 from freeride.profile import RankObservations, build_profile, read_observations, write_profile
 from freeride.transport import Endpoints
 

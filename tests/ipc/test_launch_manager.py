@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import freeride_cmd, poll, serving, status
 
-from freeride.jobs import JOBS_DIR, Job, JobWatch, LaunchLock, live_jobs, register_job
-from freeride.node_manager import serve_lock_pid
+from freeride.cli.node_manager import serve_lock_pid
+from freeride.host.jobs import JOBS_DIR, Job, JobWatch, LaunchLock, live_jobs, register_job
 
 STARTED = re.compile(r"freeride: started a manager \(pid (\d+), log (\S+)\)")
 USING = re.compile(r"freeride: using the manager \(pid (\d+)\)")

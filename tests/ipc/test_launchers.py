@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 from conftest import freeride_cmd, poll, status
 
-from freeride.jobs import Job
-from freeride.node_manager import serve_lock_pid
+from freeride.cli.node_manager import serve_lock_pid
+from freeride.host.jobs import Job
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ import pytest
 from conftest import wait_until
 
 from freeride import protocol as p
-from freeride._cgroup import TaskCgroup, cgroups_available
+from freeride.host.cgroup import TaskCgroup, cgroups_available
 from freeride.serve.config import ServeConfig
 from freeride.serve.imperative import ImperativeProcess
 from freeride.serve.manager import Manager

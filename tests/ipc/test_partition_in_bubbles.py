@@ -21,7 +21,7 @@ from freeride import protocol as p
 from freeride.backends.sim import SimConfig, SimPipeline
 from freeride.observe.base import Observer
 from freeride.serve.manager import Manager
-from freeride.tasks import catalog
+from freeride.tasks.targets import catalog
 from freeride.worker.checkpoint import load_checkpoint
 
 STAGE = 1

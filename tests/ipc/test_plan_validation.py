@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from freeride.cli import main
-from freeride.demo import DemoOptions, run_demo
+from freeride.cli.demo import DemoOptions, run_demo
+from freeride.cli.main import main
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from freeride import protocol as p
 from freeride.backends.sim import SimConfig, SimPipeline
 from freeride.observe.base import Observer
 from freeride.serve.manager import Manager
-from freeride.tasks import catalog
+from freeride.tasks.targets import catalog
 
 STAGE = 1
 

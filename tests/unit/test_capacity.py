@@ -218,7 +218,7 @@ def test_placement_settings_name_the_bad_field(tmp_path: Path, field: str, value
 
 
 def test_serve_takes_the_settle_time_and_move_interval(tmp_path: Path) -> None:
-    from freeride.cli import build_parser
+    from freeride.cli.main import build_parser
     from freeride.cli.serve import serve_config
 
     args = build_parser().parse_args(["serve", "--runtime-dir", str(tmp_path), "--settle", "2s", "--move-every", "90s"])

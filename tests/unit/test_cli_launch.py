@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from freeride.cli import build_parser
 from freeride.cli.launch import launch_serve_argv
+from freeride.cli.main import build_parser
 from freeride.cli.serve import serve_config
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from freeride.cli import build_parser
+from freeride.cli.main import build_parser
 from freeride.cli.serve import serve_config
 
 

@@ -18,10 +18,10 @@ from typing import ClassVar, Self
 import pytest
 
 import freeride.backends.sim
-import freeride.demo
+import freeride.cli.demo
 from freeride import protocol as p
 from freeride.backends.sim import SimConfig, StageResult
-from freeride.cli import main
+from freeride.cli.main import main
 from freeride.serve.config import ServeConfig
 from freeride.transport import Endpoints
 
@@ -109,8 +109,8 @@ def fakes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_FakePipeline, "configs", [])
     monkeypatch.setattr(_FakeManager, "instances", [])
     monkeypatch.setattr(freeride.backends.sim, "SimPipeline", _FakePipeline)
-    monkeypatch.setattr(freeride.demo, "SimPipeline", _FakePipeline)
-    monkeypatch.setattr(freeride.demo, "Manager", _FakeManager)
+    monkeypatch.setattr(freeride.cli.demo, "SimPipeline", _FakePipeline)
+    monkeypatch.setattr(freeride.cli.demo, "Manager", _FakeManager)
 
 
 @pytest.mark.usefixtures("fakes")
@@ -136,7 +136,7 @@ def test_demo_flags_reach_the_pipeline(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_demo_defaults_are_a_valid_sim() -> None:
-    options = freeride.demo.DemoOptions()
+    options = freeride.cli.demo.DemoOptions()
     # 60 steps: the 7 held-back / harvested pairs a 95 % interval of the cost needs (2-step blocks, 1 in 4 held)
     assert options.sim.num_chunks == 1
     assert (options.sim.forward_s, options.sim.backward_s, options.sim.steps) == (0.010, 0.020, 60)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from freeride.cli import main
+from freeride.cli.main import main
 
 
 @pytest.mark.parametrize(

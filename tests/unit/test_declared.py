@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from freeride.declared import Declared, OptionError, OptionInfo, declared, declared_in_source, validate_options
-from freeride.tasks import catalog, load, resolve
+from freeride.tasks.declared import Declared, OptionError, OptionInfo, declared, declared_in_source, validate_options
+from freeride.tasks.targets import catalog, load, resolve
 
 DECL = Declared(
     name="T",
@@ -60,7 +60,7 @@ def test_source_reading_agrees_with_inspecting_the_imported_class(name: str) -> 
 
 def test_the_manager_reads_a_sample_without_importing_torch() -> None:
     code = (
-        "import sys; from freeride.declared import declared_in_source; "
+        "import sys; from freeride.tasks.declared import declared_in_source; "
         "d = declared_in_source('freeride.sidetasks.vision:ResNet18Training'); "
         "assert d is not None and 'batch_size' in [o.name for o in d.options], d; "
         "assert 'torch' not in sys.modules"

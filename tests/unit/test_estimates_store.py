@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from freeride.clock import ManualClock
-from freeride.estimates import (
+from freeride.sidetask import IterativeTask, StepEstimates
+from freeride.tasks.estimates import (
     EstimatesKey,
     EstimatesStore,
     KindTimes,
@@ -20,7 +21,6 @@ from freeride.estimates import (
     load_estimates,
     save_estimates,
 )
-from freeride.sidetask import IterativeTask, StepEstimates
 
 CPU = "cpu Test CPU x4"
 
@@ -70,7 +70,7 @@ def test_a_corrupt_file_is_ignored_with_one_warning(
     path = estimates_path(tmp_path, key)
     path.write_bytes(content)
     estimates = StepEstimates()
-    with caplog.at_level(logging.WARNING, logger="freeride.estimates"):
+    with caplog.at_level(logging.WARNING, logger="freeride.tasks.estimates"):
         assert EstimatesStore(path, key).seed(estimates) == 0
     assert estimates.recent() == {}
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
@@ -80,7 +80,7 @@ def test_a_file_of_another_key_is_ignored(tmp_path: Path, caplog: pytest.LogCapt
     mine, theirs = _key(size=4), _key(size=8)
     path = estimates_path(tmp_path, mine)
     save_estimates(path, theirs, {"a": KindTimes(recent=[1])})  # copied over, or a digest collision
-    with caplog.at_level(logging.WARNING, logger="freeride.estimates"):
+    with caplog.at_level(logging.WARNING, logger="freeride.tasks.estimates"):
         assert load_estimates(path, mine) == {}
     assert "written for" in caplog.text
 
@@ -137,7 +137,7 @@ def test_a_failing_write_is_reported_once_and_never_raised(tmp_path: Path, caplo
     key = _key()
     store = EstimatesStore(estimates_path(blocker / "estimates", key), key)  # a directory under a file
     estimates = StepEstimates()
-    with caplog.at_level(logging.WARNING, logger="freeride.estimates"):
+    with caplog.at_level(logging.WARNING, logger="freeride.tasks.estimates"):
         for d in (1, 2):
             estimates.observe("a", d)
             assert store.save(estimates) is False

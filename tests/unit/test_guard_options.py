@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from freeride import protocol as p
-from freeride.cli import build_parser
+from freeride.cli.demo import DemoOptions, DemoReport
+from freeride.cli.main import build_parser
 from freeride.cli.serve import serve_config
 from freeride.cli.status import format_status
-from freeride.demo import DemoOptions, DemoReport
 from freeride.observe.metrics import StatusCollector
 from freeride.serve.config import ServeConfig
 from freeride.transport import Endpoints

@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from freeride.cli import build_parser
+from freeride.cli.main import build_parser
 from freeride.transport import Endpoints
 
 MANIFEST = Path(__file__).resolve().parents[2] / "docs" / "k8s" / "freeride-trainer.yaml"

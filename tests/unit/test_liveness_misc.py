@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import freeride.demo
+import freeride.cli.demo
 from freeride import protocol as p
 from freeride.serve.supervisor import _check_spec
 
@@ -23,20 +23,20 @@ def test_the_demo_removes_its_runtime_directory(monkeypatch: pytest.MonkeyPatch,
         made.append(Path(real_mkdtemp(prefix=prefix, dir=tmp_path)))
         return str(made[-1])
 
-    async def demo_in(options: freeride.demo.DemoOptions, runtime_dir: Path) -> freeride.demo.DemoReport:
+    async def demo_in(options: freeride.cli.demo.DemoOptions, runtime_dir: Path) -> freeride.cli.demo.DemoReport:
         (runtime_dir / "state" / "logs").mkdir(parents=True)
         (runtime_dir / "control").write_text("a socket file")
         if fails:
             raise RuntimeError("the demo failed")
-        return freeride.demo.DemoReport(options=options, status=None)  # type: ignore[arg-type]
+        return freeride.cli.demo.DemoReport(options=options, status=None)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(freeride.demo.tempfile, "mkdtemp", mkdtemp)
-    monkeypatch.setattr(freeride.demo, "_demo_in", demo_in)
+    monkeypatch.setattr(freeride.cli.demo.tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(freeride.cli.demo, "_demo_in", demo_in)
     if fails:
         with pytest.raises(RuntimeError):
-            asyncio.run(freeride.demo._demo(freeride.demo.DemoOptions()))
+            asyncio.run(freeride.cli.demo._demo(freeride.cli.demo.DemoOptions()))
     else:
-        asyncio.run(freeride.demo._demo(freeride.demo.DemoOptions()))
+        asyncio.run(freeride.cli.demo._demo(freeride.cli.demo.DemoOptions()))
     [runtime_dir] = made
     assert not runtime_dir.exists()
 

@@ -60,7 +60,7 @@ def test_the_runtime_does_not_import_the_samples() -> None:
     ]
     assert not importing, importing
     code = (
-        "import sys; from freeride.tasks import load, resolve; import freeride.serve.manager, freeride.worker.main; "
+        "import sys; from freeride.tasks.targets import resolve; import freeride.serve.manager, freeride.worker.main; "
         "assert resolve('pagerank') == 'freeride.sidetasks.pagerank:PageRank'; "
         "assert not [m for m in sys.modules if m.startswith('freeride.sidetasks')], 'samples imported'"
     )

@@ -246,8 +246,12 @@ def test_kinds_name_the_pieces_and_each_has_a_cost() -> None:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_steps_run_in_halves_where_the_whole_does_not_fit_give_the_plain_result(case: str) -> None:
+def test_steps_run_in_halves_where_the_whole_does_not_fit_give_the_plain_result(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     task = _started(case, target_ms=0.2)
+    # the kinds below are the plan's: a regroup on measured drift (this machine's speed) would rename them
+    monkeypatch.setattr(task, "_maybe_regroup", lambda: None)
     # every whole step takes 10 ms, every half 4 ms; 5 ms of room: halves wherever a step has two atoms
     assert task.plan is not None
     whole = {s.kind for s in (*task.plan.forward, *task.plan.backward)}

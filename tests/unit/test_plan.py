@@ -8,13 +8,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from freeride.cli import main
-from freeride.estimates import EstimatesKey, KindTimes, save_estimates
+from freeride.cli.main import main
 from freeride.observe.report import Prices
-from freeride.plan import JobShape, PlanOptions, TaskShare, make_plan, stage_shares
-from freeride.plan_measured import MEASURED, MeasuredUse, measured_for
+from freeride.planning.measured import MEASURED, MeasuredUse, measured_for
+from freeride.planning.model import JobShape, PlanOptions, TaskShare, make_plan, stage_shares
 from freeride.profile import BubbleProfile, Profile, StageProfile, write_profile
-from freeride.tasks import resolve
+from freeride.tasks.estimates import EstimatesKey, KindTimes, save_estimates
+from freeride.tasks.targets import resolve
 
 MS = 1_000_000
 USE = MeasuredUse(task="t", use=0.5, interference=0.01, job="j", steps=1, source="s")

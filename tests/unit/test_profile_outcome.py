@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from freeride.backends.observations import ENV_PROFILE_STEPS, ObservationLog, profile_steps_from_env
+from freeride.cli.profile_run import ProfileOptions, enough_steps
 from freeride.observe.picture import profile_trace, render_profile, require_matplotlib
 from freeride.profile import BubbleProfile, Profile, RankObservations, StageProfile, StepRecord, read_observations
-from freeride.profile_run import ProfileOptions, enough_steps
 
 MS = 1_000_000
 
@@ -108,12 +108,12 @@ def test_the_picture_has_a_row_per_stage_with_its_bubbles(tmp_path: Path) -> Non
 def test_without_matplotlib_the_profile_command_says_how_to_get_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    from freeride import cli
+    from freeride.cli.main import main
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without it imports
     with pytest.raises(ImportError, match="pip install"):
         require_matplotlib()
-    code = cli.main(["profile", "--out", str(tmp_path / "p.json"), "--picture", str(tmp_path / "p.png"), "--", "true"])
+    code = main(["profile", "--out", str(tmp_path / "p.json"), "--picture", str(tmp_path / "p.png"), "--", "true"])
     assert code == 2
     assert "pip install 'matplotlib" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()  # refused before the job ran

@@ -11,10 +11,10 @@ import msgspec
 import pytest
 
 from freeride import protocol as p
-from freeride.cli import build_parser, main
+from freeride.cli.main import build_parser, main
 from freeride.cli.program import cancel_outcome, program_spec
-from freeride.programs import BASE_ENV_KEYS, device_env, parse_env, program_env, spec_problem
 from freeride.serve.progress import MAX_METRICS, MAX_READ, ProgressReader, progress_source
+from freeride.tasks.programs import BASE_ENV_KEYS, device_env, parse_env, program_env, spec_problem
 
 
 def program(**fields: object) -> p.TaskSpec:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from freeride.cli import main
+from freeride.cli.main import main
 from freeride.observe.report import Prices, ReportOptions, build_report, parse_throughputs
 from freeride.observe.timeline import merge_traces, parse_trace
 

@@ -13,7 +13,7 @@ import pytest
 
 from freeride import protocol as p
 from freeride.backends.session import BackendConfig, BackendSession
-from freeride.schedstat import ThreadRunDelay
+from freeride.host.schedstat import ThreadRunDelay
 from freeride.transport import EventEmitter
 
 MS = 1_000_000

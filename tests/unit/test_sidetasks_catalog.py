@@ -14,7 +14,7 @@ import freeride.partition
 import freeride.sidetask
 from freeride.sidetask import IterativeTask
 from freeride.sidetasks import DESCRIPTIONS, describe
-from freeride.tasks import catalog, program_command, programs
+from freeride.tasks.targets import catalog, program_command, programs
 
 SAMPLES = Path(freeride.sidetasks.__file__).resolve().parent
 

@@ -40,7 +40,7 @@ from freeride import protocol as p
 from freeride.profile import load_profile
 from freeride.serve.guard import describe as describe_guard
 from freeride.serve.holdback import HoldbackSchedule
-from freeride.tasks import resolve
+from freeride.tasks.targets import resolve
 from freeride.transport import ControlClient, Endpoints, ManagerUnreachable
 from freeride.units import parse_duration_ns
 

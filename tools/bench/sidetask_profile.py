@@ -85,7 +85,7 @@ def _child(name: str, options: dict[str, Any], steps: int, warmup: int, threads:
     import torch
 
     from freeride.sidetask import TaskContext, run_alone
-    from freeride.tasks import catalog
+    from freeride.tasks.targets import catalog
 
     if threads:
         torch.set_num_threads(threads)
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
 
-    from freeride.tasks import catalog
+    from freeride.tasks.targets import catalog
 
     names = args.names or list(catalog())
     overrides: dict[str, dict[str, Any]] = {n: dict(_PROFILE_DEFAULTS.get(n, {})) for n in names}

@@ -5,7 +5,7 @@ which runs only as a probe at a bubble's start: a task with a hundred kinds
 spends a hundred bubbles measuring. Profiled here first, on the same kind of
 device and with the same options, it starts its first run under ``freeride
 serve`` with every kind known (the same file the manager's worker reads and
-keeps, see :mod:`freeride.estimates`)::
+keeps, see :mod:`freeride.tasks.estimates`)::
 
     result = profile_task(ProfileTaskOptions(target="resnet50-train", options={"target_ms": 5.0},
                                              state_dir=Path("/run/user/1000/freeride/state")))
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from freeride.estimates import EstimatesStore, KindTimes, canonical_options, save_estimates
 from freeride.sidetask import IterativeTask, TaskContext, TaskStopped, UnboundedGate, run_alone
+from freeride.tasks.estimates import EstimatesStore, KindTimes, canonical_options, save_estimates
 
 __all__ = ["DEFAULT_SAMPLES", "DEFAULT_STEPS", "KindSummary", "ProfileResult", "ProfileTaskOptions", "profile_task"]
 
@@ -180,7 +180,7 @@ def build_task(target: str, options: dict[str, Any]) -> tuple[str, type[Iterativ
     Raises:
         ValueError: An unknown target, an option the task does not take, or a bad value.
     """
-    from freeride.tasks import resolve
+    from freeride.tasks.targets import resolve
     from freeride.worker.main import load_target
 
     resolved = resolve(target)

@@ -107,7 +107,7 @@ class DemoReport:
 
 
 def _target(task: str) -> str:
-    from freeride.tasks import resolve
+    from freeride.tasks.targets import resolve
 
     return resolve(task)
 

@@ -3,7 +3,7 @@
 The bubbles come from the schedule model (:func:`freeride.backends.schedule.simulate`
 replays the job's schedule with its per-stage forward and backward times);
 what side tasks fill of them, and what they take from training, from measured
-runs (:mod:`freeride.plan_measured`, or a share the user measured); the cost
+runs (:mod:`freeride.planning.measured`, or a share the user measured); the cost
 saving from the formula ``freeride report`` uses
 (:func:`freeride.observe.report.cost_saving`). At larger sizes with a fixed
 global batch, each pipeline gets fewer micro-batches as data parallelism
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from freeride.backends.schedule import SCHEDULE_NAMES, Durations, Schedule, bubbles, build_schedule, simulate
 from freeride.observe.report import Prices, cost_saving, price_ratio
-from freeride.plan_measured import MeasuredUse
+from freeride.planning.measured import MeasuredUse
 
 __all__ = [
     "SCALE_GPUS",

@@ -40,17 +40,16 @@ class MeasuredUse:
 
 
 _DS_JOB = "DeepSpeed CPU job, 2 stages, m=4, ~0.29 s steps, side tasks at the stage's priority"
-_DS_SOURCE = "docs/benchmarks.md, 'Bubble use of every workload', 2026-11-27"
+_DS_SOURCE = "docs/benchmarks.md, 'Bubble use of every workload', 2026-11-27 15:06-15:31"
 
 MEASURED: tuple[MeasuredUse, ...] = (
-    # the 200-step rows: the guard has settled, which a long job sees too (VGG-19's
-    # varies most between runs: a second one gave 44.5 % at 0.87 %)
-    MeasuredUse(task="graph-sgd", use=0.689, interference=0.0025, job=_DS_JOB, steps=200, source=_DS_SOURCE),
-    MeasuredUse(task="pagerank", use=0.537, interference=0.0026, job=_DS_JOB, steps=200, source=_DS_SOURCE),
-    MeasuredUse(task="imaging", use=0.663, interference=0.0021, job=_DS_JOB, steps=200, source=_DS_SOURCE),
-    MeasuredUse(task="resnet18-train", use=0.657, interference=0.0018, job=_DS_JOB, steps=200, source=_DS_SOURCE),
-    MeasuredUse(task="resnet50-train", use=0.625, interference=0.0028, job=_DS_JOB, steps=200, source=_DS_SOURCE),
-    MeasuredUse(task="vgg19-train", use=0.314, interference=0.0020, job=_DS_JOB, steps=200, source=_DS_SOURCE),
+    # the 200-step rows: the guard has settled, which a long job sees too
+    MeasuredUse(task="graph-sgd", use=0.741, interference=0.0029, job=_DS_JOB, steps=200, source=_DS_SOURCE),
+    MeasuredUse(task="pagerank", use=0.707, interference=0.0012, job=_DS_JOB, steps=200, source=_DS_SOURCE),
+    MeasuredUse(task="imaging", use=0.709, interference=0.0020, job=_DS_JOB, steps=200, source=_DS_SOURCE),
+    MeasuredUse(task="resnet18-train", use=0.717, interference=0.0013, job=_DS_JOB, steps=200, source=_DS_SOURCE),
+    MeasuredUse(task="resnet50-train", use=0.697, interference=0.0018, job=_DS_JOB, steps=200, source=_DS_SOURCE),
+    MeasuredUse(task="vgg19-train", use=0.706, interference=0.0018, job=_DS_JOB, steps=200, source=_DS_SOURCE),
 )
 """Per side task, its measured bubble use in the DeepSpeed CPU job (the 200-step run)."""
 

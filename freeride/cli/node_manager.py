@@ -2,7 +2,7 @@
 
 One manager per node (per runtime directory), however many launches start at
 once there (Slurm starts one ``freeride launch`` per task): every launch takes
-:class:`~freeride.jobs.LaunchLock` and, holding it, asks the manager named by
+:class:`~freeride.host.jobs.LaunchLock` and, holding it, asks the manager named by
 the serve lock (``RUNTIME_DIR/serve.lock``, the pid the running manager wrote)
 for its status, the way ``freeride status`` does. A manager that answers is
 used; one whose pid is gone (a crash leaves its pid and socket files behind)
@@ -12,7 +12,7 @@ A started manager runs detached from the launch (its own session, reparented
 to init, so neither a terminal's Ctrl-C nor the training command's exit kills
 it), logs to ``RUNTIME_DIR/manager.log`` and is started with ``serve
 --exit-with-jobs``: it exits, after checkpointing its side tasks, once every
-job registered with it (:mod:`freeride.jobs`) has ended, unless a launch asked
+job registered with it (:mod:`freeride.host.jobs`) has ended, unless a launch asked
 to keep it.
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from freeride import protocol as p
 from freeride.auth import ensure_private_dir
-from freeride.jobs import JOBS_DIR, KEEP, Job, LaunchLock, keep_manager, register_job
+from freeride.host.jobs import JOBS_DIR, KEEP, Job, LaunchLock, keep_manager, register_job
 from freeride.transport import ControlClient, Endpoints, ManagerUnreachable
 
 __all__ = ["LOG_NAME", "ManagerNotStarted", "NodeManager", "StartOptions", "ensure_manager", "serve_lock_pid"]
