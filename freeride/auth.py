@@ -37,6 +37,8 @@ __all__ = [
     "Refused",
     "ServeLock",
     "UnsafeDirectory",
+    "check_ipc_socket",
+    "check_private_dir",
     "create_keys",
     "default_keys_dir",
     "ensure_private_dir",
@@ -98,6 +100,7 @@ def ensure_private_dir(path: Path, *, what: str = "runtime dir", strict: bool = 
             others.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
+    _check_parent(path, what)
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -105,6 +108,20 @@ def ensure_private_dir(path: Path, *, what: str = "runtime dir", strict: bool = 
     else:
         os.chmod(path, 0o700)  # mkdir's mode passes through the umask; say it exactly
         return path
+    return check_private_dir(path, what=what, strict=strict)
+
+
+def check_private_dir(path: Path, *, what: str = "runtime dir", strict: bool = True) -> Path:
+    """Check, without creating anything, that the existing directory ``path`` is safe to use.
+
+    What a client checks before it talks to whatever listens in a runtime
+    directory: the rules of :func:`ensure_private_dir`.
+
+    Raises:
+        UnsafeDirectory: as :func:`ensure_private_dir` says.
+        FileNotFoundError: ``path`` does not exist.
+    """
+    _check_parent(path, what)
     uid = os.getuid()
     link = os.lstat(path)
     if stat.S_ISLNK(link.st_mode) and link.st_uid != uid:
@@ -127,6 +144,41 @@ def ensure_private_dir(path: Path, *, what: str = "runtime dir", strict: bool = 
             f"run `chmod 700 {path}` or choose another"
         )
     return path
+
+
+def _check_parent(path: Path, what: str) -> None:
+    """Refuse a directory whose parent others may write without the sticky bit: they could replace it."""
+    try:
+        st = os.stat(path.parent)
+    except FileNotFoundError:
+        return
+    if stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise UnsafeDirectory(
+            f"{what} {path}: its parent {path.parent} is writable by others (mode {stat.S_IMODE(st.st_mode):04o},"
+            " no sticky bit), who could replace it; choose a directory under a private one"
+        )
+
+
+def check_ipc_socket(path: Path) -> None:
+    """Refuse to connect to the socket ``path`` if it, or its directory, may be another user's.
+
+    Nothing is checked where the directory does not exist yet (nothing listens there).
+
+    Raises:
+        UnsafeDirectory: the runtime directory is not a private one of this user, or the socket is
+            owned by another user.
+    """
+    if not path.parent.exists():
+        return
+    check_private_dir(path.parent)
+    try:
+        owner = os.lstat(path).st_uid
+    except FileNotFoundError:
+        return
+    if owner != os.getuid():
+        raise UnsafeDirectory(
+            f"socket {path} is owned by uid {owner}, not you (uid {os.getuid()}); someone else may have planted it"
+        )
 
 
 # --------------------------------------------------------------------------

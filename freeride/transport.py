@@ -40,7 +40,15 @@ import zmq.asyncio
 import zmq.utils.z85
 
 from freeride import protocol as p
-from freeride.auth import CurveClientKeys, CurveServerKeys, KeysMissing, default_keys_dir, load_client_keys
+from freeride.auth import (
+    CurveClientKeys,
+    CurveServerKeys,
+    KeysMissing,
+    Refused,
+    check_ipc_socket,
+    default_keys_dir,
+    load_client_keys,
+)
 
 __all__ = [
     "MAX_IPC_PATH",
@@ -208,6 +216,14 @@ def _guard_server(sock: zmq.asyncio.Socket, endpoint: str, curve: CurveServerKey
 
 
 def _guard_client(sock: zmq.Socket[bytes], endpoint: str, curve: CurveClientKeys | None) -> None:
+    """Make ``sock`` safe to connect to ``endpoint``: CURVE keys over tcp; over ipc, a socket of this user's.
+
+    Raises:
+        KeysMissing: a tcp endpoint and no CURVE keys.
+        UnsafeDirectory: an ipc socket, or its directory, that may be another user's.
+    """
+    if endpoint.startswith("ipc://"):
+        check_ipc_socket(Path(endpoint[6:]))
     if endpoint.startswith("tcp://"):
         keys = curve if curve is not None else load_client_keys(default_keys_dir())
         sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server)
@@ -319,8 +335,8 @@ class EventEmitter:
         self._sock: zmq.Socket[bytes] | None = sock
         try:
             _guard_client(sock, endpoint, curve)
-        except KeysMissing as exc:  # never raise into the training job: go silent, say why once
-            logger.error("[emit] cannot authenticate to %s, events are dropped: %s", endpoint, exc)
+        except (KeysMissing, Refused) as exc:  # never raise into the training job: go silent, say why once
+            logger.error("[emit] cannot safely connect to %s, events are dropped: %s", endpoint, exc)
             self.close()
             return
         sock.connect(endpoint)
@@ -733,6 +749,7 @@ class ControlClient:
 
         Raises:
             KeysMissing: a tcp endpoint and no CURVE keys.
+            UnsafeDirectory: an ipc socket, or its directory, that may be another user's.
         """
         self.endpoint = endpoint
         self.timeout_s = timeout_s
@@ -741,7 +758,7 @@ class ControlClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         try:
             _guard_client(self._sock, endpoint, curve)
-        except KeysMissing:
+        except (KeysMissing, Refused):
             self.close()
             raise
         self._sock.connect(endpoint)
@@ -752,15 +769,18 @@ class ControlClient:
 
         Raises:
             ManagerUnreachable: no reply within ``timeout_s``.
+            UnsafeDirectory: the ipc socket, or its directory, may be another user's.
             ValueError: the reply did not decode.
         """
         if self._sock is None:
             raise RuntimeError("ControlClient is closed")
-        if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[6:]):
-            raise ManagerUnreachable(  # nothing to wait for
-                f"no FreeRide manager runs on {self.endpoint} (no socket there); "
-                "start one with `freeride serve` (same --runtime-dir) or pass --runtime-dir"
-            )
+        if self.endpoint.startswith("ipc://"):
+            if not os.path.exists(self.endpoint[6:]):
+                raise ManagerUnreachable(  # nothing to wait for
+                    f"no FreeRide manager runs on {self.endpoint} (no socket there); "
+                    "start one with `freeride serve` (same --runtime-dir) or pass --runtime-dir"
+                )
+            check_ipc_socket(Path(self.endpoint[6:]))  # as it is now: a request may carry secrets
         self._sock.send(_encoder.encode(req))
         if not self._sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
             raise ManagerUnreachable(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from freeride import auth
 from freeride.cli import common, serve
@@ -19,11 +20,18 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     if not args.command:
         raise SystemExit("freeride: give the training command after --, e.g. freeride launch -- torchrun ...")
-    env = launch_env(os.environ, events=common.endpoints(args).events)
+    endpoints = common.endpoints(args)
+    env = launch_env(os.environ, events=endpoints.events)
     common.export_keys_dir(args, env)
     path = common.find_command(args.command, env)
-    if not args.no_manager:
-        node_manager(args)
+    try:
+        if endpoints.events.startswith("ipc://"):
+            auth.check_ipc_socket(Path(endpoints.events[6:]))
+        if not args.no_manager:
+            node_manager(args)
+    except auth.Refused as exc:  # never talk to what may be another user's; never stop the training either
+        print(f"freeride: no manager: {exc}; training runs without FreeRide", file=sys.stderr)
+        env = dict(os.environ)
     try:
         os.execve(path, list(args.command), env)
     except OSError as exc:  # found but not runnable, e.g. a script with a bad #! line

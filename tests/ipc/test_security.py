@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zmq
 from conftest import freeride_cmd, poll, running_manager, serving, status, wait_until
 
 from freeride import protocol as p
@@ -295,3 +296,59 @@ async def test_the_peer_uid_check_is_consulted_on_ipc(runtime_dir: Path) -> None
             server.close()
             zap.close()
             ctx.term()
+
+
+# -- (a') what clients connect to ---------------------------------------------------------
+
+
+@as_root
+def test_a_client_tells_a_socket_planted_in_another_users_dir_nothing(runtime_dir: Path) -> None:
+    """``submit --imperative`` carries the caller's environment: not to a socket another user may have bound."""
+    planted = runtime_dir / "planted"
+    planted.mkdir(mode=0o700)
+    ctx = zmq.Context()
+    trap = ctx.socket(zmq.ROUTER)
+    trap.bind(f"ipc://{planted}/control")
+    os.chown(planted, NOBODY, NOBODY)
+    try:
+        env = {**os.environ, "SECRET_FOR_THE_TRAP": "s3cr3t"}
+        cmd = freeride_cmd("submit", "--runtime-dir", str(planted), "--imperative", "--", "true")
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+        assert done.returncode == 2, done
+        assert f"is owned by uid {NOBODY}, not you" in done.stderr, done.stderr
+        assert not trap.poll(500), "the planted socket received a request"
+    finally:
+        trap.close(0)
+        ctx.term()
+
+
+def test_a_runtime_dir_whose_parent_others_may_write_is_refused(runtime_dir: Path) -> None:
+    shared = runtime_dir / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # no sticky bit: anyone may rename what is in it
+    inner = shared / "rt"
+    inner.mkdir(mode=0o700)
+    (inner / "control").touch()
+    done = subprocess.run(freeride_cmd("status", "--runtime-dir", str(inner)), capture_output=True, text=True)
+    assert done.returncode == 2, done
+    assert f"its parent {shared} is writable by others (mode 0777, no sticky bit)" in done.stderr, done.stderr
+    assert _serve_fails("--runtime-dir", str(inner)).returncode == 2
+
+
+@as_root
+def test_launch_beside_a_planted_runtime_dir_trains_without_freeride(runtime_dir: Path) -> None:
+    planted = runtime_dir / "planted"
+    planted.mkdir(mode=0o700)
+    os.chown(planted, NOBODY, NOBODY)
+    job = [
+        sys.executable,
+        "-c",
+        "import os; print('trained', sorted(k for k in os.environ if k.startswith('FREERIDE_')))",
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FREERIDE_")}
+    cmd = freeride_cmd("launch", "--runtime-dir", str(planted), "--", *job)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "trained []"  # no hooks pointed at the planted dir
+    assert "freeride: no manager:" in done.stderr and "training runs without FreeRide" in done.stderr
+    assert not (planted / "serve.lock").exists()
