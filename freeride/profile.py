@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import statistics
 from collections.abc import Iterable
 from pathlib import Path
 
 import msgspec
+
+from freeride.host.files import replace_atomically
 
 __all__ = [
     "FORMAT_VERSION",
@@ -320,9 +321,7 @@ def observation_path(directory: Path, rank: int) -> Path:
 
 def _write_json(obj: msgspec.Struct, path: Path) -> None:
     data = msgspec.json.format(msgspec.json.encode(obj), indent=2)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    replace_atomically(path, lambda f: f.write(data))
 
 
 def write_observations(observations: RankObservations, directory: Path) -> Path:

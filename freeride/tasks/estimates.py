@@ -34,6 +34,7 @@ from typing import Any
 import msgspec
 
 from freeride.clock import MONOTONIC, Clock
+from freeride.host.files import replace_atomically
 from freeride.sidetask import StepEstimates
 
 __all__ = [
@@ -210,14 +211,7 @@ def save_estimates(path: Path, key: EstimatesKey, kinds: dict[str, KindTimes]) -
     path.parent.mkdir(parents=True, exist_ok=True)
     kept = {k: KindTimes(recent=t.recent[-_KEEP:], first_ns=t.first_ns) for k, t in sorted(kinds.items())}
     body = _EstimatesFile(version=FORMAT_VERSION, key=key, kinds=kept)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_bytes(msgspec.json.format(msgspec.json.encode(body)))
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    replace_atomically(path, lambda f: f.write(msgspec.json.format(msgspec.json.encode(body))))
 
 
 def measured_times(estimates: StepEstimates) -> dict[str, KindTimes]:

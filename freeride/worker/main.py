@@ -21,6 +21,7 @@ from pathlib import Path
 
 from freeride import protocol as p
 from freeride.gpu.streams import step_end_sync, use_side_stream
+from freeride.host.files import replace_atomically
 from freeride.host.procs import bind_to_parent
 from freeride.sidetask import IterativeTask, TaskContext, TaskStopped
 from freeride.tasks.declared import declared, validate_options
@@ -50,14 +51,7 @@ def _save_checkpoint(task: IterativeTask, path: Path, steps: int) -> int:
         return -1
     import torch  # only tasks with state pay for the import
 
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    try:
-        torch.save({"steps": steps, "state": state}, tmp)
-        os.replace(tmp, path)  # atomic: a crash mid-save keeps the previous checkpoint
-    except BaseException:
-        with contextlib.suppress(OSError):  # a partial file would only fill the disk further
-            tmp.unlink()
-        raise
+    replace_atomically(path, lambda f: torch.save({"steps": steps, "state": state}, f))
     return state_bytes(state)
 
 
