@@ -165,12 +165,14 @@ def check_ipc_socket(path: Path) -> None:
     Nothing is checked where the directory does not exist yet (nothing listens there).
 
     Raises:
-        UnsafeDirectory: the runtime directory is not a private one of this user, or the socket is
+        UnsafeDirectory: the socket's directory is another user's or writable by others, or the socket is
             owned by another user.
     """
     if not path.parent.exists():
         return
-    check_private_dir(path.parent)
+    # the user's and writable by no one else: nobody else can have put a socket there (reading it is harmless,
+    # and the manager checks every peer's uid)
+    check_private_dir(path.parent, strict=False)
     try:
         owner = os.lstat(path).st_uid
     except FileNotFoundError:
@@ -223,6 +225,22 @@ class ServeLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
+
+    @staticmethod
+    def held(runtime_dir: Path) -> bool:
+        """Whether a live process holds the serve lock of ``runtime_dir`` (its pid file alone proves nothing:
+        the pid of a manager that died may have been given to another process)."""
+        try:
+            fd = os.open(runtime_dir / _LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # drops the probe's shared lock, if it got one
+        return False
 
     def release(self) -> None:
         """Give the lock up (idempotent); the file stays, its content is stale from now on."""

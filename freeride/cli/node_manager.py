@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from freeride import protocol as p
-from freeride.auth import ensure_private_dir
+from freeride.auth import ServeLock, ensure_private_dir
 from freeride.host.jobs import JOBS_DIR, KEEP, Job, LaunchLock, keep_manager, register_job
 from freeride.transport import ControlClient, Endpoints, ManagerUnreachable
 
@@ -182,7 +182,9 @@ def ensure_manager(options: StartOptions, connect: Connect) -> NodeManager:
         except TimeoutError as exc:
             raise ManagerNotStarted(f"{exc}: another launch or a closing manager is stuck") from None
         notes: list[str] = []
-        holder = serve_lock_pid(runtime_dir)
+        recorded = serve_lock_pid(runtime_dir)
+        # a pid in the lock file whose lock nobody holds is a dead manager's, perhaps reused by another process
+        holder = recorded if ServeLock.held(runtime_dir) else None
         # one that answers is the truth (its pid may live in another pid namespace, a pod's other container)
         found = _control_present(options.endpoints) and _answers(connect, options.probe_timeout_s)
         if not found and holder is not None and _pid_alive(holder):
@@ -195,8 +197,8 @@ def ensure_manager(options: StartOptions, connect: Connect) -> NodeManager:
                 )
             if not found:
                 notes.append(f"the manager (pid {holder}) of {runtime_dir} exited while starting; starting a new one")
-        elif not found and holder is not None:  # a clean exit empties the lock: this one died, leaving its files
-            notes.append(f"the manager (pid {holder}) of {runtime_dir} is gone; starting a new one")
+        elif not found and recorded is not None:  # a clean exit empties the lock: this one died, leaving its files
+            notes.append(f"the manager (pid {recorded}) of {runtime_dir} is gone; starting a new one")
         if found:
             register_job(runtime_dir)
             if options.keep:

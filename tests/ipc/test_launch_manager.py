@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -183,3 +184,22 @@ def test_the_watch_waits_for_a_launch_holding_the_lock(runtime_dir: Path) -> Non
         assert not other.try_acquire()
     finally:
         watch.close()
+
+
+def test_a_dead_managers_pid_given_to_another_process_is_not_waited_for(runtime_dir: Path) -> None:
+    """The lock file still names a crashed manager's pid, which now belongs to an unrelated live process."""
+    stranger = subprocess.Popen(["sleep", "120"])
+    try:
+        (runtime_dir / "serve.lock").write_text(f"{stranger.pid}\n")  # nobody holds its flock
+        start = time.monotonic()
+        done = _launch(runtime_dir, "--manager-timeout", "30", job=_status_job(runtime_dir))
+        assert done.returncode == 0, done.stderr
+        assert '"type":"status"' in done.stdout  # a new manager answered the job
+        assert time.monotonic() - start < 25, "waited on the stranger"
+        assert f"the manager (pid {stranger.pid}) of {runtime_dir} is gone; starting a new one" in done.stderr
+        started = STARTED.search(done.stderr)
+        assert started, done.stderr
+        poll(lambda: not _alive(int(started[1])), 30, "the manager to exit once the job ended")
+    finally:
+        stranger.kill()
+        stranger.wait()
