@@ -108,7 +108,7 @@ def ensure_private_dir(path: Path, *, what: str = "runtime dir", strict: bool = 
     else:
         os.chmod(path, 0o700)  # mkdir's mode passes through the umask; say it exactly
         return path
-    return check_private_dir(path, what=what, strict=strict)
+    return _check_existing(path, what=what, strict=strict)
 
 
 def check_private_dir(path: Path, *, what: str = "runtime dir", strict: bool = True) -> Path:
@@ -122,6 +122,11 @@ def check_private_dir(path: Path, *, what: str = "runtime dir", strict: bool = T
         FileNotFoundError: ``path`` does not exist.
     """
     _check_parent(path, what)
+    return _check_existing(path, what=what, strict=strict)
+
+
+def _check_existing(path: Path, *, what: str, strict: bool) -> Path:
+    """The checks of :func:`check_private_dir` on ``path`` itself (its parent checked already)."""
     uid = os.getuid()
     link = os.lstat(path)
     if stat.S_ISLNK(link.st_mode) and link.st_uid != uid:

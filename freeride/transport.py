@@ -68,6 +68,7 @@ __all__ = [
     "curve_keypair",
     "default_runtime_dir",
     "new_async_context",
+    "nobody_listens",
     "wait_readable",
     "worker_identity",
     "zap_verdict",
@@ -164,6 +165,14 @@ def bubbles_endpoint(events: str, rank: int) -> str:
 
 
 RUNTIME_DIR_ENV = "FREERIDE_RUNTIME_DIR"
+
+
+def nobody_listens(endpoint: str) -> bool:
+    """Whether nothing can be listening on ``endpoint``: an ipc one whose socket file does not exist.
+
+    A tcp endpoint may always have a listener; only a reply can tell.
+    """
+    return endpoint.startswith("ipc://") and not os.path.exists(endpoint[6:])
 
 
 def default_runtime_dir() -> Path:
@@ -351,7 +360,7 @@ class EventEmitter:
         sock = self._sock
         if sock is None or os.getpid() != self._pid:
             return False
-        if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[6:]):
+        if nobody_listens(self.endpoint):
             return False
         try:
             return bool(sock.poll(timeout_ms, zmq.POLLOUT))
@@ -774,12 +783,12 @@ class ControlClient:
         """
         if self._sock is None:
             raise RuntimeError("ControlClient is closed")
+        if nobody_listens(self.endpoint):
+            raise ManagerUnreachable(  # nothing to wait for
+                f"no FreeRide manager runs on {self.endpoint} (no socket there); "
+                "start one with `freeride serve` (same --runtime-dir) or pass --runtime-dir"
+            )
         if self.endpoint.startswith("ipc://"):
-            if not os.path.exists(self.endpoint[6:]):
-                raise ManagerUnreachable(  # nothing to wait for
-                    f"no FreeRide manager runs on {self.endpoint} (no socket there); "
-                    "start one with `freeride serve` (same --runtime-dir) or pass --runtime-dir"
-                )
             check_ipc_socket(Path(self.endpoint[6:]))  # as it is now: a request may carry secrets
         self._sock.send(_encoder.encode(req))
         if not self._sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):

@@ -29,7 +29,7 @@ from pathlib import Path
 from freeride import protocol as p
 from freeride.auth import ServeLock, ensure_private_dir
 from freeride.host.jobs import JOBS_DIR, KEEP, Job, LaunchLock, keep_manager, register_job
-from freeride.transport import ControlClient, Endpoints, ManagerUnreachable
+from freeride.transport import ControlClient, Endpoints, ManagerUnreachable, nobody_listens
 
 __all__ = ["LOG_NAME", "ManagerNotStarted", "NodeManager", "StartOptions", "ensure_manager", "serve_lock_pid"]
 
@@ -149,11 +149,6 @@ def _spawn_detached(argv: Sequence[str], env: Mapping[str, str], log: Path) -> i
     return int(text)
 
 
-def _control_present(endpoints: Endpoints) -> bool:
-    """Whether a manager may be listening on the control endpoint (an ipc one has its socket file)."""
-    return not endpoints.control.startswith("ipc://") or os.path.exists(endpoints.control[6:])
-
-
 def _log_tail(log: Path, lines: int = 3) -> str:
     try:
         tail = log.read_text(errors="replace").strip().splitlines()[-lines:]
@@ -186,7 +181,7 @@ def ensure_manager(options: StartOptions, connect: Connect) -> NodeManager:
         # a pid in the lock file whose lock nobody holds is a dead manager's, perhaps reused by another process
         holder = recorded if ServeLock.held(runtime_dir) else None
         # one that answers is the truth (its pid may live in another pid namespace, a pod's other container)
-        found = _control_present(options.endpoints) and _answers(connect, options.probe_timeout_s)
+        found = not nobody_listens(options.endpoints.control) and _answers(connect, options.probe_timeout_s)
         if not found and holder is not None and _pid_alive(holder):
             # still starting (a `freeride serve` begun a moment ago), or stuck
             found = _wait_answering(connect, holder, options.start_timeout_s, options.probe_timeout_s)
