@@ -23,6 +23,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -155,6 +156,7 @@ def run_stage(
     results: Any,
 ) -> None:
     """Body of one stage process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the process that started the stages
     bind_to_parent(f"freeride-sim{stage}")
     if config.pin and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {config.core(stage)})
@@ -314,8 +316,16 @@ class SimPipeline:
             )
 
     def start(self) -> SimPipeline:
-        for proc in self.processes:
-            proc.start()
+        """Start the stages. They ignore SIGINT: a terminal's Ctrl-C reaches the whole
+        process group, and the process that started them stops them (``terminate``)."""
+        # Blocked while the stages start, so that one still importing inherits it across
+        # exec; a Ctrl-C meanwhile is delivered here once unblocked, not lost.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            for proc in self.processes:
+                proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         for a, b in self._pipes:  # the stages hold their ends; a neighbour's death must read as EOF
             a.close()
             b.close()

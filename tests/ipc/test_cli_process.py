@@ -116,8 +116,10 @@ def test_a_bad_task_file_is_one_line_without_traceback(source: str | None, said:
     assert len(done.stderr.splitlines()) == 1 and said in done.stderr, done.stderr
 
 
-def test_ctrl_c_in_the_demo_stops_it_without_a_traceback() -> None:
-    """SIGINT to the demo's process group, as a terminal's Ctrl-C sends it, once its job trains."""
+@pytest.mark.parametrize("after_s", [1.5, 6.0], ids=["while-starting", "while-training"])
+def test_ctrl_c_in_the_demo_stops_it_without_a_traceback(after_s: float) -> None:
+    """SIGINT to the demo's process group, as a terminal's Ctrl-C sends it: while its
+    stages and workers are still starting, and once its job trains."""
     demo = subprocess.Popen(
         [*FREERIDE, "demo", "--steps", "400"],
         stdout=subprocess.PIPE,
@@ -126,7 +128,7 @@ def test_ctrl_c_in_the_demo_stops_it_without_a_traceback() -> None:
         start_new_session=True,
     )
     try:
-        time.sleep(6.0)
+        time.sleep(after_s)
         os.killpg(demo.pid, signal.SIGINT)
         _, err = demo.communicate(timeout=60)
     finally:
