@@ -46,8 +46,9 @@ from typing import Any
 
 from freeride.backends.cuda_timing import DeviceTimeline, Timing, timeline_for
 from freeride.backends.deepspeed import _compat, dualpipev
-from freeride.backends.deepspeed._device import device_memory, device_name
+from freeride.backends.deepspeed._device import device_name
 from freeride.backends.launch import Mode, read_mode
+from freeride.backends.memory import device_memory
 from freeride.backends.observations import ObservationLog
 from freeride.backends.schedule import Kind, one_f_one_b
 from freeride.backends.session import BackendConfig, BackendSession, events_endpoint_from_env

@@ -13,12 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 from freeride.backends.schedule import Kind
+from freeride.host.memory import rank_share
 
 __all__ = ["RankDevice"]
-
-
-def _local_world() -> int:
-    return max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
 
 
 def _cpu_device() -> str:
@@ -27,17 +24,6 @@ def _cpu_device() -> str:
         return f"cpu:{cores[0]}"
     local = int(os.environ.get("LOCAL_RANK", "0") or 0)
     return f"cpu:{cores[local % len(cores)]}"
-
-
-def _meminfo(field: str) -> int:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return -1
 
 
 class RankDevice:
@@ -56,16 +42,14 @@ class RankDevice:
             self.memory = int(torch.cuda.get_device_properties(index).total_memory)
         else:
             self.name = _cpu_device()
-            total = _meminfo("MemTotal")
-            self.memory = total // _local_world() if total > 0 else -1
+            _, self.memory = rank_share()
 
     def spare_memory(self) -> int:
         """Bytes the rank leaves free: on a GPU its total minus what PyTorch reserved at most,
         on CPU the available memory shared by the node's ranks (-1 if unknown)."""
         if self.cuda:
             return self.memory - int(self._torch.cuda.max_memory_reserved())
-        avail = _meminfo("MemAvailable")
-        return avail // _local_world() if avail > 0 else -1
+        return rank_share()[0]
 
     def settle(self) -> None:
         """Wait for this rank's queued kernels (GPU only)."""

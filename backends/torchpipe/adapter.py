@@ -40,15 +40,16 @@ from typing import Any
 
 from freeride.backends.cuda_timing import DeviceTimeline, Timing, timeline_for
 from freeride.backends.launch import Mode, read_mode
+from freeride.backends.memory import device_memory
 from freeride.backends.observations import ObservationLog
 from freeride.backends.schedule import Kind, Schedule, gpipe, one_f_one_b
-from freeride.backends.session import BackendConfig, BackendSession, events_endpoint_from_env
+from freeride.backends.session import BackendConfig, BackendSession, events_endpoint_from_env, manager_reachable
 from freeride.backends.torchpipe import _compat
 from freeride.backends.torchpipe.translate import loop_placed, to_schedule
 from freeride.backends.tracker import StepPlan, StepTracker
 from freeride.profile import RankObservations, StepRecord
 
-__all__ = ["SINGLE_STAGE_ORDERS", "TAIL_REDUCE", "TorchPipeAdapter", "device_name", "manager_reachable"]
+__all__ = ["SINGLE_STAGE_ORDERS", "TAIL_REDUCE", "TorchPipeAdapter", "device_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,34 +83,6 @@ def device_name(device_type: str, device_index: int) -> str:
     if len(cores) == 1:
         return f"cpu:{cores[0]}"
     return f"cpu:{local % ncpu}"
-
-
-def _memory(device_type: str, device_index: int) -> tuple[int, int]:
-    """(spare, total) bytes of the rank's device; -1 where unknown."""
-    try:
-        if device_type == "cuda":
-            import torch
-
-            total = int(torch.cuda.get_device_properties(device_index).total_memory)
-            return total - int(torch.cuda.max_memory_reserved(device_index)), total
-        fields: dict[str, int] = {}
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                fields[name] = int(rest.split()[0]) * 1024
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or "1"))
-        return fields["MemAvailable"] // local, fields["MemTotal"] // local
-    except Exception:
-        logger.debug("[memory] cannot read memory of %s:%d", device_type, device_index, exc_info=True)
-        return -1, -1
-
-
-def manager_reachable(session: BackendSession) -> bool:
-    """Whether a manager took our Hello, or (ipc) its events socket exists."""
-    if session.sent > 0:
-        return True
-    endpoint = session.config.endpoint
-    return endpoint.startswith("ipc://") and os.path.exists(endpoint.removeprefix("ipc://"))
 
 
 def _global_rank(default: int) -> int:
@@ -157,7 +130,7 @@ class TorchPipeAdapter:
         self.profile_dir = env_dir if profile_dir is None else profile_dir
         self.facts = _compat.schedule_facts(schedule)
         self.device = device_name(self.facts.device_type, self.facts.device_index)
-        self.spare_memory, self.device_memory = _memory(self.facts.device_type, self.facts.device_index)
+        self.spare_memory, self.device_memory = device_memory(self.facts.device_type, self.facts.device_index)
         self.rank = _global_rank(self.facts.rank)
         if session is None:
             session = BackendSession(
@@ -197,6 +170,7 @@ class TorchPipeAdapter:
         self._recv_works: dict[int, Any] = {}
         """id -> Work of the receives posted in the step in flight (kept alive so ids stay unique)."""
         self._last_event_ns = clock()
+        endpoint = session.config.endpoint
         logger.debug(  # the session wrote the attach line; these are the details
             "[attach] torchpipe rank %d stage %d/%d (%s, %s) on %s: manager %s",
             self.rank,
@@ -205,7 +179,7 @@ class TorchPipeAdapter:
             self.facts.name,
             "stages " + ",".join(map(str, self.facts.stage_indices)),
             self.device,
-            "reachable" if manager_reachable(session) else f"not reachable at {session.config.endpoint}",
+            "reachable" if manager_reachable(session.sent, endpoint) else f"not reachable at {endpoint}",
         )
 
     def _build_plan(self, schedule: Any) -> StepPlan | None:

@@ -28,6 +28,7 @@ from freeride.clock import MONOTONIC, Clock
 from freeride.gpu.memcap import MemoryCap, plan_memory_cap
 from freeride.gpu.smshare import plan_sm_share
 from freeride.host.cgroup import TaskCgroup, remove_own_cgroups
+from freeride.host.memory import meminfo
 from freeride.observe.base import Observers
 from freeride.serve.capacity import Settling, bubble_share, plan_moves
 from freeride.serve.config import ServeConfig
@@ -366,13 +367,29 @@ class Supervisor:
         """
         if task.spec.peak_memory > 0:
             return task.spec.peak_memory
-        spare = self.devices[task.device].spare_memory
+        spare = self._spare(task.device)
         others = sum(
             max(0, t.spec.peak_memory)
             for t in self.tasks.values()
             if t is not task and t.device == task.device and t.active
         )
         return spare - others if spare - others > 0 else spare
+
+    def _spare(self, name: str) -> int:
+        """What device ``name`` can spare for side tasks; -1 where nothing is known.
+
+        Before its stage says (a task pinned to a device ahead of training), an
+        estimate that leaves the stage room: on a GPU half of what NVML sees free;
+        on the host its available memory shared by the host devices known here.
+        """
+        info = self.devices[name]
+        if info.spare_memory >= 0:
+            return info.spare_memory
+        if name.startswith("cuda:"):
+            return info.free_memory // 2 if info.free_memory > 0 else -1
+        available = meminfo("MemAvailable")
+        hosts = sum(1 for other in self.devices if not other.startswith("cuda:"))
+        return available // max(1, hosts) if available > 0 else -1
 
     def _tighten(self, task: TaskRecord) -> None:
         """A worker is set up: cap its cgroup at what it uses now plus its task's cap."""

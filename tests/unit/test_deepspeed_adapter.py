@@ -347,7 +347,8 @@ def test_attach_refuses_what_is_not_a_pipeline_engine() -> None:
 
 
 def test_device_names_and_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    from freeride.backends.deepspeed._device import device_memory, device_name
+    from freeride.backends.deepspeed._device import device_name
+    from freeride.backends.memory import device_memory
 
     facts = _compat.EngineFacts(
         rank=3,

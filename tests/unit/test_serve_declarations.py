@@ -8,6 +8,7 @@ from pathlib import Path
 from test_scheduler import MS, Harness, done
 
 from freeride import protocol as p
+from freeride.host.memory import meminfo
 from freeride.observe.base import Observers
 from freeride.serve.config import ServeConfig
 from freeride.serve.ranks import DeviceInfo
@@ -195,3 +196,24 @@ def test_status_explains_estimates_bubbles_not_fitted_waits_and_failures() -> No
     assert "waiting for its own input" in text
     assert "pending: needs a GPU" in text
     assert 'File "t.py", line 3, in setup' in text
+
+
+def test_a_task_without_a_peak_is_capped_even_before_its_stage_says_what_it_spares(tmp_path: Path) -> None:
+    """A task pinned ahead of training, on devices whose spare memory no stage reported yet: the host's
+    available memory shared by the host devices (read from this machine), half of a GPU's free memory
+    (NVML's figure is set by hand: there is no GPU here)."""
+    devices = {
+        "cpu:0": DeviceInfo(name="cpu:0", first_seen_ns=0),
+        "cpu:1": DeviceInfo(name="cpu:1", first_seen_ns=0),
+        "cuda:0": DeviceInfo(name="cuda:0", first_seen_ns=0, free_memory=8 << 30, device_memory=16 << 30),
+    }
+    sup = supervisor(tmp_path, devices)
+    host = record(tmp_path)
+    assert 0 < sup._peak(host) <= meminfo("MemAvailable") // 2 + (64 << 20)
+    cap = sup._memory_cap(host)
+    assert cap.mechanism == "rlimit_as" and host.memory_cap == sup._peak(host)
+    gpu = record(tmp_path, task_id=2)
+    gpu.device = "cuda:0"
+    assert sup._peak(gpu) == 4 << 30
+    devices["cpu:0"].spare_memory = 1 << 30  # once the stage reports, its figure counts
+    assert sup._peak(host) == 1 << 30
