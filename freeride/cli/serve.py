@@ -139,8 +139,9 @@ def add_parsers(subs: Subparsers) -> None:
         "--hang-after",
         default="10s",
         metavar="DURATION",
-        help="a step still running this long after its bubble ended (and --hang-factor estimates) is hung:"
-        " its worker is killed and the task restarts from its checkpoint (default 10s)",
+        help="a step still running this long after its bubble ended (and --hang-factor estimates) is slow if it"
+        " still computes (it then runs on in bubbles only) and hung if not: its worker is killed and the task"
+        " restarts from its checkpoint (default 10s)",
     )
     s.add_argument("--hang-factor", type=float, default=10.0, help="... and this many step estimates (default 10)")
     s.add_argument("--restart-backoff", default="1s", metavar="DURATION", help="delay before the first restart")

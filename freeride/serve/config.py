@@ -46,7 +46,8 @@ class ServeConfig:
     keys_dir: Path | None = None
     """CURVE keys of ``freeride keys``; required when an endpoint is tcp (see docs/security.md)."""
     hang_after_s: float = 10.0
-    """A grant not given back this long after its bubble's end (and ``hang_factor`` step estimates) is a hung step."""
+    """A grant not given back this long after its bubble's end (and ``hang_factor`` step estimates) is a slow
+    step, or a hung one (see :mod:`freeride.serve.liveness`)."""
     hang_factor: float = 10.0
     """A step is hung only once it ran this many times its estimate past its bubble's end."""
     restart_backoff_s: float = 1.0

@@ -10,7 +10,10 @@ has no say, so its runner writes one when it freezes the program.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import signal
 from collections.abc import Callable
 from typing import Protocol
 
@@ -79,6 +82,11 @@ class Runner(Protocol):
         """The task's CPU clock as it was when the last grant was handed over (-1 unknown)."""
         ...
 
+    def hold(self, frozen: bool) -> None:
+        """Freeze the task's processes in the middle of a step, or thaw them (see
+        :mod:`freeride.serve.slowsteps`)."""
+        ...
+
 
 class WorkerRunner:
     """An iterative task's worker process, reached through the manager's worker socket."""
@@ -121,6 +129,11 @@ class WorkerRunner:
 
     def cpu_at_grant(self) -> int:
         return self._cpu_at_grant
+
+    def hold(self, frozen: bool) -> None:
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGSTOP if frozen else signal.SIGCONT)  # it leads its session
 
 
 class ProgramRunner:
@@ -220,3 +233,6 @@ class ProgramRunner:
 
     def cpu_at_grant(self) -> int:
         return self._cpu_at_grant
+
+    def hold(self, frozen: bool) -> None:
+        pass  # frozen outside its grants already: its grants end in a freeze, never in an overrun

@@ -38,6 +38,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from freeride import protocol as p
 from freeride.admission import room_ns
@@ -49,6 +50,7 @@ from freeride.serve.costs import TrainingCosts, Withheld
 from freeride.serve.guard import DEFAULT_TARGET, GuardConfig, InterferenceGuard
 from freeride.serve.nobubbles import no_bubbles
 from freeride.serve.ranks import DeviceInfo
+from freeride.serve.slowsteps import SlowSteps
 from freeride.serve.tasks import TaskRecord
 
 __all__ = [
@@ -58,6 +60,7 @@ __all__ = [
     "RECENT_BUBBLES",
     "MIN_BUBBLES_SEEN",
     "DeviceScheduler",
+    "Overdue",
 ]
 
 logger = logging.getLogger(__name__)
@@ -84,6 +87,16 @@ PROBE_BUBBLE_SHARE = 0.5
 this share of the longest of the last :data:`PROBE_AFTER_BUBBLES`: a step that may be long is run where it can
 best end in time (a VGG-19 piece of 55 ms, estimated at 3 ms in an earlier batch, overran 2-4 ms bubbles by
 50 ms where the job also had bubbles of 40 ms)."""
+
+
+class Overdue(NamedTuple):
+    """A grant still out past its grace (see :meth:`DeviceScheduler.overdue`)."""
+
+    task: TaskRecord
+    late_ns: int
+    """How long past its bubble's end."""
+    thawed_ns: int
+    """How long its step ran in bubbles since it was frozen as slow (-1: not frozen)."""
 
 
 @dataclass(slots=True)
@@ -211,6 +224,8 @@ class DeviceScheduler:
         self._last_event_ns = 0
         self._trained_before_ns = 0
         """Training time of the ranks that trained here before (each from its first event to its last)."""
+        self.slow = SlowSteps(clock=clock)
+        """Steps too slow for their bubble, frozen between bubbles; while one runs, it has the bubbles."""
 
     # -- public views ---------------------------------------------------------
 
@@ -317,6 +332,7 @@ class DeviceScheduler:
         self._first_event_ns = self._first_event_ns or ev.t_ns
         self._last_event_ns = max(self._last_event_ns, ev.t_ns)
         self._bubble = ev
+        self.slow.bubble_started()
         expected = self.guard.expected_ns(ev.expected_ns)
         self._deadline_ns = min(p.I64_MAX, ev.t_ns + expected)
         self._last_start_ns = max(self._last_start_ns, ev.t_ns)
@@ -357,6 +373,10 @@ class DeviceScheduler:
                     # revoke below, which freezes a program at once.
                     state.cpu_at_end = state.task.runner.cpu_ns()
         self._grants = {gid: s for gid, s in self._grants.items() if not s.returned}
+        self.slow.bubble_ended()
+        for state in self._grants.values():
+            if state.task.slow:  # found too slow before: every overrun of it is frozen at once
+                self.slow.freeze(state.task, in_bubble=False)
         self._revoke_current()
         bubble, self._bubble = self._bubble, None
         same = bubble is not None and bubble.index == ev.index and bubble.step == ev.step
@@ -431,6 +451,8 @@ class DeviceScheduler:
         self._returned(task, done)
 
     def _returned(self, task: TaskRecord, done: p.GrantDone) -> None:
+        if not any(st.task is task and not st.returned for gid, st in self._grants.items() if gid != done.grant_id):
+            self.slow.release(task)  # its step ended: it runs freely again
         state = self._grants.get(done.grant_id)
         if state is None:  # a grant forgotten when its task left: all we know is its own account
             self.used_ns = _sat(self.used_ns, done.busy_ns)
@@ -470,24 +492,33 @@ class DeviceScheduler:
 
     # -- liveness (the supervisor's hang detector calls these) ----------------
 
-    def overdue(self, now_ns: int, grace_ns: Callable[[TaskRecord], int]) -> list[tuple[TaskRecord, int]]:
-        """Tasks holding a grant not given back ``grace_ns(task)`` after its bubble ended: hung steps.
+    def overdue(self, now_ns: int, grace_ns: Callable[[TaskRecord], int]) -> list[Overdue]:
+        """Tasks holding a grant not given back ``grace_ns(task)`` after its bubble ended: slow or hung steps.
 
         Returns:
             Each such task once, with how long past its bubble's end (its
             deadline, where the end was not seen) the oldest such grant is.
         """
-        late: dict[int, tuple[TaskRecord, int]] = {}
+        late: dict[int, Overdue] = {}
         for state in self._grants.values():
-            if state.returned or state.task.runner is None:
+            task = state.task
+            if state.returned or task.runner is None:
                 continue
             past = now_ns - (state.bubble_end_ns or state.deadline_ns)
-            if past > grace_ns(state.task) and past > late.get(state.task.task_id, (state.task, 0))[1]:
-                late[state.task.task_id] = (state.task, past)
+            seen = late.get(task.task_id)
+            if past > grace_ns(task) and (seen is None or past > seen.late_ns):
+                late[task.task_id] = Overdue(task, past, self.slow.thawed_ns(task))
         return list(late.values())
+
+    def freeze(self, task: TaskRecord) -> None:
+        """``task``'s step is too slow for its bubble: it runs on in bubbles only, and has them to itself."""
+        if self._armed is not None:
+            self._disarm()
+        self.slow.freeze(task, in_bubble=self._bubble is not None)
 
     def forget(self, task: TaskRecord) -> None:
         """Drop the grants ``task`` holds: its worker was killed and never answers for them."""
+        self.slow.release(task)
         if self._armed is not None and self._armed.task is task:
             self._armed = None
         for grant_id, state in list(self._grants.items()):
@@ -587,6 +618,8 @@ class DeviceScheduler:
         """
         if self._armed is not None or self._bubble is not None or not self.bubbles_endpoint or not self.tasks:
             return
+        if self.slow.active:
+            return
         if self._costs is not None and not self._costs.may_arm(self._rank):
             return  # the budget leaves bubbles out, and the worker could not tell which
         stuck = self._stuck(self._clock.now_ns())
@@ -673,6 +706,8 @@ class DeviceScheduler:
     def _grant_next(self, *, fresh: bool) -> None:
         if self._bubble is None or self._holder is not None or not self.tasks or self._left_out or self._withheld:
             return
+        if self.slow.active:
+            return  # a slow step has the bubbles to itself until it ends
         margin = self.guard.margin_ns
         remaining = room_ns(self._clock.now_ns(), self._deadline_ns, margin)
         if remaining <= 0:

@@ -16,7 +16,6 @@ import logging
 import math
 import os
 import shutil
-import signal
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, assert_never
@@ -35,6 +34,7 @@ from freeride.serve.config import ServeConfig
 from freeride.serve.cores import side_task_cores, stage_position, thread_env
 from freeride.serve.declarations import gpu_views, last_lines, pending_reason, with_declarations
 from freeride.serve.imperative import ImperativeProcess
+from freeride.serve.liveness import Liveness
 from freeride.serve.placement import DeviceView, NoFit, place
 from freeride.serve.progress import Progress, progress_source, watch_progress
 from freeride.serve.ranks import DeviceInfo
@@ -88,6 +88,7 @@ class Supervisor:
         self.mps_pipe_dir: Path | None = None
         """Pipe directory of the MPS daemon side tasks join (None without MPS)."""
         self._settling = Settling(config.settle_s, clock=clock)
+        self.liveness = Liveness(config, schedulers, notify=self._notify, clock=clock)
 
     def start(self, spawn: SpawnFn) -> None:
         """Begin supervising, with ``spawn`` putting coroutines in the manager's TaskGroup."""
@@ -634,6 +635,9 @@ class Supervisor:
                 task.cancel()  # nothing runs it now (pending, or between two restarts)
                 self._notify(task)
             return
+        scheduler = self.schedulers.get(task.device)
+        if scheduler is not None:
+            scheduler.slow.release(task)  # a frozen worker must read its Stop
         runner.stop(reason)
         match runner:
             case ProgramRunner(program=program):
@@ -647,51 +651,10 @@ class Supervisor:
     # -- liveness -------------------------------------------------------------------
 
     async def _liveness(self) -> None:
-        """Look for hung steps, a few times per ``hang_after_s``."""
-        period = min(1.0, self.config.hang_after_s / 4)
+        """Look for slow and hung steps, a few times per ``hang_after_s``."""
         while True:
-            await asyncio.sleep(period)
-            self.check_liveness()
-
-    def check_liveness(self) -> None:
-        """Kill the worker of every task whose grant is still out long after its bubble ended.
-
-        A grant is given back within a step of its bubble's end; one still out
-        ``hang_after_s`` later (and ``hang_factor`` times the step's estimate)
-        is a step that does not end. Its worker is killed and the task
-        restarts from its checkpoint: a frozen worker would keep its memory.
-        """
-        after = int(self.config.hang_after_s * 1e9)
-
-        def grace(task: TaskRecord) -> int:
-            return max(after, int(self.config.hang_factor * max(task.estimate_ns, 0)))
-
-        now = self._clock.now_ns()
-        for scheduler in list(self.schedulers.values()):
-            for task, late_ns in scheduler.overdue(now, grace):
-                self._hung(task, late_ns, scheduler)
-
-    def _hung(self, task: TaskRecord, late_ns: int, scheduler: DeviceScheduler) -> None:
-        runner = task.runner
-        task.hangs += 1
-        task.error = (
-            f"step hung: still running {late_ns / 1e9:.1f}s after its bubble ended"
-            f" (estimate {max(task.estimate_ns, 0) / 1e6:.1f} ms); killed, restarts from its checkpoint"
-        )
-        logger.error("[tasks] task %d (%s): %s", task.task_id, task.name, task.error)
-        task.park()
-        scheduler.forget(task)
-        self._notify(task)
-        if task.cgroup is not None:
-            task.cgroup.kill()
-        match runner:
-            case WorkerRunner(process=process) if process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)  # the worker leads its own session
-            case ProgramRunner(program=program):
-                program.suspend()
-            case _:
-                pass
+            await asyncio.sleep(self.liveness.period_s)
+            self.liveness.check()
 
     async def stop_all(self) -> None:
         """Ask every live task to checkpoint and stop; terminate those that do not."""

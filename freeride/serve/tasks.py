@@ -90,6 +90,11 @@ class TaskRecord:
     """What NVML last saw the task's process use."""
     hangs: int = 0
     """Steps found hung (each killed the worker; the task restarted from its checkpoint)."""
+    hang_checkpoint: int = -2
+    """``checkpointed_steps`` when a step of it was last found hung (-2: never)."""
+    slow: bool = False
+    """A step of it was found too slow for its bubble: its overruns are frozen at once (see
+    :mod:`freeride.serve.slowsteps`)."""
     backoff_s: float = 0.0
     """Delay before the latest restart."""
     checkpointed_steps: int = -1

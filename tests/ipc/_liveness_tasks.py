@@ -11,7 +11,7 @@ from _tasks import SpinSteps
 
 from freeride.sidetask import IterativeTask, TaskContext
 
-__all__ = ["CrashInSetup", "HangOnce", "LateTorch", "SlowCheckpoint"]
+__all__ = ["AlwaysHang", "CrashInSetup", "HangOnce", "LateTorch", "SlowCheckpoint", "SlowOnce"]
 
 
 class HangOnce(SpinSteps):
@@ -36,6 +36,39 @@ class HangOnce(SpinSteps):
     def state_dict(self) -> dict[str, Any]:
         self.saved = True
         return super().state_dict()
+
+
+class SlowOnce(SpinSteps):
+    """Step ``slow_at`` computes for ``slow_s`` of CPU time, far longer than any bubble; then writes
+    ``marker`` with the step's wall and CPU seconds (a step frozen between bubbles takes longer by wall)."""
+
+    def __init__(self, *, slow_at: int = 20, slow_s: float = 2.0, marker: str = "", **kw: Any) -> None:
+        super().__init__(**kw)
+        self.slow_at, self.slow_s, self.marker = slow_at, slow_s, marker
+
+    def step(self) -> None:
+        super().step()
+        if self.count != self.slow_at or Path(self.marker).exists():
+            return
+        t0, c0 = time.monotonic(), time.process_time()
+        while time.process_time() - c0 < self.slow_s:
+            pass
+        Path(self.marker).write_text(f"{time.monotonic() - t0} {time.process_time() - c0}")
+
+
+class AlwaysHang(SpinSteps):
+    """Hangs in step ``hang_at`` after every start: a restart from its checkpoint cannot help."""
+
+    def __init__(self, *, hang_at: int = 5, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.hang_at = hang_at
+        self.since_start = 0
+
+    def step(self) -> None:
+        super().step()
+        self.since_start += 1
+        if self.since_start >= self.hang_at:
+            time.sleep(3600)
 
 
 class SlowCheckpoint(SpinSteps):

@@ -94,6 +94,44 @@ async def test_a_hung_step_is_detected_and_restarted_while_a_healthy_task_keeps_
         assert ok.restarts == 0 and ok.hangs == 0
 
 
+async def test_a_slow_step_is_not_hung_it_finishes_in_bubbles_and_the_task_goes_on(
+    runtime_dir: Path, tmp_path: Path
+) -> None:
+    marker = tmp_path / "slow"
+    async with serving(runtime_dir) as manager:  # hang_after 0.5 s: the slow step lasts 4 times that
+        declare(manager)
+        reply = submit(
+            manager,
+            "_liveness_tasks:SlowOnce",
+            options={"step_ms": 1.0, "slow_at": 20, "slow_s": 2.0, "marker": str(marker)},
+            max_restarts=0,
+        )
+        task = manager.tasks[reply.task_id]
+        await wait_until(lambda: task.state == "running", 60, "setup")
+        with training(manager):
+            await wait_until(lambda: task.slow, 60, "the slow step to be found slow")
+            assert task.error.startswith("step slow:"), task.error
+            await wait_until(marker.exists, 120, "the slow step to finish, in bubbles")
+            steps = task.steps
+            await wait_until(lambda: task.steps > steps + 10, 60, "the task to step on")
+            await wait_until(lambda: task.error == "", 10, "the note to go with the step")
+        wall_s, cpu_s = map(float, marker.read_text().split())
+        assert task.hangs == 0 and task.restarts == 0 and task.state == "running", task.error
+        # frozen between bubbles: the step took longer by the wall than the CPU time it computed
+        assert wall_s > 1.3 * cpu_s, (wall_s, cpu_s)
+
+
+async def test_a_task_that_hangs_again_from_the_same_state_fails_instead_of_cycling(runtime_dir: Path) -> None:
+    async with serving(runtime_dir) as manager:
+        declare(manager)
+        reply = submit(manager, "_liveness_tasks:AlwaysHang", options={"step_ms": 1.0, "hang_at": 5}, max_restarts=10)
+        task = manager.tasks[reply.task_id]
+        with training(manager):
+            await wait_until(lambda: task.terminal, 90, "the task to fail")
+        assert task.state == "failed" and task.hangs == 2 and task.restarts == 1, (task.hangs, task.restarts)
+        assert "not restarted: it hung before, from the same state" in task.error, task.error
+
+
 async def test_cancelling_a_hung_task_answers_at_once(runtime_dir: Path, tmp_path: Path) -> None:
     marker = tmp_path / "hung"
     # the detector stays out of it: only the cancel stops the task

@@ -12,11 +12,12 @@ from pathlib import Path
 import msgspec
 import pytest
 from test_gate import MARGIN, STEP, Rig, make_rig
-from test_scheduler import MS, Harness, done
+from test_scheduler import MS, Harness, RecordingRunner, done
 
 from freeride import protocol as p
 from freeride.serve.config import ServeConfig
-from freeride.serve.tasks import restart_delay_s
+from freeride.serve.liveness import SLOW_PREFIX, Liveness
+from freeride.serve.tasks import TaskRecord, restart_delay_s
 from freeride.transport import Endpoints
 
 SECOND = 1_000_000_000
@@ -34,8 +35,8 @@ def test_a_grant_never_given_back_is_overdue_only_after_the_grace() -> None:
     h.clock.advance(grace)
     assert h.sched.overdue(h.clock.now_ns(), lambda task: grace) == []
     h.clock.advance(1)
-    [(task, late)] = h.sched.overdue(h.clock.now_ns(), lambda task: grace)
-    assert task is t and late == grace + 1
+    [(task, late, thawed)] = h.sched.overdue(h.clock.now_ns(), lambda task: grace)
+    assert task is t and late == grace + 1 and thawed == -1  # not frozen
 
 
 def test_a_grant_given_back_is_never_overdue() -> None:
@@ -115,6 +116,113 @@ def test_forget_drops_a_killed_workers_grants() -> None:
     h.sched.forget(t)
     h.clock.advance(100 * SECOND)
     assert h.sched.overdue(h.clock.now_ns(), lambda task: 0) == []
+
+
+# -- slow or hung: the liveness check -------------------------------------------------
+
+HANG_AFTER = 2 * SECOND
+
+
+def watched(h: Harness) -> tuple[Liveness, list[TaskRecord]]:
+    """A liveness check over the harness's scheduler (its period: 0.5 s of virtual time)."""
+    config = ServeConfig(
+        endpoints=Endpoints.ipc(Path("/nonexistent")),
+        state_dir=Path("/nonexistent/state"),
+        hang_after_s=HANG_AFTER / SECOND,
+    )
+    notified: list[TaskRecord] = []
+    return Liveness(config, {"cpu:0": h.sched}, notify=notified.append, clock=h.clock), notified
+
+
+def overrun(h: Harness, t: TaskRecord, *, cpu_per_look: int) -> tuple[Liveness, p.Grant]:
+    """``t`` takes a bubble and its step goes on past the grace; the check looks twice."""
+    live, _ = watched(h)
+    runner = t.runner
+    assert isinstance(runner, RecordingRunner)
+    runner.cpu = 0
+    b = h.started(10 * MS)
+    [(_, grant)] = h.grants()
+    h.ended(b, 10 * MS)
+    h.clock.advance(HANG_AFTER + 1)
+    live.check()  # the first look only notes the CPU clock
+    assert t.hangs == 0 and not t.slow
+    h.clock.advance(SECOND // 2)
+    runner.cpu += cpu_per_look
+    live.check()
+    return live, grant
+
+
+def test_a_step_still_computing_past_its_grace_is_slow_it_runs_on_in_bubbles_only_and_alone() -> None:
+    h = Harness()
+    t, other = h.task(1, 2 * MS), h.task(2, 2 * MS)
+    runner = t.runner
+    assert isinstance(runner, RecordingRunner)
+    live, grant = overrun(h, t, cpu_per_look=SECOND // 4)  # half a core between the looks
+    assert t.slow and t.hangs == 0 and t.error.startswith(SLOW_PREFIX), t.error
+    assert runner.frozen  # frozen at once: no bubble lasts now
+    h.sent.clear()
+    b = h.started(10 * MS, index=1)
+    assert not runner.frozen and h.grants() == []  # it has the bubble to itself
+    h.ended(b, 10 * MS)
+    assert runner.frozen
+    c = h.started(10 * MS, index=2)
+    h.clock.advance(3 * MS)
+    h.report(t, done(t, grant, reason="revoked", busy=3 * MS, end=h.clock.now_ns()))  # the step ended
+    assert not runner.frozen
+    [(tid, left)] = h.grants()
+    assert tid == other.task_id  # what is left of the bubble goes to the others again
+    live.check()
+    assert t.error == ""  # the note went with the step
+    h.report(other, done(other, left, reason="revoked", busy=2 * MS, end=h.clock.now_ns() + 2 * MS))
+    h.ended(c, 10 * MS)
+    # its next overrun is frozen at the bubble's end at once, not a grace later
+    h.sent.clear()
+    d = h.started(10 * MS, index=3)
+    assert [tid for tid, _ in h.grants()] == [t.task_id]  # its turn
+    h.ended(d, 10 * MS)
+    assert runner.frozen
+
+
+def test_a_step_past_its_grace_that_does_not_compute_is_hung() -> None:
+    h = Harness()
+    t = h.task(1, 2 * MS)
+    overrun(h, t, cpu_per_look=0)
+    assert t.hangs == 1 and not t.slow and not t.runnable and not t.final
+    assert "not computing" in t.error and "restarts from its checkpoint" in t.error, t.error
+
+
+def test_a_task_that_hangs_again_from_the_same_checkpoint_is_not_restarted() -> None:
+    h = Harness()
+    t = h.task(1, 2 * MS)
+    t.checkpointed_steps = 40
+    t.hang_checkpoint = 40  # it hung before, and has written no checkpoint since
+    overrun(h, t, cpu_per_look=0)
+    assert t.hangs == 1 and t.final
+    assert "not restarted: it hung before, from the same state (its checkpoint at step 40)" in t.error, t.error
+
+
+def test_a_frozen_step_that_stops_computing_is_hung_after_a_grace_of_its_own_bubble_time() -> None:
+    h = Harness()
+    t = h.task(1, 2 * MS)
+    runner = t.runner
+    assert isinstance(runner, RecordingRunner)
+    live, _ = overrun(h, t, cpu_per_look=SECOND // 4)
+    assert t.slow and runner.frozen
+    index = 1
+    # no bubbles: however long, a frozen step that is not let run is not hung
+    h.clock.advance(10 * HANG_AFTER)
+    live.check()
+    live.check()
+    assert t.hangs == 0
+    while t.hangs == 0 and index < 2000:  # bubbles of 10 ms in which it computes nothing
+        b = h.started(10 * MS, index=index)
+        h.clock.advance(10 * MS)
+        h.ended(b, 10 * MS)
+        h.clock.advance(10 * MS)
+        live.check()
+        index += 1
+    assert t.hangs == 1 and "not computing" in t.error
+    assert HANG_AFTER // (10 * MS) <= index <= HANG_AFTER // (10 * MS) + 2  # a grace of bubble time
 
 
 # -- restart backoff -----------------------------------------------------------------

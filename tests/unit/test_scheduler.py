@@ -29,6 +29,8 @@ class RecordingRunner:
         self.task_id, self.sent = task_id, sent
         self.cpu = -1
         """The task's CPU clock as the manager would read it (-1: unreadable, wall times stand in)."""
+        self.frozen = False
+        """As the last hold left it (a slow step frozen between bubbles)."""
 
     def cpu_ns(self) -> int:
         return self.cpu
@@ -45,6 +47,9 @@ class RecordingRunner:
 
     def stop(self, reason: str) -> None:
         self.sent.append((self.task_id, p.Stop(reason=reason)))
+
+    def hold(self, frozen: bool) -> None:
+        self.frozen = frozen
 
 
 class Harness:
