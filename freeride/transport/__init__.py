@@ -1,0 +1,66 @@
+"""Sockets and addresses: the only package of FreeRide that imports ``zmq``.
+
+Each class here owns exactly one socket for its whole life and closes it in
+:meth:`close` (idempotent). Callers in other modules see typed messages, never
+frames:
+
+* :class:`EventEmitter`: synchronous PUSH in a training rank. Never blocks and
+  never raises into the training step; what it cannot send it counts.
+* :class:`EventReceiver`: the manager's PULL for backend events.
+* :class:`BubblePublisher` / :class:`BubbleListener`: a rank's PUB of its bubble
+  starts and an armed worker's SUB to it (one hop from bubble start to step; ipc
+  only, in the manager's private runtime directory).
+* :class:`WorkerHub` / :class:`WorkerLink`: ROUTER (manager) and DEALER
+  (side-task worker) of the grant channel.
+* :class:`ControlServer` / :class:`ControlClient`: ROUTER (manager) and a
+  synchronous DEALER with a deadline (CLI).
+
+Frames that do not decode come back as :class:`BadFrame` with a reason, so the
+owner can log and count them and keep going. Every receiving socket refuses
+frames over its protocol limit (``ZMQ_MAXMSGSIZE``: libzmq drops the sender's
+connection before the frame is buffered whole), and the manager's sockets hand
+out what is queued in batches of a bounded size, so one busy socket cannot keep
+the others' owners from running.
+
+The modules, one job each: :mod:`~freeride.transport.endpoints` (addresses and
+the runtime directory), :mod:`~freeride.transport.guard` (who may connect),
+:mod:`~freeride.transport.frames` (encoding and decoding),
+:mod:`~freeride.transport.emitter` (a rank's sockets),
+:mod:`~freeride.transport.owner` (what the asyncio owners share),
+:mod:`~freeride.transport.server` (the manager's sockets),
+:mod:`~freeride.transport.worker` (a worker's sockets) and
+:mod:`~freeride.transport.client` (the control client).
+"""
+
+from freeride.transport.client import ControlClient, ManagerUnreachable
+from freeride.transport.emitter import BubblePublisher, EventEmitter
+from freeride.transport.endpoints import MAX_IPC_PATH, Endpoints, bubbles_endpoint, default_runtime_dir, nobody_listens
+from freeride.transport.frames import BadFrame
+from freeride.transport.guard import ZapHandler, curve_keypair, zap_verdict
+from freeride.transport.owner import new_async_context
+from freeride.transport.server import ControlServer, EventReceiver, WorkerHub
+from freeride.transport.worker import BubbleListener, WorkerLink, wait_readable, worker_identity
+
+__all__ = [
+    "MAX_IPC_PATH",
+    "BadFrame",
+    "BubbleListener",
+    "BubblePublisher",
+    "ControlClient",
+    "ControlServer",
+    "Endpoints",
+    "EventEmitter",
+    "EventReceiver",
+    "ManagerUnreachable",
+    "WorkerHub",
+    "WorkerLink",
+    "ZapHandler",
+    "bubbles_endpoint",
+    "curve_keypair",
+    "default_runtime_dir",
+    "new_async_context",
+    "nobody_listens",
+    "wait_readable",
+    "worker_identity",
+    "zap_verdict",
+]

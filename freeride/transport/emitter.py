@@ -1,0 +1,181 @@
+"""A training rank's sockets: its events to the manager and its bubble starts to armed workers.
+
+Both are synchronous, never block and never raise into the training step; what
+they cannot send they count.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import zmq
+
+from freeride import protocol as p
+from freeride.auth import CurveClientKeys, KeysMissing, Refused
+from freeride.transport.endpoints import nobody_listens
+from freeride.transport.frames import encoder
+from freeride.transport.guard import guard_client
+
+__all__ = ["BubblePublisher", "EventEmitter"]
+
+logger = logging.getLogger(__name__)
+
+_BACKOFF_AFTER = 8
+"""Failed sends in a row after which the emitter only tries now and then."""
+_BACKOFF_MIN_NS = 1_000_000
+"""First pause between tries; it doubles with every further failure, up to 128 ms."""
+
+
+class EventEmitter:
+    """Synchronous, non-blocking sender of backend events.
+
+    Safe to call from the training step: :meth:`emit` costs about a
+    microsecond, never blocks (``NOBLOCK`` with ``IMMEDIATE``, so nothing is
+    queued for a manager that is not there) and never raises. After a fork the
+    child's copy goes silent instead of touching the parent's socket.
+    """
+
+    def __init__(self, endpoint: str, *, sndhwm: int = 1024, curve: CurveClientKeys | None = None) -> None:
+        self.endpoint = endpoint
+        self.sent = 0
+        self.dropped = 0
+        self._failures = 0
+        """Consecutive failed sends."""
+        self._retry_at_ns = 0
+        self._pid = os.getpid()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = zmq.Context(io_threads=1)
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, sndhwm)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        self._sock: zmq.Socket[bytes] | None = sock
+        try:
+            guard_client(sock, endpoint, curve)
+        except (KeysMissing, Refused) as exc:  # never raise into the training job: go silent, say why once
+            logger.error("[emit] cannot safely connect to %s, events are dropped: %s", endpoint, exc)
+            self.close()
+            return
+        sock.connect(endpoint)
+
+    def wait_connected(self, timeout_ms: int) -> bool:
+        """Wait at most ``timeout_ms`` for the connection to the manager; whether it is up.
+
+        For the first message only (a rank's ``Hello`` at attach, which would be
+        dropped if sent before the connection is up): an ipc endpoint whose socket
+        file does not exist has no manager to wait for, and returns at once.
+        """
+        sock = self._sock
+        if sock is None or os.getpid() != self._pid:
+            return False
+        if nobody_listens(self.endpoint):
+            return False
+        try:
+            return bool(sock.poll(timeout_ms, zmq.POLLOUT))
+        except Exception:  # never raise into the training job
+            logger.debug("[emit] waiting for the connection failed", exc_info=True)
+            return False
+
+    def emit(self, event: p.BackendEvent) -> bool:
+        """Send ``event`` if the manager can take it now; count a drop otherwise."""
+        sock = self._sock
+        if sock is None or os.getpid() != self._pid:
+            self.dropped += 1
+            return False
+        if self._failures >= _BACKOFF_AFTER and time.monotonic_ns() < self._retry_at_ns:
+            self.dropped += 1  # nobody has listened lately: don't pay for a failed send each time
+            return False
+        try:
+            sock.send(encoder.encode(event), zmq.NOBLOCK)
+        except zmq.Again:
+            self._failed()
+            return False
+        except Exception:  # the training step must never see our errors
+            self._failed()
+            logger.debug("[emit] send failed", exc_info=True)
+            return False
+        self._failures = 0
+        self.sent += 1
+        return True
+
+    def _failed(self) -> None:
+        self.dropped += 1
+        self._failures += 1
+        if self._failures >= _BACKOFF_AFTER:
+            doublings = min(self._failures - _BACKOFF_AFTER, 7)
+            self._retry_at_ns = time.monotonic_ns() + (_BACKOFF_MIN_NS << doublings)
+
+    def close(self, goodbye: p.Goodbye | None = None, *, linger_ms: int = 200) -> None:
+        """Send ``goodbye`` (waiting at most ``linger_ms``) and release the socket."""
+        sock, ctx = self._sock, self._ctx
+        self._sock = self._ctx = None
+        if sock is None or ctx is None:
+            return
+        if os.getpid() != self._pid:  # inherited across fork: not ours to close
+            return
+        try:
+            if goodbye is not None:
+                sock.setsockopt(zmq.LINGER, linger_ms)
+                try:
+                    sock.send(encoder.encode(goodbye), zmq.NOBLOCK)
+                except zmq.Again:
+                    self.dropped += 1
+            sock.close()
+            ctx.term()
+        except Exception:
+            logger.debug("[shutdown] emitter close failed", exc_info=True)
+
+
+class BubblePublisher:
+    """A rank's PUB of its :class:`~freeride.protocol.BubbleStarted` events, for armed workers.
+
+    Bound by the rank (one per rank, in the manager's runtime directory); workers
+    connect and disconnect as they are armed. Like :class:`EventEmitter` it never
+    blocks and never raises: a PUB drops what a slow subscriber cannot take, and
+    one without subscribers drops at once.
+    """
+
+    def __init__(self, endpoint: str, *, sndhwm: int = 16) -> None:
+        """Bind ``endpoint``; :attr:`bound` says whether that worked (its directory may not exist yet)."""
+        self.endpoint = endpoint
+        self.dropped = 0
+        self._pid = os.getpid()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = zmq.Context(io_threads=1)
+        sock = self._ctx.socket(zmq.PUB)
+        sock.setsockopt(zmq.SNDHWM, sndhwm)
+        sock.setsockopt(zmq.LINGER, 0)
+        self._sock: zmq.Socket[bytes] | None = sock
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            logger.debug("[emit] cannot publish bubbles on %s: %s", endpoint, exc)
+            self.close()
+
+    @property
+    def bound(self) -> bool:
+        return self._sock is not None
+
+    def publish(self, event: p.BubbleStarted) -> None:
+        """Offer ``event`` to the armed workers; never blocks or raises."""
+        sock = self._sock
+        if sock is None or os.getpid() != self._pid:
+            self.dropped += 1
+            return
+        try:
+            sock.send(encoder.encode(event), zmq.NOBLOCK)
+        except Exception:  # the training step must never see our errors
+            self.dropped += 1
+            logger.debug("[emit] publish failed", exc_info=True)
+
+    def close(self) -> None:
+        """Release the socket (idempotent); libzmq removes the socket file."""
+        sock, ctx = self._sock, self._ctx
+        self._sock = self._ctx = None
+        if sock is None or ctx is None or os.getpid() != self._pid:
+            return
+        try:
+            sock.close()
+            ctx.term()
+        except Exception:
+            logger.debug("[shutdown] publisher close failed", exc_info=True)

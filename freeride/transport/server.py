@@ -1,0 +1,142 @@
+"""The manager's sockets: the PULL for backend events, the ROUTERs for side-task workers and control clients."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TypeVar, cast
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from freeride import protocol as p
+from freeride.auth import CurveServerKeys
+from freeride.transport.frames import BadFrame, decode, encoder
+from freeride.transport.guard import guard_server
+from freeride.transport.owner import AsyncOwner
+
+__all__ = ["ControlServer", "EventReceiver", "WorkerHub"]
+
+logger = logging.getLogger(__name__)
+
+_M = TypeVar("_M")
+
+
+class EventReceiver(AsyncOwner[p.BackendEvent]):
+    """The manager's PULL socket for backend events.
+
+    It waits on the socket's descriptor itself (a reader on the event loop) and
+    reads with non-blocking receives, never through pyzmq's asyncio receive:
+    events mostly come one at a time, each a wake-up of the manager, and
+    pyzmq's Future per receive makes each wake-up cost more CPU, which on a
+    machine without spare cores is taken from training (docs/benchmarks.md,
+    "Where the simulated pipeline's slowdown goes"). Only this object reads
+    the socket, so the descriptor's edge-triggered signal is never taken by
+    another reader.
+    """
+
+    def __init__(
+        self, ctx: zmq.asyncio.Context, endpoint: str, *, rcvhwm: int = 100_000, curve: CurveServerKeys | None = None
+    ) -> None:
+        sock = ctx.socket(zmq.PULL)
+        guard_server(sock, endpoint, curve)
+        sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_EVENT_FRAME)
+        sock.bind(endpoint)
+        super().__init__(sock, msgspec.msgpack.Decoder(p.BackendEvent))
+        self._reading: tuple[asyncio.AbstractEventLoop, int] | None = None
+        """The loop and descriptor the reader is registered on (``None``: not yet)."""
+        self._ready = asyncio.Event()
+
+    def close(self) -> None:
+        if self._reading is not None:
+            loop, fd = self._reading
+            self._reading = None
+            if not loop.is_closed():
+                loop.remove_reader(fd)
+        super().close()
+
+    async def _frames(self, limit: int) -> list[list[bytes]]:
+        batch = self._drain(limit)
+        while not batch:
+            if self._reading is None:
+                plain = self._plain
+                if plain is None:
+                    raise RuntimeError("socket already closed")
+                loop, fd = asyncio.get_running_loop(), cast(int, plain.getsockopt(zmq.FD))
+                loop.add_reader(fd, self._ready.set)
+                self._reading = (loop, fd)
+            self._ready.clear()
+            # the descriptor signals a change, not a level: look again after clearing, then wait
+            batch = self._drain(limit)
+            if not batch:
+                await self._ready.wait()
+                batch = self._drain(limit)
+        return batch
+
+    async def recv(self) -> p.BackendEvent | BadFrame:
+        return self._event((await self._frames(1))[0])
+
+    async def recv_batch(self, limit: int) -> list[p.BackendEvent | BadFrame]:
+        """The next event, and up to ``limit - 1`` more that are already queued."""
+        return [self._event(frames) for frames in await self._frames(limit)]
+
+    def _event(self, frames: list[bytes]) -> p.BackendEvent | BadFrame:
+        if len(frames) != 1:
+            return BadFrame(reason=f"expected 1 frame, got {len(frames)}", size=sum(map(len, frames)))
+        return decode(self._decoder, frames[0])
+
+
+class _RouterOwner(AsyncOwner[_M]):
+    async def recv(self) -> tuple[bytes, _M | BadFrame]:
+        return self._message(await self._live().recv_multipart())
+
+    async def recv_batch(self, limit: int) -> list[tuple[bytes, _M | BadFrame]]:
+        """The next message, and up to ``limit - 1`` more that are already queued."""
+        return [self._message(frames) for frames in await self._recv_frames_batch(limit)]
+
+    def _message(self, frames: list[bytes]) -> tuple[bytes, _M | BadFrame]:
+        if len(frames) != 2:
+            ident = frames[0] if frames else b""
+            return ident, BadFrame(reason=f"expected 2 frames, got {len(frames)}", size=sum(map(len, frames)))
+        return frames[0], decode(self._decoder, frames[1])
+
+    def _send_nowait(self, ident: bytes, msg: msgspec.Struct) -> bool:
+        # pyzmq's asyncio socket reports a failed NOBLOCK send through the returned
+        # future, not by raising: peer gone (ROUTER_MANDATORY) or its queue full
+        fut = self._live().send_multipart([ident, encoder.encode(msg)], zmq.NOBLOCK)
+        exc = fut.exception() if isinstance(fut, asyncio.Future) and fut.done() else None
+        if exc is not None:
+            logger.warning("[send] to %r failed: %s", ident, exc)
+            return False
+        return True
+
+
+class WorkerHub(_RouterOwner[p.WorkerToManager]):
+    """The manager's ROUTER for side-task workers; identities are task ids."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+        sock = ctx.socket(zmq.ROUTER)
+        guard_server(sock, endpoint, None)  # always ipc: the peer-uid check
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_WORKER_FRAME)
+        sock.bind(endpoint)
+        super().__init__(sock, msgspec.msgpack.Decoder(p.WorkerToManager))
+
+    def send_nowait(self, ident: bytes, msg: p.ManagerToWorker) -> bool:
+        return self._send_nowait(ident, msg)
+
+
+class ControlServer(_RouterOwner[p.ControlRequest]):
+    """The manager's ROUTER for control clients."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, curve: CurveServerKeys | None = None) -> None:
+        sock = ctx.socket(zmq.ROUTER)
+        guard_server(sock, endpoint, curve)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_CONTROL_FRAME)
+        sock.bind(endpoint)
+        super().__init__(sock, msgspec.msgpack.Decoder(p.ControlRequest))
+
+    def reply_nowait(self, ident: bytes, msg: p.ControlReply) -> bool:
+        return self._send_nowait(ident, msg)
