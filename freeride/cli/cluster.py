@@ -134,6 +134,25 @@ def cmd_cluster_report(args: argparse.Namespace) -> int:
 
 
 @_queue_call
+def cmd_cluster_cancel(args: argparse.Namespace) -> int:
+    worst = 0
+    with ClusterQueue(_address(args), timeout_s=args.timeout) as queue:
+        for job_id in args.job_ids:
+            match queue.request(m.CancelJob(job_id=job_id)):
+                case m.Accepted(duplicate=True):
+                    print(f"job {job_id}: already cancelled (or its cancel is under way)")
+                case m.Accepted():
+                    print(f"job {job_id}: cancelled (a leased one stops at its node's next renewal, checkpointed)")
+                case m.Refused(reason=reason):
+                    print(f"freeride: job {job_id}: {reason}", file=sys.stderr)
+                    worst = 2
+                case reply:
+                    print(f"freeride: job {job_id}: unexpected reply {reply!r}", file=sys.stderr)
+                    worst = max(worst, 1)
+    return worst
+
+
+@_queue_call
 def cmd_cluster_stop(args: argparse.Namespace) -> int:
     with ClusterQueue(_address(args), timeout_s=args.timeout) as queue:
         queue.destroy()
@@ -150,6 +169,7 @@ def cmd_cluster_join(args: argparse.Namespace) -> int:
         lease_s=parse_duration_ns(args.lease) / 1e9,
         poll_s=parse_duration_ns(args.poll) / 1e9,
         policy=OfferPolicy(jobs_per_device=args.jobs_per_device, min_share=parse_share(args.min_share)),
+        allow_programs=args.allow_programs,
     )
     stop = threading.Event()
     with ClusterQueue(_address(args), create=True, timeout_s=args.timeout) as queue, common.control(args) as control:
@@ -204,6 +224,13 @@ def add_parsers(subs: Subparsers) -> None:
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(fn=cmd_cluster_report)
 
+    s = commands.add_parser(
+        "cancel", help="cancel jobs: a queued one at once, a leased one at its node (it checkpoints)"
+    )
+    queue_options(s)
+    s.add_argument("job_ids", type=int, nargs="+", metavar="JOB", help="job ids, as `freeride cluster status` shows")
+    s.set_defaults(fn=cmd_cluster_cancel)
+
     s = commands.add_parser("stop", help="end the queue (every job in it is forgotten)")
     queue_options(s)
     s.set_defaults(fn=cmd_cluster_stop)
@@ -223,6 +250,12 @@ def add_parsers(subs: Subparsers) -> None:
     )
     s.add_argument("--poll", default="1s", metavar="DURATION", help="seconds between two looks at the manager")
     s.add_argument("--jobs-per-device", type=int, default=1, help="side tasks per device before it takes no more")
+    s.add_argument(
+        "--allow-programs",
+        action="store_true",
+        help="also run imperative jobs (command lines) from the queue, as the manager's user: whoever can reach"
+        " the Ray cluster can queue them (docs/cluster.md, access control)",
+    )
     s.add_argument(
         "--min-share",
         default="2%",

@@ -8,6 +8,7 @@ the manager's log.
 
 from __future__ import annotations
 
+import os
 import time
 
 import msgspec
@@ -17,9 +18,29 @@ from freeride.tasks.declared import OptionError, declared, validate_options
 from freeride.transport import ControlClient
 from freeride.units import format_ns, printable
 
-__all__ = ["await_start", "check_submission", "report_start", "task_details"]
+__all__ = ["absolute_paths", "await_start", "check_submission", "report_start", "task_details"]
 
 _POLL_S = 0.05
+_PATH_WORDS = ("dir", "path", "file", "root", "out", "output", "input", "log")
+"""An option named so (or ending ``_dir``, ``_path``, ...) names a file or directory."""
+
+
+def absolute_paths(options: p.Options, cwd: str) -> p.Options:
+    """``options`` with every relative path made absolute against ``cwd``, where the submitter stands.
+
+    The task runs elsewhere (in its worker's own directory, or on another
+    node), where a relative path would name another place or none.
+    """
+
+    def is_path(key: str) -> bool:
+        return key in _PATH_WORDS or key.rpartition("_")[2] in _PATH_WORDS
+
+    return {
+        key: os.path.normpath(os.path.join(cwd, value))
+        if is_path(key) and isinstance(value, str) and value and not os.path.isabs(value) and "://" not in value
+        else value
+        for key, value in options.items()
+    }
 
 
 def check_submission(spec: p.TaskSpec) -> p.TaskSpec:
@@ -33,6 +54,7 @@ def check_submission(spec: p.TaskSpec) -> p.TaskSpec:
     """
     from freeride.tasks.targets import load
 
+    spec = msgspec.structs.replace(spec, options=absolute_paths(spec.options, os.getcwd()))
     try:
         cls = load(spec.target)
     except ImportError:

@@ -7,7 +7,9 @@ progress and checkpoint, and leases as many queued jobs as its devices have
 room for (:func:`~freeride.cluster.offer.offer`), submitting each to the
 manager as an ordinary task. A lease the queue says is lost (it expired while
 this node was cut off) is cancelled here, so that it does not run twice for
-long. On stop it cancels its jobs (they checkpoint) and gives them back.
+long; so is a job a user cancelled. On stop it cancels its jobs (they
+checkpoint) and gives them back. Programs (arbitrary commands) it runs only
+when its node allows them (``freeride cluster join --allow-programs``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ class AgentConfig:
     """Seconds between two ticks (status, renewals, leases)."""
     policy: OfferPolicy = field(default_factory=OfferPolicy)
     """How many jobs each device takes."""
+    allow_programs: bool = False
+    """Run imperative jobs (a command line, run as this agent's manager's user) from the queue too."""
+
+    @property
+    def kinds(self) -> list[p.TaskKind]:
+        return ["iterative", "imperative"] if self.allow_programs else ["iterative"]
 
     def __post_init__(self) -> None:
         if not self.node or len(self.node) > 256:
@@ -103,7 +111,13 @@ class Agent:
         slots = offer(status, self.config.policy)
         if slots:
             reply = self._queue.request(
-                m.LeaseJobs(node=self.config.node, slots=slots, lease_s=self.config.lease_s, summary=summarize(status))
+                m.LeaseJobs(
+                    node=self.config.node,
+                    slots=slots,
+                    lease_s=self.config.lease_s,
+                    summary=summarize(status),
+                    kinds=self.config.kinds,
+                )
             )
             if isinstance(reply, m.Leases):
                 for lease in reply.leases:
@@ -130,6 +144,7 @@ class Agent:
                         node=self.config.node,
                         job_id=job_id,
                         attempt=held.lease.attempt,
+                        token=held.lease.token,
                         reason=f"{self.config.node} left the cluster",
                         steps=steps,
                         checkpointed_steps=checkpointed,
@@ -157,22 +172,26 @@ class Agent:
         node = self.config.node
         for job_id, held in list(self._held.items()):
             task = self._task(status, held.task_id)
-            attempt = held.lease.attempt
+            attempt, token = held.lease.attempt, held.lease.token
             if task is not None:
                 held.steps, held.checkpointed_steps = task.steps, max(held.checkpointed_steps, task.checkpointed_steps)
             request: m.QueueRequest
             if task is None:
                 request = m.PreemptJob(
-                    node=node, job_id=job_id, attempt=attempt, reason="its task left the manager's table",
+                    node=node, job_id=job_id, attempt=attempt, token=token, reason="its task left the manager's table",
                     steps=held.steps, checkpointed_steps=held.checkpointed_steps,
                 )  # fmt: skip
             elif task.state == "finished":
-                request = m.FinishJob(node=node, job_id=job_id, attempt=attempt, steps=task.steps, metrics=task.metrics)
+                request = m.FinishJob(
+                    node=node, job_id=job_id, attempt=attempt, token=token, steps=task.steps, metrics=task.metrics
+                )
             elif task.state == "failed":
-                request = m.FailJob(node=node, job_id=job_id, attempt=attempt, error=task.error, steps=task.steps)
+                request = m.FailJob(
+                    node=node, job_id=job_id, attempt=attempt, token=token, error=task.error, steps=task.steps
+                )
             elif task.state == "cancelled":
                 request = m.PreemptJob(
-                    node=node, job_id=job_id, attempt=attempt, reason=f"cancelled on {node}",
+                    node=node, job_id=job_id, attempt=attempt, token=token, reason=f"cancelled on {node}",
                     steps=task.steps, checkpointed_steps=held.checkpointed_steps,
                 )  # fmt: skip
             else:
@@ -193,6 +212,7 @@ class Agent:
             m.JobProgress(
                 job_id=job_id,
                 attempt=held.lease.attempt,
+                token=held.lease.token,
                 state="running",
                 steps=held.steps,
                 checkpointed_steps=held.checkpointed_steps,
@@ -213,10 +233,26 @@ class Agent:
                 continue
             logger.warning("[cluster] node %s: lost the lease of job %d; stopping its task", self.config.node, job_id)
             self._control.request(p.Cancel(task_id=held.task_id))
+        for job_id in reply.cancel:
+            cancelled = self._held.get(job_id)
+            if cancelled is not None:  # stays held: its end is settled (and reported) at a later tick
+                logger.info("[cluster] node %s: job %d cancelled by a user; stopping it", self.config.node, job_id)
+                self._control.request(p.Cancel(task_id=cancelled.task_id))
 
     def _start(self, lease: m.Leased) -> None:
         node = self.config.node
         spec = lease.spec
+        if spec.kind not in self.config.kinds:
+            self._report(
+                m.PreemptJob(
+                    node=node,
+                    job_id=lease.job_id,
+                    attempt=lease.attempt,
+                    token=lease.token,
+                    reason=f"{node} runs no programs from the queue (its agent was started without --allow-programs)",
+                )
+            )
+            return
         if spec.checkpoint_dir:
             try:
                 Path(spec.checkpoint_dir).mkdir(parents=True, exist_ok=True)
@@ -226,6 +262,7 @@ class Agent:
                         node=node,
                         job_id=lease.job_id,
                         attempt=lease.attempt,
+                        token=lease.token,
                         error=f"{node} cannot create checkpoint_dir: {exc}",
                     )
                 )
@@ -235,7 +272,11 @@ class Agent:
         except ManagerUnreachable as exc:
             self._report(
                 m.PreemptJob(
-                    node=node, job_id=lease.job_id, attempt=lease.attempt, reason=f"manager unreachable: {exc}"
+                    node=node,
+                    job_id=lease.job_id,
+                    attempt=lease.attempt,
+                    token=lease.token,
+                    reason=f"manager unreachable: {exc}",
                 )
             )
             return
@@ -254,14 +295,23 @@ class Agent:
                     f", resuming from step {lease.checkpointed_steps}" if lease.checkpointed_steps > 0 else "",
                 )
             case p.Rejected(reason=reason):
-                self._report(
+                self._report(  # the spec itself: every node's manager would reject it the same way
                     m.FailJob(
-                        node=node, job_id=lease.job_id, attempt=lease.attempt, error=f"{node} rejected it: {reason}"
+                        node=node,
+                        job_id=lease.job_id,
+                        attempt=lease.attempt,
+                        token=lease.token,
+                        error=f"{node} rejected it: {reason}",
+                        final=True,
                     )
                 )
             case _:
                 self._report(
                     m.PreemptJob(
-                        node=node, job_id=lease.job_id, attempt=lease.attempt, reason=f"manager answered {reply!r}"
+                        node=node,
+                        job_id=lease.job_id,
+                        attempt=lease.attempt,
+                        token=lease.token,
+                        reason=f"manager answered {reply!r}",
                     )
                 )

@@ -12,11 +12,22 @@ holds it; tests drive it directly with a fake clock). Its rules:
 - A lease not renewed by its deadline expires (its node died or was cut off):
   the job goes back to the queue and the next attempt resumes from its last
   checkpoint. Expiry and preemption are not the job's fault and do not count
-  against ``max_attempts``; the task's own failures do.
+  against ``max_attempts``; the task's own failures do. A node whose manager
+  rejects the spec itself fails the job at once: no attempt elsewhere can help.
+- Each lease carries a secret token, sent only to the node that leased it:
+  renewals and outcomes without it are refused, so another Ray driver cannot
+  finish, fail or give back a job it does not run (status never shows tokens).
+- A user's cancel ends a queued job at once; a leased one is stopped by its
+  node at its next renewal and ends ``cancelled`` when the node gives it back
+  (or its lease expires).
+- A node leases only the kinds of task it runs from the queue: programs
+  (arbitrary commands) only where its agent allows them.
 """
 
 from __future__ import annotations
 
+import hmac
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from typing import assert_never
@@ -56,6 +67,8 @@ class Ledger:
         match request:
             case m.SubmitJobs():
                 return self.submit(request)
+            case m.CancelJob():
+                return self.cancel(request)
             case m.LeaseJobs():
                 return self.lease(request)
             case m.RenewLeases():
@@ -96,13 +109,29 @@ class Ledger:
             self._next_id += 1
         return m.Submitted(job_ids=ids)
 
+    def cancel(self, request: m.CancelJob) -> m.Accepted | m.Refused:
+        job = self._jobs.get(request.job_id)
+        if job is None:
+            return m.Refused(reason=f"no job {request.job_id} in the queue")
+        if job.state == "queued":
+            self._jobs[job.job_id] = msgspec.structs.replace(job, state="cancelled")
+            return m.Accepted()
+        if job.state == "leased":
+            duplicate = job.cancel_requested
+            self._jobs[job.job_id] = msgspec.structs.replace(job, cancel_requested=True)
+            return m.Accepted(duplicate=duplicate)
+        if job.state == "cancelled":
+            return m.Accepted(duplicate=True)
+        return m.Refused(reason=f"job {job.job_id} already {job.state}" + (f" on {job.node}" if job.node else ""))
+
     def status(self) -> m.QueueStatus:
         held: dict[str, int] = {}
         for job in self._jobs.values():
             if job.state == "leased":
                 held[job.node] = held.get(job.node, 0) + 1
         nodes = [msgspec.structs.replace(n, leases=held.get(n.node, 0)) for n in self._nodes.values()]
-        return m.QueueStatus(jobs=list(self._jobs.values()), nodes=nodes, expired=self._expired, now=self._clock())
+        jobs = [msgspec.structs.replace(j, lease_token="") if j.lease_token else j for j in self._jobs.values()]
+        return m.QueueStatus(jobs=jobs, nodes=nodes, expired=self._expired, now=self._clock())
 
     # -- nodes ------------------------------------------------------------------------
 
@@ -115,14 +144,19 @@ class Ledger:
         for job in sorted(self._jobs.values(), key=lambda j: j.job_id):
             if not free:
                 break
-            if job.state != "queued":
+            if job.state != "queued" or job.spec.kind not in request.kinds:
                 continue
             fitting = [s for s in free if fits(job.spec, s)]
             if not fitting:
                 continue  # a smaller job behind it may fit
             free.remove(max(fitting, key=lambda s: s.bubble_share))
             leased = msgspec.structs.replace(
-                job, state="leased", attempt=job.attempt + 1, node=request.node, lease_deadline=now + request.lease_s
+                job,
+                state="leased",
+                attempt=job.attempt + 1,
+                node=request.node,
+                lease_deadline=now + request.lease_s,
+                lease_token=secrets.token_urlsafe(16),
             )
             self._jobs[job.job_id] = leased
             leases.append(
@@ -131,6 +165,7 @@ class Ledger:
                     attempt=leased.attempt,
                     spec=job.spec,
                     checkpointed_steps=job.checkpointed_steps,
+                    token=leased.lease_token,
                 )
             )
         return m.Leases(leases=leases)
@@ -139,12 +174,14 @@ class Ledger:
         """Extend the leases a node still holds, with its progress; name those it lost."""
         now = self._clock()
         self._seen(request.node, request.summary, now)
-        lost = []
+        lost, cancel = [], []
         for item in request.progress:
-            job = self._holding(request.node, item.job_id, item.attempt)
+            job = self._holding(request.node, item.job_id, item.attempt, item.token)
             if job is None:
                 lost.append(item.job_id)
                 continue
+            if job.cancel_requested:
+                cancel.append(job.job_id)
             self._jobs[job.job_id] = msgspec.structs.replace(
                 job,
                 lease_deadline=now + request.lease_s,
@@ -152,7 +189,7 @@ class Ledger:
                 checkpointed_steps=max(job.checkpointed_steps, item.checkpointed_steps),
                 metrics=item.metrics,
             )
-        return m.Renewed(lost=lost)
+        return m.Renewed(lost=lost, cancel=cancel)
 
     def finish(self, request: m.FinishJob) -> m.Accepted | m.Refused:
         job = self._jobs.get(request.job_id)
@@ -162,7 +199,7 @@ class Ledger:
             if job.attempt == request.attempt and job.node == request.node:
                 return m.Accepted(duplicate=True)
             return m.Refused(reason=f"job {job.job_id} was already finished by attempt {job.attempt} on {job.node}")
-        held = self._holding(request.node, request.job_id, request.attempt)
+        held = self._holding(request.node, request.job_id, request.attempt, request.token)
         if held is None:
             return self._stale(job, request.node, request.attempt)
         self._end(held, "finished", "finished", request.steps, metrics=request.metrics)
@@ -174,11 +211,11 @@ class Ledger:
             return m.Refused(reason=f"no job {request.job_id} in the queue")
         if job.state == "failed" and job.attempt == request.attempt and job.node == request.node:
             return m.Accepted(duplicate=True)
-        held = self._holding(request.node, request.job_id, request.attempt)
+        held = self._holding(request.node, request.job_id, request.attempt, request.token)
         if held is None:
             return self._stale(job, request.node, request.attempt)
         held = msgspec.structs.replace(held, failures=held.failures + 1, error=request.error)
-        final = held.failures >= held.max_attempts
+        final = request.final or held.failures >= held.max_attempts or held.cancel_requested
         self._end(held, "failed" if final else "queued", "failed", request.steps, detail=request.error)
         return m.Accepted()
 
@@ -186,21 +223,24 @@ class Ledger:
         job = self._jobs.get(request.job_id)
         if job is None:
             return m.Refused(reason=f"no job {request.job_id} in the queue")
-        held = self._holding(request.node, request.job_id, request.attempt)
+        held = self._holding(request.node, request.job_id, request.attempt, request.token)
         if held is None:
             last = job.history[-1] if job.history else None
-            repeated = last is not None and (last.attempt, last.node, last.outcome) == (
-                request.attempt,
-                request.node,
-                "preempted",
+            repeated = (
+                last is not None
+                and (last.attempt, last.node) == (request.attempt, request.node)
+                and last.outcome in ("preempted", "cancelled")
             )
-            if repeated and job.state == "queued":
+            if repeated and job.state in ("queued", "cancelled"):
                 return m.Accepted(duplicate=True)
             return self._stale(job, request.node, request.attempt)
         held = msgspec.structs.replace(
             held, checkpointed_steps=max(held.checkpointed_steps, request.checkpointed_steps)
         )
-        self._end(held, "queued", "preempted", request.steps, detail=request.reason)
+        if held.cancel_requested:
+            self._end(held, "cancelled", "cancelled", request.steps, detail="cancelled by a user")
+        else:
+            self._end(held, "queued", "preempted", request.steps, detail=request.reason)
         return m.Accepted()
 
     def expire(self) -> int:
@@ -209,7 +249,8 @@ class Ledger:
         count = 0
         for job in list(self._jobs.values()):
             if job.state == "leased" and job.lease_deadline < now:
-                self._end(job, "queued", "expired", job.steps, detail=f"{job.node} stopped renewing its lease")
+                state: m.JobState = "cancelled" if job.cancel_requested else "queued"
+                self._end(job, state, "expired", job.steps, detail=f"{job.node} stopped renewing its lease")
                 count += 1
         self._expired += count
         return count
@@ -222,10 +263,12 @@ class Ledger:
     def _seen(self, node: str, summary: m.NodeSummary, now: float) -> None:
         self._nodes[node] = m.NodeRecord(node=node, last_seen=now, summary=summary)
 
-    def _holding(self, node: str, job_id: int, attempt: int) -> m.JobRecord | None:
+    def _holding(self, node: str, job_id: int, attempt: int, token: str) -> m.JobRecord | None:
         job = self._jobs.get(job_id)
         if job is None or job.state != "leased" or job.node != node or job.attempt != attempt:
             return None
+        if not hmac.compare_digest(job.lease_token.encode(), token.encode()):
+            return None  # not the lease's holder (a forged report): as if it held no lease
         return job
 
     def _stale(self, job: m.JobRecord, node: str, attempt: int) -> m.Refused:
@@ -248,6 +291,7 @@ class Ledger:
             state=state,
             steps=steps,
             lease_deadline=0.0,
+            lease_token="",
             metrics=job.metrics if metrics is None else metrics,
             history=[*job.history, record],
         )

@@ -18,11 +18,13 @@ __all__ = [
     "JOB_STATES",
     "Accepted",
     "AttemptRecord",
+    "CancelJob",
     "FailJob",
     "FinishJob",
     "JobProgress",
     "JobRecord",
     "JobState",
+    "MAX_SUBMIT",
     "LeaseJobs",
     "Leased",
     "Leases",
@@ -45,11 +47,13 @@ __all__ = [
     "encode",
 ]
 
-JobState = Literal["queued", "leased", "finished", "failed"]
-JOB_STATES: tuple[JobState, ...] = ("queued", "leased", "finished", "failed")
-Outcome = Literal["finished", "failed", "preempted", "expired"]
+JobState = Literal["queued", "leased", "finished", "failed", "cancelled"]
+JOB_STATES: tuple[JobState, ...] = ("queued", "leased", "finished", "failed", "cancelled")
+Outcome = Literal["finished", "failed", "preempted", "expired", "cancelled"]
 """How one attempt ended: ``preempted`` (its node gave it back) and ``expired`` (its node stopped renewing
 its lease: dead or cut off) put the job back in the queue without counting against ``max_attempts``."""
+MAX_SUBMIT = 10_000
+"""Jobs one submission may queue."""
 
 _Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
@@ -94,6 +98,11 @@ class JobRecord(_Msg, frozen=True, tag="job"):
     metrics: dict[str, float] = {}
     error: str = ""
     history: list[AttemptRecord] = []
+    lease_token: str = ""
+    """The secret of the current lease: only its holder can renew it or say how the attempt ended (the
+    queue never shows it in a status)."""
+    cancel_requested: bool = False
+    """A user cancelled the job while a node held it: the node stops it at its next renewal."""
 
 
 class Slot(_Msg, frozen=True, tag="slot"):
@@ -115,6 +124,8 @@ class JobProgress(_Msg, frozen=True, tag="job_progress"):
     steps: int = 0
     checkpointed_steps: int = -1
     metrics: dict[str, float] = {}
+    token: str = ""
+    """The lease's secret, as :class:`Leased` gave it."""
 
 
 class NodeSummary(_Msg, frozen=True, tag="node_summary"):
@@ -141,8 +152,14 @@ class NodeRecord(_Msg, frozen=True, tag="node"):
 
 
 class SubmitJobs(_Msg, frozen=True, tag="submit_jobs"):
-    specs: list[p.TaskSpec]
+    specs: Annotated[list[p.TaskSpec], msgspec.Meta(max_length=MAX_SUBMIT)]
     max_attempts: int = 3
+
+
+class CancelJob(_Msg, frozen=True, tag="cancel_job"):
+    """A user's cancel: a queued job is never leased; a leased one is stopped by its node (it checkpoints)."""
+
+    job_id: int
 
 
 class LeaseJobs(_Msg, frozen=True, tag="lease_jobs"):
@@ -152,6 +169,8 @@ class LeaseJobs(_Msg, frozen=True, tag="lease_jobs"):
     slots: list[Slot]
     lease_s: float
     summary: NodeSummary = NodeSummary()
+    kinds: list[p.TaskKind] = msgspec.field(default_factory=lambda: ["iterative"])
+    """The kinds of task the node runs from the queue (a program only where its agent allows them)."""
 
 
 class RenewLeases(_Msg, frozen=True, tag="renew_leases"):
@@ -165,6 +184,7 @@ class FinishJob(_Msg, frozen=True, tag="finish_job"):
     node: _Name
     job_id: int
     attempt: int
+    token: str = ""
     steps: int = 0
     metrics: dict[str, float] = {}
 
@@ -174,7 +194,10 @@ class FailJob(_Msg, frozen=True, tag="fail_job"):
     job_id: int
     attempt: int
     error: str
+    token: str = ""
     steps: int = 0
+    final: bool = False
+    """The node refused the job itself (its manager rejected the spec): no other attempt can help."""
 
 
 class PreemptJob(_Msg, frozen=True, tag="preempt_job"):
@@ -182,6 +205,7 @@ class PreemptJob(_Msg, frozen=True, tag="preempt_job"):
     job_id: int
     attempt: int
     reason: str
+    token: str = ""
     steps: int = 0
     checkpointed_steps: int = -1
 
@@ -190,7 +214,7 @@ class QueueStatusRequest(_Msg, frozen=True, tag="queue_status_request"):
     pass
 
 
-QueueRequest = SubmitJobs | LeaseJobs | RenewLeases | FinishJob | FailJob | PreemptJob | QueueStatusRequest
+QueueRequest = SubmitJobs | CancelJob | LeaseJobs | RenewLeases | FinishJob | FailJob | PreemptJob | QueueStatusRequest
 
 
 # -- replies ---------------------------------------------------------------------------
@@ -205,6 +229,8 @@ class Leased(_Msg, frozen=True, tag="leased"):
     attempt: int
     spec: p.TaskSpec
     checkpointed_steps: int = -1
+    token: str = ""
+    """The lease's secret: the node sends it with every renewal and with the attempt's outcome."""
 
 
 class Leases(_Msg, frozen=True, tag="leases"):
@@ -214,6 +240,8 @@ class Leases(_Msg, frozen=True, tag="leases"):
 class Renewed(_Msg, frozen=True, tag="renewed"):
     lost: list[int] = []
     """Jobs the node reported but no longer holds (its lease expired): it must stop them."""
+    cancel: list[int] = []
+    """Jobs a user cancelled: the node stops them and reports them preempted (they end cancelled)."""
 
 
 class Accepted(_Msg, frozen=True, tag="accepted"):

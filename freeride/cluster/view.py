@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 from freeride.cluster import messages as m
-from freeride.units import format_ns, printable
+from freeride.units import format_bytes, format_ns, printable
 
-__all__ = ["cluster_report", "format_cluster_status", "format_report"]
+__all__ = ["cluster_report", "format_cluster_status", "format_report", "job_reason"]
 
 
 def _share(part: int, whole: int) -> str:
@@ -19,6 +19,36 @@ def _counts(status: m.QueueStatus) -> dict[str, int]:
     for job in status.jobs:
         counts[job.state] += 1
     return counts
+
+
+def job_reason(job: m.JobRecord, now: float) -> str:
+    """Why a job is where it is: what a queued one waits for, how its last attempt ended, its lease."""
+    last = job.history[-1] if job.history else None
+    ended = (
+        f"attempt {last.attempt} {last.outcome} on {last.node}" + (f": {last.detail}" if last.detail else "")
+        if last
+        else ""
+    )
+    match job.state:
+        case "queued":
+            needs = []
+            if job.spec.device_kind == "gpu":
+                needs.append("a GPU")
+            if job.spec.peak_memory > 0:
+                needs.append(f"{format_bytes(job.spec.peak_memory)} spare")
+            waiting = "waiting for a node that offers room" + (f" with {' and '.join(needs)}" if needs else "")
+            return f"{waiting}; {ended}" if ended else waiting
+        case "leased":
+            lease = f"lease held, renewed by {job.node}; expires in {max(0.0, job.lease_deadline - now):.0f}s"
+            return lease + ("; cancel requested, stopping" if job.cancel_requested else "")
+        case "failed":
+            return job.error or ended
+        case "cancelled":
+            return (
+                ended if last is not None and last.outcome in ("cancelled", "expired") else "cancelled before a lease"
+            )
+        case _:
+            return ""
 
 
 def format_cluster_status(status: m.QueueStatus, *, jobs: bool = True) -> str:
@@ -38,14 +68,18 @@ def format_cluster_status(status: m.QueueStatus, *, jobs: bool = True) -> str:
             f" {_share(s.interference_ns, s.train_ns):>13}"
         )
     if jobs:
-        lines += ["", f"{'job':>5} {'name':24} {'state':9} {'attempt':>7} {'node':16} {'steps':>8} {'checkpoint':>10}"]
+        lines += [
+            "",
+            f"{'job':>5} {'name':24} {'state':9} {'attempt':>7} {'failed':>6} {'node':16} {'steps':>8}"
+            f" {'checkpoint':>10}  why",
+        ]
         for job in sorted(status.jobs, key=lambda j: j.job_id):
             ckpt = str(job.checkpointed_steps) if job.checkpointed_steps >= 0 else "-"
             where = printable(job.node)[:16] if job.state != "queued" else ""  # a queued job's last node is history
+            failed = f"{job.failures}/{job.max_attempts}"
             lines.append(
-                f"{job.job_id:>5} {printable(job.spec.name)[:24]:24} {job.state:9} {job.attempt:>7}"
-                f" {where or '-':16} {job.steps:>8} {ckpt:>10}"
-                + (f"  error: {printable(job.error)}" if job.error else "")
+                f"{job.job_id:>5} {printable(job.spec.name)[:24]:24} {job.state:9} {job.attempt:>7} {failed:>6}"
+                f" {where or '-':16} {job.steps:>8} {ckpt:>10}  {printable(job_reason(job, status.now))}".rstrip()
             )
     lines += [
         "",
@@ -71,7 +105,7 @@ def cluster_report(status: m.QueueStatus) -> dict[str, Any]:
         nodes[node.node] = {**row, "devices": s.devices, "alive_devices": s.alive_devices}
         for key, value in row.items():
             totals[key] += value
-    outcomes = {outcome: 0 for outcome in ("finished", "failed", "preempted", "expired")}
+    outcomes = {outcome: 0 for outcome in get_args(m.Outcome)}
     attempts_by_node: dict[str, int] = {}
     for job in status.jobs:
         for attempt in job.history:

@@ -206,3 +206,69 @@ def test_a_queue_of_shards_survives_the_loss_of_a_node() -> None:
         raise
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_cancel_forged_reports_and_programs_on_a_real_ray_cluster() -> None:
+    """One node with two devices: three long shards (two leased, one queued) and one program.
+
+    Another Ray driver's forged FinishJob (the node's name and the attempt, without the lease's token) is
+    refused; the program is never leased (the agent does not allow programs); a cancel ends the queued
+    job at once and the leased one through its node; the remaining job runs on.
+    """
+    from freeride import protocol as p
+    from freeride.cluster.queue import ClusterQueue
+
+    base = Path(tempfile.mkdtemp(prefix="frc-", dir="/tmp"))
+    cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={**_RAY_NODE, "include_dashboard": False})
+    try:
+        address = cluster.address
+        with ClusterQueue(address, create=True, timeout_s=60) as queue, _node("a", base, address):
+            submit = subprocess.run(
+                freeride_cmd(
+                    "cluster", "submit", "sweep-shard", "--address", address, "--name", "long", "--shards", "3",
+                    "--opt", f"size={100 * SIZE}", "--opt", f"chunk={CHUNK}",
+                ),
+                capture_output=True, text=True, timeout=120, check=False,
+            )  # fmt: skip
+            assert submit.returncode == 0, submit.stderr
+            program = p.TaskSpec(kind="imperative", argv=["id"], name="a-program")
+            assert isinstance(queue.request(m.SubmitJobs(specs=[program])), m.Submitted)
+            bad = subprocess.run(
+                freeride_cmd("cluster", "submit", "sweep-shard", "--address", address, "--name", "x", "--opt", "no=1"),
+                capture_output=True, text=True, timeout=120, check=False,
+            )  # fmt: skip
+            assert bad.returncode != 0 and "no" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+            def jobs() -> dict[str, m.JobRecord]:
+                return {j.spec.name: j for j in _status(queue).jobs}
+
+            poll(lambda: sum(j.state == "leased" for j in jobs().values()) == 2, 90, "both devices to lease a job")
+            leased = sorted(j.job_id for j in jobs().values() if j.state == "leased")
+            [queued] = [j.job_id for j in jobs().values() if j.state == "queued" and j.spec.kind == "iterative"]
+            forged = queue.request(m.FinishJob(node="a", job_id=leased[0], attempt=1, steps=1))
+            assert isinstance(forged, m.Refused) and "holds no lease" in forged.reason, forged
+
+            cancel = subprocess.run(
+                freeride_cmd("cluster", "cancel", "--address", address, str(queued), str(leased[0])),
+                capture_output=True, text=True, timeout=120, check=False,
+            )  # fmt: skip
+            assert cancel.returncode == 0, cancel.stderr
+            by_id = {j.job_id: j for j in _status(queue).jobs}
+            assert by_id[queued].state == "cancelled"  # at once: it was never leased
+            poll(lambda: {j.job_id: j.state for j in _status(queue).jobs}[leased[0]] == "cancelled", 60, "its node")
+            final = {j.job_id: j for j in _status(queue).jobs}
+            assert [h.outcome for h in final[leased[0]].history] == ["cancelled"]
+            assert final[leased[1]].state == "leased"  # the other runs on
+            assert jobs()["a-program"].state == "queued" and jobs()["a-program"].attempt == 0  # never leased
+            text = subprocess.run(
+                freeride_cmd("cluster", "status", "--address", address),
+                capture_output=True, text=True, timeout=120, check=False,
+            ).stdout  # fmt: skip
+            assert "lease held, renewed by a" in text and "cancelled" in text, text
+    except BaseException:
+        _show_logs(base)
+        raise
+    finally:
+        with contextlib.suppress(Exception):
+            cluster.shutdown()
+        shutil.rmtree(base, ignore_errors=True)

@@ -34,3 +34,23 @@ def test_an_address_where_no_ray_listens_is_one_line_and_3(capsys: pytest.Captur
     pytest.importorskip("ray", reason="the cluster queue needs Ray: pip install 'freeride-runtime[ray]'")
     assert main(["cluster", "status", "--address", "127.0.0.1:1"]) == 3  # refused at once: Ray would retry
     assert "no Ray cluster answers at 127.0.0.1:1" in capsys.readouterr().err
+
+
+def test_a_relative_path_option_is_made_absolute_where_the_submitter_stands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each node would resolve it against another directory (the sweep refused it on every node, 3 times)."""
+    from freeride.cli.cluster import _job_specs
+    from freeride.cli.main import build_parser
+
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(
+        ["cluster", "submit", "sweep-shard", "--name", "s", "--shards", "2", "--opt", "out=results/sum"]
+    )
+    specs = _job_specs(args)
+    assert [spec.options["out"] for spec in specs] == [str(tmp_path / "results" / "sum")] * 2
+    kept = {"out": "/abs/x", "data_dir": "s3://bucket/x", "name": "a/b", "size": 3}
+    from freeride.cli.submission import absolute_paths
+
+    assert absolute_paths(kept, str(tmp_path)) == kept  # absolute, a URL, not a path option, not a string
+    assert absolute_paths({"data_dir": "../d"}, str(tmp_path)) == {"data_dir": str(tmp_path.parent / "d")}
