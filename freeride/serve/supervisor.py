@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import logging
 import math
-import os
-import shutil
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, assert_never
@@ -24,24 +21,19 @@ import msgspec
 
 from freeride import protocol as p
 from freeride.clock import MONOTONIC, Clock
-from freeride.gpu.memcap import MemoryCap, plan_memory_cap
-from freeride.gpu.smshare import plan_sm_share
-from freeride.host.cgroup import TaskCgroup, remove_own_cgroups
-from freeride.host.memory import meminfo
+from freeride.host.cgroup import remove_own_cgroups
 from freeride.observe.base import Observers
 from freeride.serve.capacity import Settling, bubble_share, plan_moves
 from freeride.serve.config import ServeConfig
-from freeride.serve.cores import side_task_cores, stage_position, thread_env
 from freeride.serve.declarations import gpu_views, last_lines, pending_reason, with_declarations
-from freeride.serve.imperative import ImperativeProcess
+from freeride.serve.intake import check_spec
 from freeride.serve.liveness import Liveness
 from freeride.serve.placement import DeviceView, NoFit, place
-from freeride.serve.progress import Progress, progress_source, watch_progress
+from freeride.serve.processes import TaskProcesses
 from freeride.serve.ranks import DeviceInfo
-from freeride.serve.runners import ProgramRunner, SendFn, WorkerRunner
+from freeride.serve.runners import SendFn
 from freeride.serve.scheduler import DeviceScheduler
-from freeride.serve.tasks import TaskRecord, restart_delay_s, spawn_worker, stop_process, task_name
-from freeride.tasks.programs import device_env, program_env, spec_problem
+from freeride.serve.tasks import TaskRecord, restart_delay_s, task_name
 
 __all__ = ["KEEP_ENDED", "MAX_LIVE_TASKS", "Supervisor"]
 
@@ -53,11 +45,6 @@ MAX_LIVE_TASKS = 10_000
 """Tasks that wait or run at once, at most: a control client cannot fill the manager's memory."""
 
 SpawnFn = Callable[[Coroutine[Any, Any, None], str], object]
-
-_SETUP_ROOM = 1 << 30
-"""Host memory a worker may use beyond its task's cap until set up (interpreter, torch, the task's imports)."""
-_WORKER_SLACK = 64 << 20
-"""Added to a set-up worker's use and its task's cap: allocator slack."""
 
 
 class Supervisor:
@@ -85,8 +72,7 @@ class Supervisor:
         self._unknown = 0
         """Messages from workers the table does not know (log sampling)."""
         self._spawn: SpawnFn | None = None
-        self.mps_pipe_dir: Path | None = None
-        """Pipe directory of the MPS daemon side tasks join (None without MPS)."""
+        self.processes = TaskProcesses(config, devices=devices, tasks=self.tasks, send=send, clock=clock)
         self._settling = Settling(config.settle_s, clock=clock)
         self.liveness = Liveness(config, schedulers, notify=self._notify, clock=clock)
 
@@ -101,6 +87,15 @@ class Supervisor:
 
     def stop(self) -> None:
         self._spawn = None
+
+    @property
+    def mps_pipe_dir(self) -> Path | None:
+        """Pipe directory of the MPS daemon side tasks join (None without MPS)."""
+        return self.processes.mps_pipe_dir
+
+    @mps_pipe_dir.setter
+    def mps_pipe_dir(self, pipe_dir: Path | None) -> None:
+        self.processes.mps_pipe_dir = pipe_dir
 
     def _notify(self, task: TaskRecord) -> None:
         self.observers.task_status(task.status())
@@ -129,7 +124,7 @@ class Supervisor:
                 self._send(task.ident, self._assignment(task))
             case p.WorkerReady():
                 task.ready(estimate_ns=msg.step_estimate_ns, steps=msg.steps, packs=msg.packs)
-                self._tighten(task)
+                self.processes.tighten(task)
                 self._notify(task)
             case p.GrantDone():
                 self.report(task, msg)
@@ -179,23 +174,12 @@ class Supervisor:
             if task.pid and task.pid in used_by_pid:
                 task.device_memory = used_by_pid[task.pid]
 
-    def _workdir(self, task: TaskRecord) -> Path:
-        """Where the task's worker runs and keeps its own outputs."""
-        workdir = self.config.state_dir / "tasks" / task.name
-        workdir.mkdir(parents=True, exist_ok=True)
-        return workdir
-
-    def _cores(self, task: TaskRecord) -> list[int]:
-        """The cores the task's process runs on (see :mod:`freeride.serve.cores`)."""
-        info = self.devices[task.device]
-        return side_task_cores(info.name, info.cpu_affinity, position=stage_position(info, self.devices.values()))
-
     def _typical_bubble_ns(self, device: str) -> int:
         scheduler = self.schedulers.get(device)
         return scheduler.typical_bubble_ns(self.devices[device]) if scheduler is not None else 0
 
     def _assignment(self, task: TaskRecord) -> p.Assign:
-        workdir = self._workdir(task)
+        workdir = self.processes.workdir(task)
         return p.Assign(
             task_id=task.task_id,
             spec=task.spec,
@@ -203,9 +187,9 @@ class Supervisor:
             checkpoint_path=str(task.checkpoint_path),
             margin_ns=self.config.margin_ns,
             checkpoint_every_ns=int(self.config.checkpoint_every_s * 1e9),
-            cpu_affinity=self._cores(task),
+            cpu_affinity=self.processes.cores(task),
             workdir=str(workdir),
-            memory_limit=self._peak(task),
+            memory_limit=self.processes.peak(task),
             side_priority=self.config.side_priority,
             max_loss_ns=task.max_loss_ns,
             max_loss_steps=task.max_loss_steps,
@@ -224,7 +208,7 @@ class Supervisor:
             return p.Rejected(
                 reason=f"{live} tasks already wait or run here (at most {MAX_LIVE_TASKS}); cancel some first"
             )
-        problem = _check_spec(spec)
+        problem = check_spec(spec)
         if problem:
             return p.Rejected(reason=problem)
         if spec.kind == "iterative":  # one spelling per task: its name keys its checkpoint
@@ -359,73 +343,6 @@ class Supervisor:
         if self._spawn is not None:  # otherwise start() does
             self._spawn(self._supervise(task), f"task-{task.task_id}")
 
-    def _peak(self, task: TaskRecord) -> int:
-        """The memory ``task`` may use: its declared (or profiled) peak.
-
-        A task that declares none may use what its device can spare beside the
-        peaks the other tasks there declared (all of the spare memory if they
-        took it all): never the whole machine. -1 only where nothing is known.
-        """
-        if task.spec.peak_memory > 0:
-            return task.spec.peak_memory
-        spare = self._spare(task.device)
-        others = sum(
-            max(0, t.spec.peak_memory)
-            for t in self.tasks.values()
-            if t is not task and t.device == task.device and t.active
-        )
-        return spare - others if spare - others > 0 else spare
-
-    def _spare(self, name: str) -> int:
-        """What device ``name`` can spare for side tasks; -1 where nothing is known.
-
-        Before its stage says (a task pinned to a device ahead of training), an
-        estimate that leaves the stage room: on a GPU half of what NVML sees free;
-        on the host its available memory shared by the host devices known here.
-        """
-        info = self.devices[name]
-        if info.spare_memory >= 0:
-            return info.spare_memory
-        if name.startswith("cuda:"):
-            return info.free_memory // 2 if info.free_memory > 0 else -1
-        available = meminfo("MemAvailable")
-        hosts = sum(1 for other in self.devices if not other.startswith("cuda:"))
-        return available // max(1, hosts) if available > 0 else -1
-
-    def _tighten(self, task: TaskRecord) -> None:
-        """A worker is set up: cap its cgroup at what it uses now plus its task's cap."""
-        group = task.cgroup
-        if group is None or not group.memory_by or task.memory_cap <= 0:
-            return
-        used = group.memory_current()
-        if used > 0:
-            group.set_memory_max(used + task.memory_cap + _WORKER_SLACK)
-
-    def _cgroup(self, task: TaskRecord, host_cap: int) -> TaskCgroup | None:
-        """The cgroup a task's processes run in; ``host_cap`` bytes of host memory, -1 for no cap.
-
-        A GPU task's declared peak is device memory: its cgroup holds its
-        processes (setsid ones included) but caps nothing.
-        """
-        if task.device.partition(":")[0] == "cuda":
-            host_cap = -1
-        return TaskCgroup.create(f"task-{task.task_id}-{task.restarts}", memory_max=host_cap)
-
-    def _memory_cap(self, task: TaskRecord) -> MemoryCap:
-        device = self.devices[task.device]
-        kind = task.device.partition(":")[0]
-        peak = self._peak(task)
-        if kind not in ("cpu", "cuda"):  # a backend's own device naming: host memory, like cpu
-            cap = plan_memory_cap("cpu:0", peak)
-        else:
-            cap = plan_memory_cap(task.device, peak, mps_pipe_dir=self.mps_pipe_dir, total_bytes=device.device_memory)
-        task.memory_cap = peak if cap.mechanism != "none" else -1
-        task.memory_cap_by = "" if cap.mechanism == "none" else cap.mechanism
-        # the SM share rides along: fixed at the process's start, like the memory cap
-        share, sm_env = plan_sm_share(task.device, task.spec.sm_share, mps_pipe_dir=self.mps_pipe_dir)
-        task.sm_share = share
-        return MemoryCap(mechanism=cap.mechanism, env={**cap.env, **sm_env}, rlimit_as=cap.rlimit_as) if sm_env else cap
-
     # -- run, restart, stop ---------------------------------------------------------------
 
     async def _supervise(self, task: TaskRecord) -> None:
@@ -447,9 +364,11 @@ class Supervisor:
             if task.terminal:  # cancelled before (or between) its starts
                 return
             if task.spec.kind == "imperative":
-                code = await self._run_program(task)
+                code = await self.processes.run_program(
+                    task, report=lambda done: self.report(task, done), notify=lambda: self._notify(task)
+                )
             else:
-                code = await self._run_worker(task)
+                code = await self.processes.run_worker(task)
             left = task.device
             restart = task.exited(code)
             scheduler = self.schedulers.get(left)
@@ -485,112 +404,6 @@ class Supervisor:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(task.backoff_s):
                     await task.done.wait()  # a cancel ends the wait
-
-    async def _run_worker(self, task: TaskRecord) -> int:
-        cap = self._memory_cap(task)
-        host = task.memory_cap if cap.mechanism == "rlimit_as" else -1
-        group = self._cgroup(task, host + _SETUP_ROOM if host > 0 else -1)
-        env = dict(cap.env)
-        if group is not None and group.memory_by:
-            env["FREERIDE_MEMORY_CAP_BY"] = task.memory_cap_by = group.memory_by
-        process: asyncio.subprocess.Process | None = None
-        try:
-            process = await spawn_worker(
-                task,
-                python=self.config.python,
-                endpoint=self.config.endpoints.workers,
-                log_dir=self.config.log_dir,
-                cpu_affinity=self._cores(task),
-                extra_env=env,
-                workdir=self._workdir(task),
-            )
-            if group is not None:
-                try:
-                    group.add(process.pid)
-                    task.cgroup = group
-                except OSError as exc:
-                    logger.warning("[tasks] task %d: cannot move its worker into %s: %s", task.task_id, group.v2, exc)
-            if task.terminal:  # cancelled while the worker was being started
-                return await stop_process(process, timeout_s=0)
-            task.runner = WorkerRunner(task.ident, process, send=self._send)
-            code = await process.wait()
-            if code != 0 and group is not None and group.oom_killed():
-                task.error = f"worker killed: over its memory cap of {task.memory_cap >> 20} MiB"
-            return code
-        finally:
-            # A worker still running (the manager is shutting down) is asked to checkpoint
-            # and stop first: its cgroup goes when it has (see _stop_task).
-            if group is not None and (process is None or process.returncode is not None):
-                task.cgroup = None
-                group.remove()  # and whatever the worker left running
-
-    async def _run_program(self, task: TaskRecord) -> int:
-        """Start an imperative task's program stopped, let bubbles run it, and wait for its exit."""
-        cores = self._cores(task)
-        cap = self._memory_cap(task)
-        host = task.memory_cap if cap.mechanism == "rlimit_as" else -1
-        # tight: the program's own declared peak, with a little slack for the allocator
-        group = self._cgroup(task, host + max(host // 16, 8 << 20) if host > 0 else -1)
-        if group is not None and group.memory_by:
-            task.memory_cap_by = group.memory_by
-        spec = task.spec
-        cwd = Path(spec.cwd) if spec.cwd else self._workdir(task)
-        program = ImperativeProcess(
-            spec.argv,
-            env={**program_env(spec.env, os.environ), **device_env(task.device), **thread_env(cores), **cap.env},
-            log_dir=self.config.log_dir,
-            name=f"task-{task.task_id}-{task.name}",
-            cpu_affinity=cores,
-            # kept under a cgroup too: a huge allocation then fails cleanly (MemoryError) instead of an OOM kill
-            memory_limit=cap.rlimit_as if cap.mechanism == "rlimit_as" else -1,
-            margin_ns=self.config.margin_ns,
-            sync_every=spec.sync_every,
-            cwd=cwd,
-            cgroup=group,
-        )
-        reader = progress_source(
-            file=spec.progress_file,
-            pattern=spec.progress_pattern,
-            cwd=cwd,
-            stdout=self.config.log_dir / f"{program.name}.out",
-        )
-        try:
-            await program.start()
-        except OSError as exc:
-            if group is not None:
-                group.remove()
-            task.error = f"cannot start {task.spec.argv[0]!r}: {exc}"
-            return 127
-        if task.terminal:  # cancelled while the program was being started
-            return (await program.terminate(timeout_s=self.config.stop_timeout_s)).returncode
-        if self.config.side_priority == "low":
-            with contextlib.suppress(OSError):  # the same low CPU priority as iterative workers
-                os.setpriority(os.PRIO_PGRP, program.pid, 19)
-        task.runner = ProgramRunner(
-            task.task_id,
-            program,
-            report=lambda done: self.report(task, done),
-            clock=self._clock,
-            total_steps=(lambda: max(task.steps, 0)) if reader is not None else None,
-        )
-        task.ready()
-        self._notify(task)
-        if reader is None:
-            info = await program.wait()
-        else:
-            info = await watch_progress(program, reader, lambda seen: _progressed(task, seen))
-        task.park()
-        self._notify(task)
-        task.busy_ns = program.busy_ns
-        task.metrics.update({"user_s": info.user_s, "system_s": info.system_s, "max_rss_mb": info.max_rss_kb / 1024})
-        if info.returncode != 0:
-            why = f"killed by signal {info.signal}" if info.signal else f"exited with code {info.returncode}"
-            if group is not None and group.oom_killed():
-                why += f": over its memory cap of {task.memory_cap >> 20} MiB"
-            task.error = f"program {why} (log: {self.config.log_dir / program.name}.err)"
-        # what it left running, its watchdog and its cgroup go with it
-        await program.terminate(timeout_s=self.config.stop_timeout_s)
-        return info.returncode
 
     def _cancellable(self, task_id: int) -> TaskRecord | p.Rejected:
         task = self.tasks.get(task_id)
@@ -639,14 +452,7 @@ class Supervisor:
         if scheduler is not None:
             scheduler.slow.release(task)  # a frozen worker must read its Stop
         runner.stop(reason)
-        match runner:
-            case ProgramRunner(program=program):
-                await program.terminate(timeout_s=self.config.stop_timeout_s)
-            case WorkerRunner(process=process):
-                await stop_process(process, timeout_s=self.config.stop_timeout_s)
-                if task.cgroup is not None:
-                    task.cgroup.remove()  # what the worker left running
-                    task.cgroup = None
+        await self.processes.terminate(task, runner)
 
     # -- liveness -------------------------------------------------------------------
 
@@ -665,62 +471,6 @@ class Supervisor:
         remove_own_cgroups()
 
 
-def _progressed(task: TaskRecord, seen: Progress) -> None:
-    """A program's own step count and metrics, as its progress file or stdout says them."""
-    if seen.step >= 0:
-        task.steps = max(task.steps, seen.step)
-    task.metrics.update(seen.metrics)
-
-
 def _finite(metrics: dict[str, float]) -> dict[str, float]:
     """Metrics a task reported, without NaN or infinities (JSON has no spelling for them)."""
     return {k: v for k, v in metrics.items() if math.isfinite(v)}
-
-
-def _checkpoint_dir_problem(checkpoint_dir: str) -> str:
-    """Why a task's own checkpoint directory cannot be used, or an empty string."""
-    if not checkpoint_dir:
-        return ""
-    if not os.path.isabs(checkpoint_dir) or "\0" in checkpoint_dir:
-        return f"checkpoint_dir must be an absolute path, got {checkpoint_dir!r}"
-    if not os.path.isdir(checkpoint_dir):
-        return f"checkpoint_dir {checkpoint_dir!r} is not a directory here (create it; shared storage must be mounted)"
-    return ""
-
-
-def _check_spec(spec: p.TaskSpec) -> str:
-    """Why ``spec`` cannot run, or an empty string."""
-    if spec.kind == "iterative":
-        problem = spec_problem(spec) or _checkpoint_dir_problem(spec.checkpoint_dir)
-        if problem:
-            return problem
-        from freeride.tasks.targets import resolve
-
-        try:
-            module = resolve(spec.target).rpartition(":")[0]
-        except ValueError as exc:
-            return str(exc)
-        if module.endswith(".py"):
-            return "" if os.path.isfile(module) else f"no such file {module!r} (give a path the manager can read)"
-        try:
-            # the top-level package only: finding a submodule imports its parents
-            # (torch for torch.nn), which would stall the manager's loop
-            found = importlib.util.find_spec(module.partition(".")[0])
-        except (ImportError, ValueError):
-            found = None
-        if found is None:
-            return f"cannot import module {module!r} (is it installed in the manager's environment?)"
-        return ""
-    problem = spec_problem(spec)
-    if problem:
-        return problem
-    if not spec.argv:
-        return "an imperative task needs a command"
-    if spec.cwd and not os.path.isdir(spec.cwd):
-        return f"working directory {spec.cwd!r} is not a directory here"
-    program = spec.argv[0]
-    if "/" in program and not os.path.isabs(program) and spec.cwd:
-        program = os.path.join(spec.cwd, program)
-    if shutil.which(program, path=program_env(spec.env, os.environ)["PATH"]) is None:
-        return f"command {spec.argv[0]!r} not found on the program's PATH"
-    return ""

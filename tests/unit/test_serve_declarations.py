@@ -209,11 +209,11 @@ def test_a_task_without_a_peak_is_capped_even_before_its_stage_says_what_it_spar
     }
     sup = supervisor(tmp_path, devices)
     host = record(tmp_path)
-    assert 0 < sup._peak(host) <= meminfo("MemAvailable") // 2 + (64 << 20)
-    cap = sup._memory_cap(host)
-    assert cap.mechanism == "rlimit_as" and host.memory_cap == sup._peak(host)
+    assert 0 < sup.processes.peak(host) <= meminfo("MemAvailable") // 2 + (64 << 20)
+    cap = sup.processes.memory_cap(host)
+    assert cap.mechanism == "rlimit_as" and host.memory_cap == sup.processes.peak(host)
     gpu = record(tmp_path, task_id=2)
     gpu.device = "cuda:0"
-    assert sup._peak(gpu) == 4 << 30
+    assert sup.processes.peak(gpu) == 4 << 30
     devices["cpu:0"].spare_memory = 1 << 30  # once the stage reports, its figure counts
-    assert sup._peak(host) == 1 << 30
+    assert sup.processes.peak(host) == 1 << 30

@@ -65,7 +65,7 @@ def _supervisor(tmp_path: Path, mps: bool) -> tuple[Supervisor, TaskRecord]:
 @pytest.mark.parametrize("mps", [True, False])
 def test_supervisor_puts_the_share_in_the_env_and_status_shows_it(tmp_path: Path, mps: bool) -> None:
     sup, task = _supervisor(tmp_path, mps)
-    env = sup._memory_cap(task).env
+    env = sup.processes.memory_cap(task).env
     status = task.status()
     if mps:
         assert env[ENV_SM_SHARE] == str(DEFAULT_SM_SHARE)
