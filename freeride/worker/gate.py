@@ -9,6 +9,12 @@ or the bubble ends.
 Every time reading goes through an injected :class:`~freeride.clock.Clock` and
 every message through a :class:`GateLink`, so the rule can be driven step by
 step in tests without sockets or sleeps.
+
+The gate runs the loop and answers the manager's messages; each of its other
+concerns is a part with one job: the grant held and what was done in it
+(:mod:`~freeride.worker.ledger`), the pending step and whether it fits
+(:mod:`~freeride.worker.pending`), checkpoints (:mod:`~freeride.worker.checkpointing`)
+and progress reports (:mod:`~freeride.worker.reports`).
 """
 
 from __future__ import annotations
@@ -17,35 +23,30 @@ import logging
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Protocol, TypeVar, assert_never
 
 from freeride import protocol as p
-from freeride.admission import fits, room_ns
 from freeride.clock import MONOTONIC, Clock
 from freeride.host.schedstat import ThreadRunDelay
 from freeride.sidetask import IterativeTask, StepEstimates, TaskStopped
 from freeride.transport import BadFrame
 from freeride.worker.armed import Arming, BubbleFeed
 from freeride.worker.checkpoint import state_bytes as state_bytes_of
+from freeride.worker.checkpointing import Checkpointer, SaveCheckpoint
 from freeride.worker.courtesy import Courtesy
+from freeride.worker.ledger import GrantLedger
+from freeride.worker.pending import PendingStep
+from freeride.worker.reports import PROGRESS_EVERY_NS, ProgressReports
 from freeride.worker.waiting import race_link
 
 __all__ = ["GateLink", "GrantGate", "RunDelay", "SaveCheckpoint", "ThreadRunDelay"]
 
 logger = logging.getLogger(__name__)
 
-_PROGRESS_EVERY_NS = 250_000_000
-_RETRY_MAX_NS = 5_000_000_000
-"""A failed checkpoint is tried again after the checkpoint period, or this, whichever is shorter."""
 _OVERRUN_LOG_NS = 2_000_000
 """A step that ends this far past its bubble's end is logged with its kind, time and estimate."""
 
 _T = TypeVar("_T")
-
-SaveCheckpoint = Callable[[IterativeTask, Path, int], int]
-"""Saves a task's state with its step count to a path; returns the bytes of tensor data it held
-(:func:`~freeride.worker.checkpoint.state_bytes`), or -1 if the task has no state (nothing saved)."""
 
 
 class GateLink(Protocol):
@@ -127,87 +128,82 @@ class GrantGate:
         self._idle = idle
         self._feed = feed
         self._arming = Arming()
-        self._g_armed = False
-        self._g_cpu_start = -1
         self._device_sync = device_sync
-        self._assign = assign
         self._task = task
         self._steps = steps
-        self._save = save
         self._clock = clock
         self._cpu_clock = cpu_clock
-        self._g_cpu = -1
         hint = assign.spec.step_time_ns
         if hint < 0 and task.step_time > 0:
             hint = int(task.step_time * 1e9)
-        self.estimates = StepEstimates(hint, cost=task.step_cost)
+        estimates = StepEstimates(hint, cost=task.step_cost)
         self._run_delay: RunDelay = ThreadRunDelay() if run_delay is None else run_delay
-        self._kind = task.step_kind()
-        """The kind of the step waiting to start (or of the next one)."""
-        self._packs = type(task).fit_piece is not IterativeTask.fit_piece
-        """The task chooses its pieces by the room left (packing)."""
-        self._grant: p.Grant | None = None
-        self._revoked = False
+        self._ledger = GrantLedger(assign)
+        self._pending = PendingStep(task, estimates, self._ledger)
         self._stop: str | None = None
-        # what the current grant has seen
-        self._g_steps = 0
-        self._g_busy = 0
-        self._g_first = -1
-        self._g_overrun = 0
-        self._g_last_end = 0
-        self._last_progress = 0
-        self._last_checkpoint = clock.now_ns()
-        self._checkpoint_ns = -1
-        self._state_bytes = state_bytes
-        self._checkpoint_bytes = 0
-        """Size of the state the last checkpoint saved (0: unknown)."""
-        self._sized = -1
-        """The state's size, read once after the last checkpoint when the next one is due (-1: not yet)."""
-        self._saved_steps = steps
-        self._unsaved_ns = 0
-        """Step time since the last checkpoint: what a crash now would lose."""
-        self._failed_ns = -1
-        """When the last checkpoint failed (-1: it did not)."""
+        self._checkpoints = Checkpointer(
+            assign, task, steps, save=save, state_bytes=state_bytes, clock=clock, send=self._send, log=logger
+        )
+        self._reports = ProgressReports(assign, task, estimates, self._send)
         self._resumed = False
         """``on_resume`` ran for the grant held: ``on_pause`` is owed when it goes."""
-        self._reported: dict[str, float] = {}
-        """Metrics the task published with :meth:`report`, sent with every progress report."""
-        self._waiting = False
-        self._said_waiting = False
-        """The last progress report said the task waits for input."""
 
     @property
     def steps(self) -> int:
         return self._steps
 
+    @property
+    def estimates(self) -> StepEstimates:
+        """What each kind of step is expected to take, learned from the steps that ran."""
+        return self._pending.estimates
+
+    @property
+    def _assign(self) -> p.Assign:
+        """What the manager assigned; a replacement reaches every part that reads it."""
+        return self._ledger.assign
+
+    @_assign.setter
+    def _assign(self, assign: p.Assign) -> None:
+        self._ledger.assign = self._checkpoints.assign = self._reports.assign = assign
+
+    @property
+    def _save(self) -> SaveCheckpoint:
+        return self._checkpoints.save
+
+    @_save.setter
+    def _save(self, save: SaveCheckpoint) -> None:
+        self._checkpoints.save = save
+
+    @property
+    def _state_bytes(self) -> Callable[[IterativeTask], int]:
+        return self._checkpoints.state_bytes
+
+    @_state_bytes.setter
+    def _state_bytes(self, state_bytes: Callable[[IterativeTask], int]) -> None:
+        self._checkpoints.state_bytes = state_bytes
+
+    def _send(self, msg: p.WorkerToManager) -> None:
+        self._link.send_nowait(msg)
+
     def _handle(self, msg: p.ManagerToWorker | BadFrame) -> None:
+        ledger = self._ledger
         match msg:
             case p.Grant():
                 self._take_armed()  # the rank's event, if it is here, came first
                 if self._arming.manager_grant(msg):
                     return  # the armed grant, already taken from the rank's event
-                if self._grant is not None and self._grant.grant_id == msg.grant_id:
-                    self._grant = msg  # the armed grant, taken on another bubble than the manager's
+                if ledger.holds(msg.grant_id):
+                    ledger.grant = msg  # the armed grant, taken on another bubble than the manager's
                     return
-                if self._grant is not None:
+                if ledger.grant is not None:
                     self._give_back("expired")
-                self._grant, self._revoked = msg, False
+                ledger.take(msg)
             case p.Revoke(grant_id=gid):
-                if self._grant is not None and self._grant.grant_id == gid:
-                    self._revoked = True
+                if ledger.holds(gid):
+                    ledger.revoked = True
                 elif self._arming.disarmed(gid):  # its bubble passed unseen (and no Grant came): give it back
-                    self._link.send_nowait(
-                        p.GrantDone(
-                            task_id=self._assign.task_id,
-                            grant_id=gid,
-                            steps=0,
-                            busy_ns=0,
-                            first_step_delay_ns=-1,
-                            overrun_ns=0,
-                            reason="revoked",
-                            step_estimate_ns=self.estimate_ns,
-                            total_steps=self._steps,
-                        )
+                    self._send(
+                        ledger.unheld_done(gid, "revoked", estimate_ns=self.estimate_ns, total_steps=self._steps)
                     )
             case p.Arm(endpoint=endpoint):
                 if self._feed is not None:
@@ -225,35 +221,14 @@ class GrantGate:
                 assert_never(msg)
 
     def _give_back(self, reason: p.GrantDoneReason) -> None:
-        grant = self._grant
-        if grant is None:
+        if self._ledger.grant is None:
             return
         if self._resumed:
             self._resumed = False
             self._task.on_pause()
-        self._link.send_nowait(
-            p.GrantDone(
-                task_id=self._assign.task_id,
-                grant_id=grant.grant_id,
-                steps=self._g_steps,
-                busy_ns=self._g_busy,
-                first_step_delay_ns=self._g_first,
-                overrun_ns=self._g_overrun,
-                reason=reason,
-                step_estimate_ns=self.estimate_ns,
-                last_step_end_ns=self._g_last_end,
-                first_step_ns=grant.bubble_t_ns + self._g_first if self._g_first >= 0 else 0,
-                total_steps=self._steps,
-                cpu_ns=self._g_cpu,
-                armed=self._g_armed,
-                cpu_at_start_ns=self._g_cpu_start,
-            )
-        )
-        self._grant = None
-        self._g_steps = self._g_busy = self._g_overrun = self._g_last_end = 0
-        self._g_cpu = self._g_cpu_start = -1
-        self._g_first = -1
-        self._g_armed = False
+        done = self._ledger.hand_back(reason, estimate_ns=self.estimate_ns, total_steps=self._steps)
+        if done is not None:
+            self._send(done)
 
     def _read_feed(self) -> None:
         """Note the rank's latest bubble start."""
@@ -271,84 +246,28 @@ class GrantGate:
         grant = self._arming.take()
         if grant is None:
             return
-        if self._grant is not None:
-            self._give_back("revoked" if self._revoked else "expired")
-        self._grant, self._revoked = grant, False
-        self._g_armed, self._g_cpu_start = True, self._cpu_clock()
-
-    def _fits(self, now: int, need_ns: int) -> bool:
-        grant = self._grant
-        if grant is None or self._revoked:
-            return False
-        margin = self._margin(grant)
-        if need_ns < 0 or grant.probe:  # unknown or stale: one step, at the start of a grant still open
-            return self._g_steps == 0 and room_ns(now, grant.deadline_ns, margin) > 0
-        return fits(now, need_ns, grant.deadline_ns, margin)
-
-    def _step_fits(self, now: int) -> bool:
-        """Whether the pending step may start now.
-
-        A kind not measured yet starts mid-grant where its cost-scaled estimate
-        fits, and at a grant's start in any case (a probe: its estimate errs
-        high, and one long enough to fit no bubble would keep it out of all).
-        A kind measured only in an earlier run pays its warm-up again in this
-        process: where that first step's time there does not fit, it starts only
-        at the start of a grant, as an unmeasured kind would, rather than wait
-        for a bubble that long.
-        """
-        need = self.estimates.estimate_ns(self._kind)
-        if self.estimate_ns < 0 and self._at_grant_start(now):
-            return True  # unmeasured: a probe, as ever, however long its cost makes it look
-        if not self._fits(now, need):
-            return False
-        cold = self.estimates.cold_ns(self._kind)
-        return cold <= need or self._fits(now, cold) or self._at_grant_start(now)
-
-    def _at_grant_start(self, now: int) -> bool:
-        grant = self._grant
-        return (
-            grant is not None
-            and not self._revoked
-            and self._g_steps == 0
-            and room_ns(now, grant.deadline_ns, self._margin(grant)) > 0
-        )
-
-    def _margin(self, grant: p.Grant) -> int:
-        """The grant's margin (its device's guard adapts it), else the one assigned at the start."""
-        return grant.margin_ns if grant.margin_ns >= 0 else self._assign.margin_ns
-
-    def _progress(self, now: int, *, force: bool = False) -> None:
-        if force or now - self._last_progress >= _PROGRESS_EVERY_NS:
-            self._last_progress = now
-            self._said_waiting = self._waiting
-            self._link.send_nowait(self.progress())
+        if self._ledger.grant is not None:
+            self._give_back("revoked" if self._ledger.revoked else "expired")
+        self._ledger.take_armed(grant, self._cpu_clock())
 
     def progress(self) -> p.Progress:
         """What the task has done so far: steps, metrics and the estimate of each step kind."""
-        kinds = self.estimates.kinds()[-p.MAX_ESTIMATE_KINDS :]  # the newest kinds, when there are many
-        return p.Progress(
-            task_id=self._assign.task_id,
-            steps=self._steps,
-            metrics={**self._task.metrics(), **self._reported},
-            estimates={kind: self.estimates.estimate_ns(kind) for kind in kinds},
-            waiting=self._waiting,
-        )
+        return self._reports.progress(self._steps)
 
     def remaining(self) -> float | None:
         """Seconds left in the current grant minus the margin; ``None`` outside a grant."""
-        grant = self._grant
-        if grant is None or self._revoked:
+        grant = self._ledger.open
+        if grant is None:
             return None
-        return max(0, room_ns(self._clock.now_ns(), grant.deadline_ns, self._margin(grant))) / 1e9
+        return max(0, self._ledger.room_ns(grant, self._clock.now_ns())) / 1e9
 
     def report(self, **metrics: float) -> None:
         """Publish ``metrics`` (sent at once, or with the next progress report if one went out lately)."""
-        self._reported.update(metrics)
-        self._progress(self._clock.now_ns())
+        self._reports.report(self._clock.now_ns(), self._steps, metrics)
 
     def _idle_message(self, msg: p.ManagerToWorker | BadFrame) -> None:
         self._handle(msg)
-        if self._grant is not None:  # nothing to run: the scheduler passes the bubble on
+        if self._ledger.grant is not None:  # nothing to run: the scheduler passes the bubble on
             self._give_back("idle")
         if self._stop is not None:
             raise TaskStopped(self._stop)
@@ -362,20 +281,17 @@ class GrantGate:
         while (msg := self._link.recv_nowait()) is not None:
             self._idle_message(msg)
         self._give_back("idle")
-        self._waiting = True
-        # the start of a wait is news once per report period at most: a task that waits
-        # for every item must not send a report per item
-        self._progress(self._clock.now_ns(), force=not self._said_waiting)
+        self._reports.wait_started(self._clock.now_ns(), self._steps)
         try:
             return await race_link(
                 awaitable,
                 self._link.recv,
                 self._idle_message,
-                tick=lambda: self._progress(self._clock.now_ns()),
-                period_s=_PROGRESS_EVERY_NS / 1e9,
+                tick=lambda: self._reports.send(self._clock.now_ns(), self._steps),
+                period_s=PROGRESS_EVERY_NS / 1e9,
             )
         finally:
-            self._waiting = False
+            self._reports.waiting = False
 
     async def idle_until(self, source: AsyncIterable[_T]) -> AsyncIterator[_T]:
         """Iterate ``source``, waiting for each item as :meth:`wait_for` does."""
@@ -396,73 +312,22 @@ class GrantGate:
         ``RuntimeError: basic_ios::clear``) must not end the task: it keeps its
         previous checkpoint and tries again.
         """
-        t0 = self._clock.now_ns()
-        path = Path(self._assign.checkpoint_path)
-        try:
-            saved = self._save(self._task, path, self._steps)
-        except Exception as exc:
-            now = self._clock.now_ns()
-            self._failed_ns = now
-            self._checkpoint_ns = max(self._checkpoint_ns, now - t0)
-            error = f"{type(exc).__name__}: {exc}"
-            logger.warning("[worker] checkpoint at step %d to %s failed: %s", self._steps, path, error)
-            self._link.send_nowait(p.CheckpointFailed(task_id=self._assign.task_id, steps=self._steps, error=error))
-            return False
-        if saved >= 0:
-            self._link.send_nowait(p.Checkpointed(task_id=self._assign.task_id, steps=self._steps, path=str(path)))
-        self._last_checkpoint = self._clock.now_ns()
-        self._checkpoint_ns = self._last_checkpoint - t0
-        self._checkpoint_bytes, self._sized = max(0, saved), -1
-        self._saved_steps, self._unsaved_ns, self._failed_ns = self._steps, 0, -1
-        return True
-
-    def _size_now(self) -> int:
-        """The task's state size, read once between two checkpoints (0 if it cannot be read).
-
-        Once: ``state_dict()`` may cost (a copy to the host), and a state grows
-        at a task's first steps (an optimizer's buffers), not step by step.
-        """
-        if self._sized < 0:
-            try:
-                self._sized = self._state_bytes(self._task)
-            except Exception as exc:  # a task's state_dict failing here shows up at the save itself
-                logger.debug("[worker] state size unreadable: %s", exc)
-                self._sized = 0
-        return self._sized
+        return self._checkpoints.write(self._steps)
 
     def checkpoint_estimate_ns(self) -> int:
         """What the next checkpoint is expected to take: the last one's time, scaled by how the state grew.
 
-        -1 before the first checkpoint. A state that grew since (say from a
-        model alone to a model with its optimizer's buffers) would otherwise be
-        fitted into a bubble on the smaller state's time and overrun its end.
+        -1 before the first checkpoint.
         """
-        if self._checkpoint_ns < 0:
-            return -1
-        if self._checkpoint_bytes <= 0:
-            return self._checkpoint_ns
-        return max(self._checkpoint_ns, self._checkpoint_ns * self._size_now() // self._checkpoint_bytes)
-
-    def _retry_allowed(self, now: int) -> bool:
-        if self._failed_ns < 0:
-            return True
-        return now - self._failed_ns >= min(self._assign.checkpoint_every_ns, _RETRY_MAX_NS)
-
-    def _loss_bound_reached(self) -> bool:
-        """Whether one more step would leave more unsaved than the assigned bound."""
-        a = self._assign
-        if a.max_loss_steps and self._steps - self._saved_steps + 1 > a.max_loss_steps:
-            return True
-        # nothing unsaved: a step longer than the whole bound still runs (after a checkpoint)
-        unsaved = self._steps > self._saved_steps
-        return bool(a.max_loss_ns) and unsaved and self._unsaved_ns + max(0, self.estimate_ns) > a.max_loss_ns
+        return self._checkpoints.estimate_ns()
 
     @property
     def unsaved_steps(self) -> int:
         """Steps a crash now would lose."""
-        return self._steps - self._saved_steps
+        return self._steps - self._checkpoints.saved_steps
 
     async def _wait_for_fit(self) -> None:
+        ledger, pending = self._ledger, self._pending
         while True:
             self._read_feed()  # before the manager's messages: its Grant may repeat this event
             while (msg := self._link.recv_nowait()) is not None:
@@ -472,73 +337,46 @@ class GrantGate:
             now = self._clock.now_ns()
             if self._stop is not None:
                 # a task between consistent points runs on to the next one, but only in the grant it holds
-                if self._task.can_checkpoint() or not self._fits(now, self.estimate_ns):
+                if self._task.can_checkpoint() or not ledger.fits(now, self.estimate_ns):
                     self._give_back("stopping")
                     raise TaskStopped(self._stop)
                 return
-            consistent = self._task.can_checkpoint()
-            retry = consistent and self._retry_allowed(now)
-            due = retry and now - self._last_checkpoint >= self._assign.checkpoint_every_ns
-            bound = retry and self._loss_bound_reached()
-            need = self.checkpoint_estimate_ns() if due or bound else -1
-            if need >= 0 and self._fits(now, need):
-                self._g_busy += self._timed_checkpoint(need)
+            due = self._checkpoints.due(now, self._steps, lambda: pending.estimate_ns)
+            if due.need_ns >= 0 and ledger.fits(now, due.need_ns):
+                self._timed_checkpoint(due.need_ns)
                 continue
-            if bound and self._at_grant_start(now):
+            if due.bound and ledger.at_start(now):
                 # No bubble fits the checkpoint: take it at the start of one, overrunning
                 # its end once, rather than let a crash lose more than the bound.
                 logger.info("[worker] checkpoint forced at step %d (loss bound reached)", self._steps)
-                self._g_busy += self._timed_checkpoint(need)
+                self._timed_checkpoint(due.need_ns)
                 continue
-            if not bound:
-                self._pack(now)
-                if self._step_fits(now):
+            if not due.bound:
+                pending.pack(now)
+                if pending.fits(now):
                     return
-            if self._grant is not None:
-                self._give_back("revoked" if self._revoked else "no_fit")
-            self._progress(now)
-            if self._idle is not None and self._grant is None:
+            if ledger.grant is not None:
+                self._give_back("revoked" if ledger.revoked else "no_fit")
+            self._reports.send(now, self._steps)
+            if self._idle is not None and ledger.grant is None:
                 self._idle()
             if self._feed is not None and self._arming.arm is not None:
                 await self._feed.wait()  # a Grant or the armed bubble's start, whichever comes first
             else:
                 self._handle(await self._link.recv())
 
-    def _pack(self, now: int) -> None:
-        """Let a packing task choose its next piece for the room left (see ``IterativeTask.fit_piece``).
-
-        It only changes which kind is pending; whether that fits is then
-        checked as for any step.
-        """
-        grant = self._grant
-        if not self._packs or grant is None or self._revoked or grant.probe:
-            return
-        room = room_ns(now, grant.deadline_ns, self._margin(grant))
-        if room > 0:
-            kind = self._task.fit_piece(room, self.estimates.estimate_ns)
-            if kind is not None:
-                self._kind = kind
-
-    def _timed_checkpoint(self, expected: int) -> int:
+    def _timed_checkpoint(self, expected: int) -> None:
         delay0 = self._run_delay.ns()
         t0 = self._clock.now_ns()
         self.checkpoint()
         t1 = self._clock.now_ns()
-        self._note_end(t1)
+        self._ledger.checkpointed(t0, t1, self._cpu_clock())
         self._log_overrun("checkpoint", t0, t1, self._run_delay.ns() - delay0, expected)
-        return t1 - t0
-
-    def _note_end(self, end: int) -> None:
-        self._g_last_end = end
-        self._g_cpu = self._cpu_clock()
-        grant = self._grant
-        if grant is not None and end > grant.deadline_ns:
-            self._g_overrun = end - grant.deadline_ns
 
     @property
     def packs(self) -> bool:
         """The task chooses its pieces by the room left (``IterativeTask.fit_piece``)."""
-        return self._packs
+        return self._pending.packs
 
     @property
     def estimate_ns(self) -> int:
@@ -547,7 +385,7 @@ class GrantGate:
         -1 for a kind not measured yet even where its cost gives an estimate: the
         manager then grants it a bubble's start, where it runs as a probe.
         """
-        return self.estimates.known_ns(self._kind)
+        return self._pending.estimate_ns
 
     @asynccontextmanager
     async def step(self, kind: str = "") -> AsyncIterator[None]:
@@ -556,20 +394,20 @@ class GrantGate:
         Raises:
             TaskStopped: The manager asked the task to stop.
         """
-        self._kind = kind
+        pending = self._pending
+        pending.kind = kind
         while True:
             await self._wait_for_fit()
-            if self._g_steps == 0 and self._courtesy is not None:
+            if self._ledger.steps == 0 and self._courtesy is not None:
                 self._courtesy.follow(self._arming.rank_thread)
                 self._courtesy.defer()
             delay0 = self._run_delay.ns()
             t0 = self._clock.now_ns()
             # checked again with the step's own start time: the worker runs at the lowest
             # priority and may have been preempted since the fit was decided
-            if self._step_fits(t0):
+            if pending.fits(t0):
                 break
-        if self._g_steps == 0 and self._grant is not None:
-            self._g_first = t0 - self._grant.bubble_t_ns
+        self._ledger.started(t0)
         if not self._resumed:
             self._resumed = True
             self._task.on_resume()
@@ -577,21 +415,18 @@ class GrantGate:
         if self._device_sync is not None:
             self._device_sync()  # the step's kernels, not just their launches
         t1 = self._clock.now_ns()
-        # the kind that ran: a packing task may have chosen another piece than the one asked for
         waited = self._run_delay.ns() - delay0
-        if self._grant is not None and t1 - self._grant.deadline_ns > _OVERRUN_LOG_NS:  # rare: not on every step
-            self._log_overrun(self._kind, t0, t1, waited, self.estimates.estimate_ns(self._kind))
-        self.estimates.observe(self._kind, max(1, t1 - t0 - waited))
-        self._kind = self._task.step_kind()
+        grant = self._ledger.grant
+        if grant is not None and t1 - grant.deadline_ns > _OVERRUN_LOG_NS:  # rare: not on every step
+            self._log_overrun(pending.kind, t0, t1, waited, self.estimates.estimate_ns(pending.kind))
+        pending.ran(max(1, t1 - t0 - waited))
         self._steps += 1
-        self._g_steps += 1
-        self._g_busy += t1 - t0
-        self._unsaved_ns += t1 - t0
-        self._note_end(t1)
+        self._checkpoints.stepped(t1 - t0)
+        self._ledger.stepped(t0, t1, self._cpu_clock())
 
     def _log_overrun(self, kind: str, t0: int, t1: int, waited: int, expected: int) -> None:
         """Name a step that ran well past its bubble's end: which kind, for how long, against what estimate."""
-        grant = self._grant
+        grant = self._ledger.grant
         if grant is None or t1 - grant.deadline_ns <= _OVERRUN_LOG_NS:
             return
         logger.info(
@@ -607,15 +442,7 @@ class GrantGate:
 
     def checkpoint_at_stop(self) -> bool:
         """The checkpoint of a stopped task, if its state is consistent; else the last one is kept, and said so."""
-        if self._task.can_checkpoint():
-            return self.checkpoint()
-        note = (
-            f"stopped between consistent points (can_checkpoint() is False): kept the checkpoint of step "
-            f"{self._saved_steps}; {self.unsaved_steps} later steps will run again"
-        )
-        logger.warning("[worker] %s", note)
-        self._link.send_nowait(p.CheckpointFailed(task_id=self._assign.task_id, steps=self._steps, error=note))
-        return False
+        return self._checkpoints.at_stop(self._steps)
 
     def finish(self, reason: p.GrantDoneReason) -> None:
         """Give back the grant held (if any) for ``reason`` and release the CPU wait counter."""
