@@ -15,7 +15,7 @@ from freeride.cli.plan import add_plan_parser
 from freeride.gpu.mps import MpsError
 from freeride.transport import ManagerUnreachable
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "parse_args"]
 
 
 _EPILOG = """\
@@ -52,16 +52,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run(argv: Sequence[str] | None) -> int:
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The command line's options; ``command``: what follows the first ``--`` (a command to run, never ours).
+
+    A ``--config`` file's options are defaults the command line overrides.
+    """
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # everything after the first `--` is a command to run, never our options
+    argv = list(argv)
     command: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1 :]
     args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        args.config_parser.set_defaults(**serve.config_defaults(args.config, args.config_parser))
+        args = parser.parse_args(argv)
     args.command = command
+    return args
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

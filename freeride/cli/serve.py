@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import tomllib
 from pathlib import Path
 from typing import get_args
 
@@ -14,7 +15,7 @@ from freeride.cli.common import Subparsers
 from freeride.serve.config import ServeConfig
 from freeride.units import parse_duration_ns, parse_share
 
-__all__ = ["add_parsers", "cmd_serve", "serve_config"]
+__all__ = ["add_parsers", "cmd_serve", "config_defaults", "serve_config"]
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
@@ -46,6 +47,41 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         ),
         slowdown_budget=0.0 if args.slowdown_budget in ("off", "0") else parse_share(args.slowdown_budget),
     )
+
+
+def config_defaults(path: str, parser: argparse.ArgumentParser) -> dict[str, object]:
+    """The options a TOML file sets, as defaults for ``parser`` (the command line still overrides them).
+
+    Keys are the command's long options without their dashes (``hang-after``
+    or ``hang_after``); values are written as on the command line (``"10s"``)
+    or as TOML numbers and booleans.
+
+    Raises:
+        SystemExit: an unreadable file, bad TOML, an unknown option or a value of the wrong kind.
+    """
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SystemExit(f"freeride: cannot read --config {path}: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"freeride: --config {path} is not TOML: {exc}") from None
+    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
+    values: dict[str, object] = {}
+    for key, value in data.items():
+        action = actions.get(key.replace("-", "_"))
+        if action is None:
+            known = ", ".join(sorted(dest.replace("_", "-") for dest in actions))
+            raise SystemExit(f"freeride: --config {path}: unknown option {key!r}; the options are: {known}")
+        flag = isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction)
+        if flag != isinstance(value, bool) or isinstance(value, dict | list):
+            kind = "true or false" if flag else "a value as on the command line"
+            raise SystemExit(f"freeride: --config {path}: {key} must be {kind}, got {value!r}")
+        if not flag and action.type is None:
+            value = str(value)  # parsed later as the option's text: "10s", "2%", a path
+        if action.choices is not None and value not in action.choices:
+            raise SystemExit(f"freeride: --config {path}: {key} must be one of {sorted(action.choices)}, got {value!r}")
+        values[action.dest] = value
+    return values
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -166,4 +202,10 @@ def add_parsers(subs: Subparsers) -> None:
         metavar="DURATION",
         help="a task moves (checkpoint, resume) to a device giving it 1.5x its bubble time at most this often",
     )
-    s.set_defaults(fn=cmd_serve)
+    s.add_argument(
+        "--config",
+        metavar="FILE",
+        help='a TOML file of these options (keys without their dashes: hang-after = "30s"); the command'
+        " line overrides it",
+    )
+    s.set_defaults(fn=cmd_serve, config_parser=s)
