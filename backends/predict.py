@@ -11,16 +11,13 @@ then runs into the training step, while one predicted too short only leaves
 some of the bubble unused. Two policies:
 
 * ``"min"``, the shortest of the last ``history`` waits, for the framework
-  backends (:mod:`freeride.backends.tracker`), whose waits are noisy: replayed over a
-  loaded DeepSpeed run, the minimum of three halved the over-predicted time
-  compared with the median, for twice the under-predicted time; and with
-  ``"low"`` a DeepSpeed job's bubbles ended before their deadline a third of
-  the time (0.98 % interference, against 0.15 % with ``"min"``).
+  backends (:mod:`freeride.backends.tracker`), whose waits are noisy: a
+  prediction too long costs interference, one too short only unused time.
 * ``"low"`` (the default), the second shortest of the last eight, for waits
   that are steady but for rare outliers (the simulated stages, which sleep):
-  one early wake-up no longer sets the next three predictions short (in the
-  demo pipeline that cost its place 2-3 ms of 20 ms bubbles three times over;
-  79 % of bubble time used instead of 76 %).
+  one early wake-up no longer sets the next three predictions short.
+
+Decision D41 has the figures behind both.
 """
 
 from __future__ import annotations

@@ -109,8 +109,8 @@ def order_statistic_ranks(n: int, confidence: float = 0.95) -> tuple[int, int, f
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
     total = 1 << n  # 2**n (which mypy types as Any)
     # coverage(k) = (total - 2 * cdf) / total, cdf = sum of comb(n, i) for i < k, falls as k grows. Each term
-    # comes exactly from the one before, comb(n, i + 1) = comb(n, i) * (n - i) / (i + 1) in integers: a fresh
-    # math.comb per term took 34 s at n = 20 000, this 0.1 s.
+    # comes exactly from the one before, comb(n, i + 1) = comb(n, i) * (n - i) / (i + 1) in integers, instead
+    # of a fresh math.comb per term (quadratic in n: D43).
     term = 1  # comb(n, 0)
     cdf = term
     best, best_coverage = 1, (total - 2 * cdf) / total

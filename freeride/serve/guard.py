@@ -24,25 +24,20 @@ a share of the training time that passed, with a target, and
   more interference per millisecond they give than the rest. A bubble that
   ends while a step runs costs about the same (the rest of the step, and on
   CPU the stage's wait for its core) whatever its length, while what it gives
-  is its length: in a 2-stage DeepSpeed job, bubbles expected at 2-4 ms gave
-  200 ms of side work for 112 ms of interference, those of 16 ms and more
-  5.6 s for 0.17 s. Grants are grouped by their bubble's expected length in
+  is its length (decision D40). Grants are grouped by their bubble's expected length in
   classes that double (1-2 ms, 2-4 ms, ...); when the guard would widen and
   the shortest class still granted took more than :data:`COSTLY_RATIO` times
   the interference per used millisecond of all longer classes together while
   giving at most :data:`SMALL_SHARE` of the used time, that class is no
-  longer granted (:attr:`InterferenceGuard.min_bubble_ns`). (Without the
-  second condition classes went one after the other, up to bubbles of 16-32 ms
-  that gave a third of the used time, since each class is long next to the
-  one below it and short next to the one above.) A
+  longer granted (:attr:`InterferenceGuard.min_bubble_ns`). The second
+  condition stops the classes going one after the other: each is long next to
+  the one below it and short next to the one above. A
   margin at its floor with a factor of 1 or more, well below the target, lets
   the longest class left out back in.
 
 A wait of tens of bubbles between two changes makes it settle instead of
 hunting; narrowing is as quick as widening, so one noisy stretch does not leave
-the margin wide for the rest of a run (with x2 out and x0.9 in, a DeepSpeed job
-ended a run at a 6-10 ms margin with 0.2 % interference and a third of its
-bubble time used). The margin stays within a floor and
+the margin wide for the rest of a run (D40). The margin stays within a floor and
 a cap, the factor within ``[factor_min, factor_max]``. Every change leaves a
 one-line reason that ``freeride status`` shows.
 

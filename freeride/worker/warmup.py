@@ -72,11 +72,8 @@ class WarmUp(UnboundedGate):
         """Give ``estimates`` every measured run, in order: the gate starts from them.
 
         The estimator weighs them as it weighs the steps it measures itself (a
-        high percentile that one outlier does not set). Seeding only the slowest
-        run of each kind let one outlier set the estimate: rehearsed while the
-        training job started beside it, a VGG-19 optimizer piece of 3 ms once
-        took 42 ms, and that estimate kept the task out of the next 19 bubbles,
-        until a probe.
+        high percentile that one outlier does not set); seeding only the slowest
+        run of each kind let one outlier set the estimate (D42).
         """
         for kind, took in self.measured:
             estimates.observe(kind, took)
