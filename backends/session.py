@@ -173,6 +173,8 @@ class BackendSession:
         self.last_waited_runnable_ns = 0
         """How long the stage waited for its core at the end of the last bubble (see :class:`BubbleEnded`)."""
         self._open: p.BubbleStarted | None = None
+        self._step_report: p.StepFinished | None = None
+        """The last step's report, sent with the next event (see :meth:`step_finished`)."""
         self._step = -1
         self._index = 0
         self._step_bubble_ns = 0
@@ -281,6 +283,7 @@ class BackendSession:
         if self._publisher is not None:
             self._publisher.publish(event)  # first: an armed worker starts on it
         self._emitter.emit(event)
+        self._send_step_report()  # the manager wakes once for both, while this stage waits
         # Read last, as the rank is about to block (the worker the announcement woke on this core lets it
         # block first: freeride.worker.courtesy). A bubble timed on the device ends on the device's
         # clock: the host thread's waits do not apply.
@@ -321,23 +324,36 @@ class BackendSession:
         return duration
 
     def step_finished(self, step: int, duration_ns: int) -> None:
-        """Report the end of training step ``step``."""
+        """Report the end of training step ``step``.
+
+        The report goes out with the rank's next event (the next bubble's start,
+        as this stage begins to wait, or the next step's report), not alone: a
+        message sent as the next step's compute begins wakes the manager on a
+        core the stage needs (on CPU, where a core stands in for the device,
+        that is training time; decision D48). A heartbeat or the rank's
+        goodbye sends it too.
+        """
         self.bubble_ended()
         self._maybe_hello(time.monotonic_ns())
         bubble_ns = self._step_bubble_ns if step == self._step else 0
-        self._emitter.emit(
-            p.StepFinished(
-                rank=self.config.rank,
-                stage=self.config.stage,
-                step=step,
-                t_ns=time.monotonic_ns(),
-                duration_ns=duration_ns,
-                bubble_ns=bubble_ns,
-            )
+        self._send_step_report()  # a step without bubbles: the last one's report goes now
+        self._step_report = p.StepFinished(
+            rank=self.config.rank,
+            stage=self.config.stage,
+            step=step,
+            t_ns=time.monotonic_ns(),
+            duration_ns=duration_ns,
+            bubble_ns=bubble_ns,
         )
+
+    def _send_step_report(self) -> None:
+        report, self._step_report = self._step_report, None
+        if report is not None:
+            self._emitter.emit(report)
 
     def heartbeat(self) -> None:
         self._maybe_hello(time.monotonic_ns())
+        self._send_step_report()
         self._emitter.emit(p.Heartbeat(rank=self.config.rank, t_ns=time.monotonic_ns()))
 
     def close(self) -> None:
@@ -347,6 +363,7 @@ class BackendSession:
         self._closed = True
         atexit.unregister(self.close)
         self.bubble_ended()
+        self._send_step_report()
         goodbye = p.Goodbye(rank=self.config.rank, t_ns=time.monotonic_ns(), dropped=self._emitter.dropped)
         if self._publisher is not None:
             self._publisher.close()

@@ -36,7 +36,7 @@ HEAD, STEADY = 30 * MS, 6 * MS
 
 
 class StepRecorder(Recorder):
-    """Also tells the test when the helper thread has sent a step's end (it has timed that step's waits)."""
+    """Also tells the test when the helper thread has sent a step's report (it has timed that step's waits)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -123,7 +123,9 @@ def test_waits_are_announced_and_timed_on_the_device(monkeypatch: pytest.MonkeyP
         host_before = clock.now
         _step(adapter, schedule, gpu, clock)
         assert clock.now - host_before < (T_F + T_B) * M // 10  # the host never waited
-        # the device's durations reach the tracker from the helper thread: the next step learns from them
+        # the device's durations reach the tracker from the helper thread: the next step learns from them.
+        # A step's report waits for the rank's next event; a heartbeat (queued behind the step) sends it.
+        timeline.heartbeat()
         assert recorder.step_done.acquire(timeout=10)
     adapter.close()
 
