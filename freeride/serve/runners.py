@@ -1,8 +1,9 @@
 """How a side task is handed bubbles: one interface for iterative workers and imperative programs.
 
-The device scheduler grants and revokes through a :class:`Runner` and never
-asks which kind of task it serves. Whatever a grant did comes back the same way
-for both kinds, as a :class:`~freeride.protocol.GrantDone` passed to the
+The device scheduler grants and revokes through a :class:`Runner`; it asks
+which kind of task it serves only before arming one (a program cannot be
+armed: see :mod:`~freeride.serve.arming`). Whatever a grant did comes back the
+same way for both kinds, as a :class:`~freeride.protocol.GrantDone` passed to the
 supervisor's report function: a worker sends its own over the socket; a program
 has no say, so its runner writes one when it freezes the program.
 """

@@ -1,0 +1,154 @@
+"""The arm out on one device: a grant handed over before its bubble starts, honoured once it does.
+
+Armed grants shorten the path from a bubble's start to a step's: when a bubble
+ends, the task next in turn is armed for the next one (where the rank publishes
+its bubble starts), so its worker starts on the rank's own event instead of
+waiting for the scheduler's Grant. The scheduler still sees that event, counts
+the armed task as the bubble's holder (an arm, once out, is always honoured:
+the worker may already run) and sends the same Grant, which a worker that
+missed the event starts from.
+
+:class:`DeviceArming` holds the one arm out and the rule of which task may be
+armed; its scheduler (:class:`~freeride.serve.scheduler.DeviceScheduler`)
+decides when to arm, in turn order, and records the honoured arm as a grant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from freeride import protocol as p
+from freeride.serve.guard import InterferenceGuard
+from freeride.serve.ledger import DeviceLedger, GrantState
+from freeride.serve.tasks import TaskRecord
+
+__all__ = ["Armed", "DeviceArming"]
+
+
+@dataclass(slots=True)
+class Armed:
+    """The arm out: its task and grant."""
+
+    task: TaskRecord
+    grant_id: int
+    early: p.GrantDone | None = None
+    """The grant's report, if it came before its bubble's start did."""
+
+
+class DeviceArming:
+    """The arm out on one device (at most one), and where its rank publishes bubble starts.
+
+    Args:
+        ledger: The device's ledger, which counts an arm that ran on a bubble never seen.
+    """
+
+    def __init__(self, ledger: DeviceLedger) -> None:
+        self._ledger = ledger
+        self.endpoint = ""
+        """Where the rank training here publishes its bubble starts ("" none: no arming)."""
+        self.armed: Armed | None = None
+        self._last_start_ns = 0
+
+    def saw_start(self, t_ns: int) -> None:
+        """A bubble started at ``t_ns``: an arm handed over later waits for a start after it."""
+        self._last_start_ns = max(self._last_start_ns, t_ns)
+
+    def arm_first(
+        self,
+        candidates: Iterable[tuple[int, TaskRecord]],
+        *,
+        grant_id: int,
+        guard: InterferenceGuard,
+        holdback: Callable[[], p.Holdback | None],
+        probe_due: Callable[[int], bool],
+    ) -> int | None:
+        """Arm the first task of ``candidates`` (turn offset, task) that takes an arm, as ``grant_id``.
+
+        A task that cannot be armed (its step time unknown, due for a probe, a
+        program: only an iterative worker follows the rank's events) ends the
+        search: its turn comes with a Grant at a bubble's start.
+
+        Returns:
+            The offset of the task armed; ``None`` if none was.
+        """
+        for k, task in candidates:
+            if not task.runnable or task.runner is None:
+                continue
+            if task.estimate_ns < 0 or task.spec.kind != "iterative":
+                return None  # a probe or a program: only a Grant at a bubble's start serves it
+            if probe_due(task.task_id):
+                return None  # due for a probe, which only a Grant gives
+            arm = p.Arm(
+                grant_id=grant_id,
+                endpoint=self.endpoint,
+                after_ns=self._last_start_ns,
+                margin_ns=guard.margin_ns,
+                prediction_factor=guard.factor,
+                min_bubble_ns=guard.min_bubble_ns,
+                holdback=holdback(),
+            )
+            if not task.runner.arm(arm):
+                continue  # the worker's socket refused
+            self.armed = Armed(task=task, grant_id=grant_id)
+            return k
+        return None
+
+    def disarm(self) -> None:
+        """Withdraw the arm out, if any."""
+        armed, self.armed = self.armed, None
+        if armed is None:
+            return
+        if armed.early is not None:  # ran on a bubble the scheduler never saw: its own account
+            self._ledger.add_used(armed.early.busy_ns)
+        elif armed.task.runner is not None:
+            armed.task.runner.disarm(armed.grant_id)
+
+    def holds(self, task: TaskRecord) -> bool:
+        """Whether ``task`` holds the arm out."""
+        return self.armed is not None and self.armed.task is task
+
+    def drop(self, task: TaskRecord) -> None:
+        """Forget the arm ``task`` holds: its worker was killed and never answers for it."""
+        if self.holds(task):
+            self.armed = None
+
+    def hold_early(self, task: TaskRecord, done: p.GrantDone) -> bool:
+        """Keep ``done`` if it is the armed grant's, back before its bubble's start was seen; whether it was."""
+        armed = self.armed
+        if armed is not None and armed.grant_id == done.grant_id and armed.task is task:
+            armed.early = done
+            return True
+        return False
+
+    def honour(
+        self, tasks: list[TaskRecord], bubble: p.BubbleStarted | None, *, deadline_ns: int, margin_ns: int
+    ) -> tuple[Armed, GrantState] | None:
+        """Spend the arm on the bubble just started: its Grant sent, its state as the bubble's grant.
+
+        Returns:
+            The arm and the state of its grant; ``None`` if none is armed (or
+            its task left ``tasks``): the arm is spent either way.
+        """
+        armed, self.armed = self.armed, None
+        if armed is None or bubble is None or armed.task not in tasks or armed.task.runner is None:
+            return None
+        runner = armed.task.runner
+        if armed.early is None:
+            # the Grant a worker that missed the rank's event starts from (one that did not ignores it)
+            runner.grant(
+                p.Grant(
+                    grant_id=armed.grant_id,
+                    bubble_t_ns=bubble.t_ns,
+                    deadline_ns=deadline_ns,
+                    margin_ns=margin_ns,
+                )
+            )
+        state = GrantState(
+            task=armed.task,
+            bubble_t_ns=bubble.t_ns,
+            deadline_ns=deadline_ns,
+            cpu_at_grant=runner.cpu_at_grant(),
+            armed=True,
+        )
+        return armed, state
