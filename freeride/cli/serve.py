@@ -12,7 +12,7 @@ from typing import get_args
 from freeride import protocol as p
 from freeride.cli import common
 from freeride.cli.common import Subparsers
-from freeride.serve.config import ServeConfig
+from freeride.serve.config import DEFAULT_METRICS_PORT, ServeConfig
 from freeride.units import parse_duration_ns, parse_share
 
 __all__ = ["add_parsers", "cmd_serve", "config_defaults", "serve_config"]
@@ -156,7 +156,14 @@ def add_parsers(subs: Subparsers) -> None:
     s.add_argument("--profile", metavar="FILE", help="bubble profile from `freeride profile`")
     s.add_argument("--mps", action="store_true", help="cap side tasks' GPU memory with NVIDIA MPS (GPU only)")
     s.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of bubbles and side-task work")
-    s.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on 127.0.0.1:PORT")
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        nargs="?",
+        const=DEFAULT_METRICS_PORT,
+        metavar="PORT",
+        help=f"serve Prometheus metrics on METRICS_HOST:PORT (PORT {DEFAULT_METRICS_PORT} if not given; 0: a free one)",
+    )
     s.add_argument(
         "--metrics-host",
         default="127.0.0.1",

@@ -98,6 +98,22 @@ class NvmlMonitor:
         """Number of devices NVML reported at open."""
         return len(self._handles)
 
+    def uuid_of(self, device: str) -> str:
+        """The ``GPU-...`` UUID of a manager device name.
+
+        ``cuda:N`` is NVML's device N, as for free memory (the CUDA ordinal
+        too where CUDA orders devices by PCI bus, as ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
+        makes it do); read once at open, so it never changes while the manager runs.
+
+        Returns:
+            The UUID, or "" for another kind of device, an index NVML does
+            not have, or a UUID NVML did not report.
+        """
+        kind, _, index = device.partition(":")
+        if kind != "cuda" or not index.isdigit() or int(index) >= len(self._uuids):
+            return ""
+        return self._uuids[int(index)]
+
     def _report(self, what: str, index: int, exc: Exception) -> None:
         code = int(getattr(exc, "value", -1))
         key = (what, index, code)

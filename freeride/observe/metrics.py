@@ -7,6 +7,12 @@ collector, so they are never out of date and cost nothing between scrapes);
 what status does not keep, the latency histogram and the recent throughput of
 each task, is recorded from the observer calls.
 
+Every per-device series carries ``hostname`` and ``gpu_uuid`` (NVML's
+``GPU-...``; empty on a CPU device or without NVML) beside FreeRide's own
+``device`` name, so that it joins with other exporters' GPU metrics (DCGM's
+``UUID``). A value that is not known is left out, never exported as a
+sentinel; ``freeride_build_info{version}`` is 1.
+
 ``status`` reads state owned by the manager's event loop, so a scrape asks the
 loop to call it (``call_soon_threadsafe``) and waits for the answer; a scrape
 while the loop is stuck returns only the observer-recorded metrics.
@@ -18,15 +24,17 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import get_args
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, start_http_server
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from freeride import __version__
 from freeride import protocol as p
 from freeride.observe.base import Observer
 
@@ -40,6 +48,10 @@ LATENCY_BUCKETS_S = (50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 20e
 StatusFn = Callable[[], p.StatusReply]
 
 
+def _no_gpu(device: str) -> str:
+    return ""
+
+
 class StatusCollector:
     """Prometheus collector reading a ``status()`` callable at every scrape.
 
@@ -48,11 +60,19 @@ class StatusCollector:
             exception leaves the status metrics out of this scrape.
         throughput: Steps per second of each task over a recent window,
             keyed by task id.
+        hostname: The ``hostname`` label (default: this host's name).
     """
 
-    def __init__(self, status: Callable[[], p.StatusReply | None], throughput: Callable[[], dict[int, float]]) -> None:
+    def __init__(
+        self,
+        status: Callable[[], p.StatusReply | None],
+        throughput: Callable[[], dict[int, float]],
+        *,
+        hostname: str | None = None,
+    ) -> None:
         self._status = status
         self._throughput = throughput
+        self._hostname = socket.gethostname() if hostname is None else hostname
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -62,14 +82,14 @@ class StatusCollector:
             return
         if status is None:
             return
-        yield from _device_metrics(status)
-        yield from _task_metrics(status, self._throughput())
+        yield from _device_metrics(status, self._hostname)
+        yield from _task_metrics(status, self._throughput(), self._hostname)
         yield from _manager_metrics(status)
         yield from _cost_metrics(status)
 
 
-def _device_metrics(status: p.StatusReply) -> Iterator[Metric]:
-    labels = ["device", "stage"]
+def _device_metrics(status: p.StatusReply, hostname: str) -> Iterator[Metric]:
+    labels = ["device", "stage", "gpu_uuid", "hostname"]
     families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
         "bubble": CounterMetricFamily("freeride_bubble_seconds", "Measured bubble time seen per device", labels=labels),
         "used": CounterMetricFamily(
@@ -96,7 +116,7 @@ def _device_metrics(status: p.StatusReply) -> Iterator[Metric]:
         ),
         "alive": GaugeMetricFamily("freeride_device_alive", "1 while a training rank reports", labels=labels),
         "spare": GaugeMetricFamily(
-            "freeride_spare_memory_bytes", "Device memory the stage leaves free (-1 unknown)", labels=labels
+            "freeride_spare_memory_bytes", "Device memory the stage leaves free (absent while unknown)", labels=labels
         ),
         "margin": GaugeMetricFamily(
             "freeride_margin_seconds", "Safety margin grants carry now (set by the interference guard)", labels=labels
@@ -126,7 +146,7 @@ def _device_metrics(status: p.StatusReply) -> Iterator[Metric]:
         ),
     }
     for d in status.devices:
-        values = {
+        values: dict[str, float | None] = {
             "bubble": d.bubble_ns / 1e9,
             "used": d.used_ns / 1e9,
             "interference": d.interference_ns / 1e9,
@@ -137,21 +157,29 @@ def _device_metrics(status: p.StatusReply) -> Iterator[Metric]:
             "steps": d.steps,
             "dropped": d.dropped,
             "alive": float(d.alive),
-            "spare": d.spare_memory,
-            "margin": d.margin_ns / 1e9,
+            "spare": d.spare_memory if d.spare_memory >= 0 else None,
+            "margin": d.margin_ns / 1e9 if d.margin_ns >= 0 else None,
             "factor": d.prediction_factor,
             "min_bubble": d.min_bubble_ns / 1e9,
             "left_out": d.left_out,
             "held_back": d.held_back_ns / 1e9,
             "backed_off": d.backed_off_ns / 1e9,
         }
+        key_labels = [d.device, _stage(d.stage), d.gpu_uuid, hostname]
         for key, family in families.items():
-            family.add_metric([d.device, str(d.stage)], float(values[key]))
+            value = values[key]
+            if value is not None:
+                family.add_metric(key_labels, float(value))
     yield from families.values()
 
 
-def _task_metrics(status: p.StatusReply, throughput: dict[int, float]) -> Iterator[Metric]:
-    labels = ["task", "name", "device"]
+def _stage(stage: int) -> str:
+    return str(stage) if stage >= 0 else ""
+
+
+def _task_metrics(status: p.StatusReply, throughput: dict[int, float], hostname: str) -> Iterator[Metric]:
+    labels = ["task", "name", "device", "gpu_uuid", "hostname"]
+    uuids = {d.device: d.gpu_uuid for d in status.devices}
     steps = CounterMetricFamily("freeride_side_task_steps", "Steps a side task has done", labels=labels)
     busy = CounterMetricFamily("freeride_side_task_busy_seconds", "Time a side task spent in steps", labels=labels)
     interference = CounterMetricFamily(
@@ -164,7 +192,7 @@ def _task_metrics(status: p.StatusReply, throughput: dict[int, float]) -> Iterat
     user = GaugeMetricFamily("freeride_side_task_metric", "Numbers a side task reports", labels=[*labels, "metric"])
     by_state: collections.Counter[str] = collections.Counter()
     for t in status.tasks:
-        key = [str(t.task_id), t.name, t.device]
+        key = [str(t.task_id), t.name, t.device, uuids.get(t.device, ""), hostname]
         steps.add_metric(key, float(t.steps))
         busy.add_metric(key, t.busy_ns / 1e9)
         interference.add_metric(key, t.interference_ns / 1e9)
@@ -226,7 +254,8 @@ class MetricsExporter(Observer):
     """Observer serving Prometheus metrics on ``http://ADDR:PORT/metrics``.
 
     Args:
-        port: TCP port; 0 picks a free one (see :attr:`port`).
+        port: TCP port; 0 picks a free one (see :attr:`port`); None serves no
+            HTTP at all (the metrics are then read from :attr:`registry`).
         status: The manager's ``status`` method.
         addr: Address to listen on.
         loop: Event loop that owns the state ``status`` reads; by default the
@@ -234,6 +263,9 @@ class MetricsExporter(Observer):
             HTTP thread).
         throughput_window_s: Window of the throughput gauge.
         status_timeout_s: How long a scrape waits for the loop.
+        hostname: The ``hostname`` label (default: this host's name).
+        gpu_uuid: The ``gpu_uuid`` of a device name, for the metrics recorded
+            from observer calls (called on the loop; default: none known).
 
     Raises:
         OSError: the port cannot be bound.
@@ -242,14 +274,16 @@ class MetricsExporter(Observer):
     def __init__(
         self,
         *,
-        port: int,
+        port: int | None,
         status: StatusFn,
         addr: str = "127.0.0.1",
         loop: asyncio.AbstractEventLoop | None = None,
         throughput_window_s: float = 10.0,
         status_timeout_s: float = 2.0,
+        hostname: str | None = None,
+        gpu_uuid: Callable[[str], str] = _no_gpu,
     ) -> None:
-        if not 0 <= port <= 65535:
+        if port is not None and not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {port}")
         if throughput_window_s <= 0:
             raise ValueError(f"throughput_window_s must be > 0, got {throughput_window_s}")
@@ -265,26 +299,33 @@ class MetricsExporter(Observer):
         self._lock = threading.Lock()
         self._recent: dict[int, collections.deque[tuple[int, int]]] = {}
         self._closed = False
+        self._hostname = socket.gethostname() if hostname is None else hostname
+        self._gpu_uuid = gpu_uuid
         self.registry = CollectorRegistry(auto_describe=False)
+        Info("freeride_build", "The FreeRide version serving these metrics", registry=self.registry).info(
+            {"version": __version__}
+        )
         self._latency = Histogram(
             "freeride_bubble_start_to_step_seconds",
             "Bubble start to the first side-task step start, per grant",
-            ["device"],
+            ["device", "gpu_uuid", "hostname"],
             buckets=LATENCY_BUCKETS_S,
             registry=self.registry,
         )
         self._grants = Counter(
             "freeride_grants",
             "Grants given back by side tasks, by reason",
-            ["device", "reason"],
+            ["device", "gpu_uuid", "hostname", "reason"],
             registry=self.registry,
         )
-        self.registry.register(StatusCollector(self._fetch_status, self._throughput))
-        self._server: WSGIServer
-        self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
-        self.port: int = self._server.server_port
-        """The port actually bound."""
-        logger.info("[metrics] serving http://%s:%d/metrics", addr, self.port)
+        self.registry.register(StatusCollector(self._fetch_status, self._throughput, hostname=self._hostname))
+        self._http: tuple[WSGIServer, threading.Thread] | None = None
+        self.port: int | None = None
+        """The port actually bound (None: no HTTP)."""
+        if port is not None:
+            self._http = start_http_server(port, addr=addr, registry=self.registry)
+            self.port = self._http[0].server_port
+            logger.info("[metrics] serving http://%s:%d/metrics", addr, self.port)
 
     # -- observer -------------------------------------------------------------
 
@@ -292,9 +333,10 @@ class MetricsExporter(Observer):
         pass  # everything per device is in status
 
     def grant_done(self, device: str, task_id: int, task_name: str, done: p.GrantDone) -> None:
-        self._grants.labels(device, done.reason).inc()
+        where = (device, self._gpu_uuid(device), self._hostname)
+        self._grants.labels(*where, done.reason).inc()
         if done.first_step_delay_ns >= 0:
-            self._latency.labels(device).observe(done.first_step_delay_ns / 1e9)
+            self._latency.labels(*where).observe(done.first_step_delay_ns / 1e9)
         if done.steps > 0:
             now = time.monotonic_ns()
             with self._lock:
@@ -313,9 +355,12 @@ class MetricsExporter(Observer):
         if self._closed:
             return
         self._closed = True
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(5.0)
+        if self._http is None:
+            return
+        server, thread = self._http
+        server.shutdown()
+        server.server_close()
+        thread.join(5.0)
         logger.info("[metrics] stopped")
 
     # -- scrape side (HTTP thread) --------------------------------------------

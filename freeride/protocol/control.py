@@ -98,6 +98,8 @@ class DeviceStatus(Message, frozen=True, tag="device_status"):
     """Bubble time held back from side work to measure the training job's cost."""
     backed_off_ns: int = 0
     """Bubble time left out to keep the job's measured cost within the slowdown budget."""
+    gpu_uuid: str = ""
+    """NVML's ``GPU-...`` UUID of this device ("" on a CPU device or without NVML): joins it with other GPU metrics."""
 
     @property
     def offered_ns(self) -> int:

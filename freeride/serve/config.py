@@ -10,7 +10,17 @@ from typing import get_args
 from freeride import protocol as p
 from freeride.transport import Endpoints
 
-__all__ = ["ServeConfig"]
+__all__ = ["DEFAULT_METRICS_PORT", "ServeConfig"]
+
+DEFAULT_METRICS_PORT = 6968
+"""The metrics port of ``freeride serve --metrics-port`` given without a number.
+
+No exporter common on GPU nodes listens there (node-exporter 9100,
+process-exporter 9256, dcgm-exporter 9400, nvidia_gpu_exporter 9835, Prometheus
+itself 9090-9094), nor Ray (6379, 8265, workers 10002-19999) or torchrun
+(29400, 29500); it lies below the kernel's ephemeral range and outside
+9100-9999, which Prometheus's port list has handed out in full to exporters.
+"""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,7 +48,8 @@ class ServeConfig:
     trace: Path | None = None
     """Write a Chrome/Perfetto trace of bubbles and side-task work here."""
     metrics_port: int | None = None
-    """Serve Prometheus metrics on this port (of ``metrics_host``); 0 picks a free one."""
+    """Serve Prometheus metrics on this port (of ``metrics_host``); 0 picks a free one. The documented port is
+    :data:`DEFAULT_METRICS_PORT`; None serves none."""
     metrics_host: str = "127.0.0.1"
     """Address the metrics bind: loopback unless told otherwise (read-only, but unauthenticated)."""
     side_priority: p.SidePriority = "low"

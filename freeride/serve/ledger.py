@@ -113,8 +113,8 @@ class DeviceLedger:
 
     # -- views ------------------------------------------------------------------
 
-    def status(self, info: DeviceInfo) -> p.DeviceStatus:
-        """This device's status: who trains here (``info``) and what its bubbles were used for."""
+    def status(self, info: DeviceInfo, *, gpu_uuid: str = "") -> p.DeviceStatus:
+        """This device's status: who trains here (``info``), what its bubbles were used for, its GPU's UUID."""
         guard = self._guard
         return p.DeviceStatus(
             device=self.device,
@@ -143,6 +143,7 @@ class DeviceLedger:
             typical_bubble_ns=self.typical_bubble_ns(info),
             held_back_ns=self.held_back_ns,
             backed_off_ns=self.backed_off_ns,
+            gpu_uuid=gpu_uuid,
         )
 
     def typical_bubble_ns(self, info: DeviceInfo) -> int:
@@ -354,9 +355,9 @@ class LedgerView:
     def first_seen_ns(self) -> int:
         return self.ledger.first_seen_ns
 
-    def status(self, info: DeviceInfo) -> p.DeviceStatus:
-        """This device's status: who trains here (``info``) and what its bubbles were used for."""
-        return self.ledger.status(info)
+    def status(self, info: DeviceInfo, *, gpu_uuid: str = "") -> p.DeviceStatus:
+        """This device's status: who trains here (``info``), what its bubbles were used for, its GPU's UUID."""
+        return self.ledger.status(info, gpu_uuid=gpu_uuid)
 
     def typical_bubble_ns(self, info: DeviceInfo) -> int:
         """This device's typical bubble; 0 while unknown (see :meth:`DeviceLedger.typical_bubble_ns`)."""

@@ -88,6 +88,8 @@ class Manager:
         self._nvml: NvmlMonitor | None = None
         self._mps: MpsDaemon | None = None
         self.observers = Observers()
+        self.metrics_port: int | None = None
+        """The port the Prometheus metrics are served on, once bound (None: not served)."""
         """Trace writers and metrics exporters; see :mod:`freeride.observe.base`."""
         self.costs = TrainingCosts(config.holdback, budget=config.slowdown_budget, on_pair=self.observers.training_cost)
         """Each job's measured cost and slowdown budget: what the schedulers may grant."""
@@ -148,7 +150,11 @@ class Manager:
                     logger.warning(
                         "[metrics] bound to %s: other hosts can read them (no authentication; counters only)", host
                     )
-                self.observers.add(MetricsExporter(port=self.config.metrics_port, addr=host, status=self.status))
+                exporter = MetricsExporter(
+                    port=self.config.metrics_port, addr=host, status=self.status, gpu_uuid=self.gpu_uuid
+                )
+                self.observers.add(exporter)
+                self.metrics_port = exporter.port
         except Exception:
             await self.aclose()
             raise
@@ -333,6 +339,10 @@ class Manager:
             used.update(self._nvml.process_memory(index))
         self.supervisor.note_process_memory(used)
 
+    def gpu_uuid(self, device: str) -> str:
+        """NVML's UUID of a device (see :meth:`~freeride.gpu.nvml.NvmlMonitor.uuid_of`); "" without NVML."""
+        return self._nvml.uuid_of(device) if self._nvml is not None else ""
+
     def declare_device(self, name: str, *, stage: int, spare_memory: int, cpu_affinity: list[int]) -> None:
         """Make a device known before its rank reports (from a profile, or by a launcher).
 
@@ -419,7 +429,9 @@ class Manager:
     def status(self) -> p.StatusReply:
         p50, p99, worst = self.latency.summary()
         return p.StatusReply(
-            devices=[self.schedulers[name].status(info) for name, info in self.devices.items()],
+            devices=[
+                self.schedulers[name].status(info, gpu_uuid=self.gpu_uuid(name)) for name, info in self.devices.items()
+            ],
             tasks=[self._task_status(t) for t in self.tasks.values()],
             latency=p.LatencySummary(count=self.latency.count, p50_ns=p50, p99_ns=p99, max_ns=worst),
             events=self.events,

@@ -12,16 +12,18 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import io
+import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from conftest import wait_until
+from conftest import running_manager, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
+from freeride import __version__
 from freeride import protocol as p
 from freeride.backends.sim import SimConfig, SimPipeline, StageResult
 from freeride.observe.metrics import MetricsExporter
@@ -152,9 +154,13 @@ async def test_trace_shows_side_task_work_inside_bubbles(runtime_dir: Path) -> N
         assert s.harvested_share is not None and s.harvested_share > 0.2
 
 
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape_text(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
+        return str(response.read().decode())
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = scrape_text(port)
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)
@@ -171,16 +177,24 @@ async def test_metrics_endpoint_and_live_view(manager: Manager, runtime_dir: Pat
         await run_job(manager)
         status = manager.status()
         # scrape from another thread: the event loop must stay free to answer the status call
+        assert exporter.port is not None
         samples = await asyncio.to_thread(scrape, exporter.port)
 
+        host = socket.gethostname()
         for d in status.devices:
-            key = (("device", d.device), ("stage", str(d.stage)))
+            key = (("device", d.device), ("gpu_uuid", ""), ("hostname", host), ("stage", str(d.stage)))
             assert samples[("freeride_bubble_seconds_total", key)] == pytest.approx(d.bubble_ns / 1e9)
             assert samples[("freeride_bubble_used_seconds_total", key)] == pytest.approx(d.used_ns / 1e9)
             assert samples[("freeride_overruns_total", key)] == d.overruns
             assert samples[("freeride_training_steps_total", key)] == d.steps > 0
         for t in status.tasks:
-            key = (("device", t.device), ("name", t.name), ("task", str(t.task_id)))
+            key = (
+                ("device", t.device),
+                ("gpu_uuid", ""),
+                ("hostname", host),
+                ("name", t.name),
+                ("task", str(t.task_id)),
+            )
             assert samples[("freeride_side_task_steps_total", key)] == t.steps
             assert samples[("freeride_side_task_busy_seconds_total", key)] == pytest.approx(t.busy_ns / 1e9)
         assert samples[("freeride_pending_tasks", ())] == 1
@@ -213,3 +227,33 @@ async def test_metrics_endpoint_and_live_view(manager: Manager, runtime_dir: Pat
         exporter.close()
     with pytest.raises(urllib.error.URLError):
         await asyncio.to_thread(scrape, exporter.port)
+
+
+async def test_a_served_manager_labels_its_series_for_a_fleet(runtime_dir: Path) -> None:
+    """``serve --metrics-port``: every device series says which host and GPU, the build is there, no -1 anywhere."""
+    config = ServeConfig(
+        endpoints=Endpoints.ipc(runtime_dir), state_dir=runtime_dir / "state", checkpoint_every_s=0.2, metrics_port=0
+    )
+    async with running_manager(config) as manager:
+        assert manager.metrics_port is not None
+        # a device nothing is known about yet: its spare memory is unknown, so it has no spare-memory series
+        manager.declare_device("cpu:77", stage=5, spare_memory=-1, cpu_affinity=[])
+        await run_job(manager)
+        status = manager.status()
+        text = await asyncio.to_thread(scrape_text, manager.metrics_port)
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    [build] = families["freeride_build_info"].samples  # the text format has no info type: a gauge
+    assert build.name == "freeride_build_info" and build.value == 1 and build.labels == {"version": __version__}
+    per_device = [
+        s for f in families.values() for s in f.samples if "device" in s.labels and s.name != "freeride_build_info"
+    ]
+    assert {s.name for s in per_device} >= {"freeride_bubble_seconds_total", "freeride_side_task_steps_total"}
+    assert any(s.name == "freeride_bubble_start_to_step_seconds_count" for s in per_device)  # observer-recorded too
+    uuids = {d.device: d.gpu_uuid for d in status.devices}
+    for s in per_device:
+        assert s.labels["hostname"] == socket.gethostname()
+        assert s.labels["gpu_uuid"] == uuids.get(s.labels["device"], "")  # "" on CPU devices, NVML's on GPUs
+    spare = {s.labels["device"]: s.value for s in families["freeride_spare_memory_bytes"].samples}
+    assert spare == {d.device: d.spare_memory for d in status.devices if d.spare_memory >= 0}
+    assert "cpu:77" not in spare and "cpu:77" in uuids
+    assert [(s.name, s.labels) for f in families.values() for s in f.samples if s.value == -1] == []

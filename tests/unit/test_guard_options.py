@@ -97,10 +97,11 @@ def test_status_of_a_manager_without_a_guard_shows_no_guard_line() -> None:
 
 def test_metrics_export_margin_and_factor_per_device() -> None:
     status = _status(margin_ns=600_000, prediction_factor=0.9, guard_reason="x")
-    families = {f.name: f for f in StatusCollector(lambda: status, dict).collect()}
+    families = {f.name: f for f in StatusCollector(lambda: status, dict, hostname="node7").collect()}
     [margin] = families["freeride_margin_seconds"].samples
     [factor] = families["freeride_prediction_factor"].samples
-    assert margin.labels == {"device": "cpu:0", "stage": "0"} and margin.value == pytest.approx(0.0006)
+    where = {"device": "cpu:0", "stage": "0", "gpu_uuid": "", "hostname": "node7"}
+    assert margin.labels == where and margin.value == pytest.approx(0.0006)
     assert factor.value == pytest.approx(0.9)
 
 
