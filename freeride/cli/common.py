@@ -10,6 +10,7 @@ from typing import TypeAlias
 
 from freeride import auth
 from freeride.transport import ControlClient, Endpoints, default_runtime_dir
+from freeride.transport.endpoints import RUNTIME_DIR_ENV
 
 __all__ = [
     "Subparsers",
@@ -46,7 +47,8 @@ def add_runtime(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
         "--runtime-dir",
         metavar="DIR",
-        help=f"where the manager's sockets live (default {default_runtime_dir()}); must match `freeride serve`",
+        help=f"where the manager's sockets live (default ${RUNTIME_DIR_ENV} if set, else $XDG_RUNTIME_DIR/freeride or"
+        f" TMP/freeride-UID: here {default_runtime_dir()}); must match `freeride serve`",
     )
     sub.add_argument(
         "--tcp",

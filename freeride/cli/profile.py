@@ -11,6 +11,7 @@ from freeride.cli import common
 from freeride.cli.common import Subparsers
 from freeride.cli.profile_task import DEFAULT_SAMPLES, DEFAULT_STEPS
 from freeride.transport import default_runtime_dir
+from freeride.transport.endpoints import RUNTIME_DIR_ENV
 
 __all__ = ["add_parsers", "cmd_profile", "cmd_profile_task"]
 
@@ -126,6 +127,7 @@ def add_parsers(subs: Subparsers) -> None:
     s.add_argument(
         "--runtime-dir",
         metavar="DIR",
-        help=f"the runtime dir of `freeride serve` (default {default_runtime_dir()}), if --state-dir is not given",
+        help=f"the runtime dir of `freeride serve` (default ${RUNTIME_DIR_ENV} if set, else as for serve: here"
+        f" {default_runtime_dir()}), if --state-dir is not given",
     )
     s.set_defaults(fn=cmd_profile_task)
