@@ -1,0 +1,227 @@
+"""What the manager knows and decides, without a socket: the ranks, the schedulers, the side tasks.
+
+:class:`ManagerCore` is fed what arrives (a rank's events through
+:meth:`~ManagerCore.on_event`, control requests through
+:meth:`~ManagerCore.on_control`, worker messages through its supervisor) and
+answers with grants (through the ``send`` function it is given), replies and
+status. :class:`~freeride.serve.manager.Manager` adds the sockets, the loops
+that read them, NVML and MPS; tests drive the core directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import assert_never
+
+import msgspec
+
+from freeride import protocol as p
+from freeride.observe.base import Observers
+from freeride.observe.stats import LatencyRecorder
+from freeride.serve.config import ServeConfig
+from freeride.serve.costs import TrainingCosts
+from freeride.serve.nobubbles import waiting_on_device
+from freeride.serve.ranks import DeviceInfo, Ranks
+from freeride.serve.runners import SendFn
+from freeride.serve.scheduler import DeviceScheduler
+from freeride.serve.supervisor import Supervisor
+from freeride.serve.tasks import TaskRecord
+from freeride.transport import BadFrame, bubbles_endpoint
+
+__all__ = ["ManagerCore", "sampled"]
+
+logger = logging.getLogger(__name__)
+
+
+def sampled(count: int) -> bool:
+    """Whether the ``count``-th rejection is logged: a misbehaving sender must not flood the log."""
+    return count <= 10 or count % 1000 == 0
+
+
+class ManagerCore:
+    """One node's state and decisions, fed by the manager's loops (or a test)."""
+
+    def __init__(self, config: ServeConfig, *, send: SendFn) -> None:
+        self.config = config
+        self.schedulers: dict[str, DeviceScheduler] = {}
+        """One per device, created when :attr:`ranks` first knows the device."""
+        self.latency = LatencyRecorder()
+        self.events = 0
+        self.rejected_frames = 0
+        self.ranks = Ranks(listener=self, backend_timeout_s=config.backend_timeout_s)
+        self._started_ns = time.monotonic_ns()
+        self.observers = Observers()
+        """Trace writers and metrics exporters; see :mod:`freeride.observe.base`."""
+        self.costs = TrainingCosts(config.holdback, budget=config.slowdown_budget, on_pair=self.observers.training_cost)
+        """Each job's measured cost and slowdown budget: what the schedulers may grant."""
+        self.supervisor = Supervisor(
+            config,
+            devices=self.ranks.devices,
+            schedulers=self.schedulers,
+            send=send,
+            observers=self.observers,
+        )
+
+    @property
+    def devices(self) -> dict[str, DeviceInfo]:
+        """Every known device, by name (read only: :attr:`ranks` writes it)."""
+        return self.ranks.devices
+
+    # -- backend events -------------------------------------------------------
+
+    def on_event(self, event: p.BackendEvent | BadFrame) -> None:
+        """One message from a training rank (or a frame that could not be read)."""
+        self.events += 1
+        if not isinstance(event, BadFrame):
+            self.observers.backend_event(event)
+        match event:
+            case BadFrame(reason=reason, size=size):
+                self.rejected_frames += 1
+                if sampled(self.rejected_frames):
+                    logger.warning(
+                        "[events] rejected a %d-byte frame (%d so far): %s", size, self.rejected_frames, reason
+                    )
+                return
+            case p.Hello():
+                if not self.ranks.hello(event):
+                    self.rejected_frames += 1
+                    return
+                self.costs.hello(event.rank, event.job)
+                if (scheduler := self.schedulers.get(event.device)) is not None:
+                    scheduler.follow_rank(self._bubbles_endpoint(event))
+            # Bubble events are handled here, on the events loop, not through a queue: a
+            # queue hop costs a loop iteration on the bubble-start -> step path.
+            case p.BubbleStarted():
+                info = self.ranks.bubble(event)
+                if info is not None:
+                    self.schedulers[info.name].on_bubble_started(event)
+            case p.BubbleEnded():
+                info = self.ranks.bubble(event)
+                if info is not None:
+                    self.schedulers[info.name].on_bubble_ended(event)
+            case p.StepFinished(rank=rank, step=step, duration_ns=duration, bubble_ns=bubble):
+                self.ranks.step_finished(rank, duration_ns=duration, bubble_ns=bubble)
+                self.costs.step_finished(rank, step, duration)
+            case p.Heartbeat(rank=rank):
+                self.ranks.heartbeat(rank)
+            case p.Goodbye(rank=rank, dropped=dropped):
+                self.ranks.goodbye(rank, dropped)
+            case _:
+                assert_never(event)
+
+    def _bubbles_endpoint(self, hello: p.Hello) -> str:
+        """Where the rank publishes its bubble starts: only the address derived here is followed.
+
+        So an armed worker only ever connects inside this manager's private runtime directory.
+        """
+        expected = bubbles_endpoint(self.config.endpoints.events, hello.rank)
+        if hello.bubbles_endpoint and hello.bubbles_endpoint != expected:
+            self.event_refused(f"rank {hello.rank} publishes bubbles on {hello.bubbles_endpoint!r}, not {expected!r}")
+            return ""
+        return hello.bubbles_endpoint
+
+    # -- what the ranks tell (RankListener) -----------------------------------
+
+    def device_added(self, info: DeviceInfo) -> None:
+        self.schedulers[info.name] = DeviceScheduler(
+            info.name,
+            latency=self.latency,
+            margin_ns=self.config.margin_ns,
+            interference_target=self.config.interference_target,
+            charge_stage_waits=self.config.side_priority == "same",
+            observers=self.observers,
+            costs=self.costs,
+        )
+
+    def device_lost(self, name: str) -> None:
+        scheduler = self.schedulers.get(name)
+        if scheduler is not None:
+            scheduler.backend_lost()
+
+    def rank_ready(self, info: DeviceInfo) -> None:
+        self.supervisor.place_pending()
+
+    def device_in_use(self, name: str) -> bool:
+        scheduler = self.schedulers.get(name)
+        return scheduler is not None and scheduler.in_use
+
+    def device_removed(self, name: str) -> None:
+        self.schedulers.pop(name, None)
+
+    def event_refused(self, reason: str) -> None:
+        self.rejected_frames += 1
+        if sampled(self.rejected_frames):
+            logger.warning("[events] refused an event (%d rejected so far): %s", self.rejected_frames, reason)
+
+    def gpu_uuid(self, device: str) -> str:
+        """The UUID of a device's GPU; "" where none is known (the manager asks NVML)."""
+        return ""
+
+    def declare_device(self, name: str, *, stage: int, spare_memory: int, cpu_affinity: list[int]) -> None:
+        """Make a device known before its rank reports (from a profile, or by a launcher).
+
+        Side tasks can then be placed on it and set up before training starts.
+        """
+        self.ranks.declare(name, stage=stage, spare_memory=spare_memory, cpu_affinity=cpu_affinity)
+
+    def live_backends(self) -> list[int]:
+        """Ranks currently reporting to this manager."""
+        return self.ranks.live()
+
+    # -- side tasks -------------------------------------------------------------
+
+    @property
+    def tasks(self) -> dict[int, TaskRecord]:
+        return self.supervisor.tasks
+
+    def submit(self, spec: p.TaskSpec) -> p.Submitted | p.Rejected:
+        """Validate, record and place a side task."""
+        return self.supervisor.submit(spec)
+
+    async def cancel(self, task_id: int) -> p.Cancelled | p.Rejected:
+        """Stop a side task; it checkpoints first, so submitting it again resumes it."""
+        return await self.supervisor.cancel(task_id)
+
+    def on_control(self, req: p.ControlRequest | BadFrame) -> p.ControlReply:
+        """One control client's request (or a frame that could not be read), answered at once."""
+        match req:
+            case BadFrame(reason=reason):
+                self.rejected_frames += 1
+                return p.Rejected(reason=f"malformed request: {reason}")
+            case p.Submit(spec=spec):
+                return self.submit(spec)
+            case p.Cancel(task_id=task_id):
+                return self.supervisor.cancel_nowait(task_id)  # the stop goes on in the background
+            case p.StatusRequest():
+                return self.status()
+            case _:
+                assert_never(req)
+
+    def _task_status(self, task: TaskRecord) -> p.TaskStatus:
+        scheduler = self.schedulers.get(task.device)
+        if scheduler is None:
+            return task.status()
+        no_fit, why = scheduler.no_fit(task.task_id)
+        idle = "" if task.state in p.TERMINAL_STATES else waiting_on_device(task.device, self.devices.get(task.device))
+        return msgspec.structs.replace(
+            task.status(),
+            interference_ns=scheduler.task_interference_ns(task.task_id),
+            no_fit=no_fit,
+            no_fit_reason=why,
+            pending_reason=idle or task.status().pending_reason,
+        )
+
+    def status(self) -> p.StatusReply:
+        p50, p99, worst = self.latency.summary()
+        return p.StatusReply(
+            devices=[
+                self.schedulers[name].status(info, gpu_uuid=self.gpu_uuid(name)) for name, info in self.devices.items()
+            ],
+            tasks=[self._task_status(t) for t in self.tasks.values()],
+            latency=p.LatencySummary(count=self.latency.count, p50_ns=p50, p99_ns=p99, max_ns=worst),
+            events=self.events,
+            rejected_frames=self.rejected_frames,
+            uptime_ns=time.monotonic_ns() - self._started_ns,
+            costs=self.costs.status(),
+        )
