@@ -2,6 +2,9 @@
 
 Driven by hand, as the events loop and the supervisor call it, with a
 :class:`~freeride.clock.ManualClock` and runners that record what they are told.
+
+The harness (``Harness``, ``RecordingRunner``, ``done``) is shared: other test
+modules import it from here.
 """
 
 from __future__ import annotations
@@ -11,9 +14,8 @@ from pathlib import Path
 from freeride import protocol as p
 from freeride.clock import ManualClock
 from freeride.observe.stats import LatencyRecorder
-from freeride.serve.ranks import DeviceInfo
 from freeride.serve.runners import ProgramRunner
-from freeride.serve.scheduler import MIN_BUBBLES_SEEN, PROBE_AFTER_BUBBLES, DeviceScheduler
+from freeride.serve.scheduler import PROBE_AFTER_BUBBLES, DeviceScheduler
 from freeride.serve.tasks import TaskRecord
 
 MS = 1_000_000
@@ -344,171 +346,3 @@ def test_a_program_is_granted_and_revoked_through_the_same_interface() -> None:
     assert program.resumed_at is None  # frozen
     assert h.sched.used_ns == 8 * MS and t.busy_ns == 8 * MS and t.steps == 1
     assert h.sched.overruns == 0 and h.latency.count == 1 and h.latency.summary()[0] == 0
-
-
-def test_used_is_compute_inside_the_bubble_and_interference_is_compute_after_it() -> None:
-    h = Harness()
-    t = h.task(1, 5 * MS)
-    runner = t.runner
-    assert isinstance(runner, RecordingRunner)
-    runner.cpu = 100 * MS
-    b = h.started(20 * MS)
-    [(_, grant)] = h.grants()
-    runner.cpu = 108 * MS  # 8 ms of compute by the time the bubble ended at 10 ms (it waited for its core)
-    h.ended(b, 10 * MS)
-    # 5 ms more compute after the end
-    h.report(t, done(t, grant, reason="revoked", busy=15 * MS, end=b.t_ns + 15 * MS, cpu=113 * MS))
-    assert h.sched.used_ns == 8 * MS
-    assert h.sched.interference_ns == 5 * MS and h.sched.task_interference_ns(1) == 5 * MS
-    assert h.sched.overruns == 1 and h.sched.overrun_ns == 5 * MS  # wall time past the end, as before
-
-
-def test_a_task_that_never_overruns_interferes_with_nothing() -> None:
-    h = Harness()
-    t = h.task(1, 2 * MS)
-    runner = t.runner
-    assert isinstance(runner, RecordingRunner)
-    for i in range(5):
-        runner.cpu = i * 10 * MS
-        b = h.started(10 * MS, index=i)
-        [*_, (_, grant)] = h.grants()
-        h.report(t, done(t, grant, busy=6 * MS, end=b.t_ns + 6 * MS, cpu=(i * 10 + 6) * MS))
-        runner.cpu = (i * 10 + 6) * MS
-        h.ended(b, 10 * MS)
-    assert h.sched.interference_ns == 0 and h.sched.used_ns == 30 * MS and h.sched.overruns == 0
-
-
-def test_a_report_that_beats_the_bubble_end_is_charged_its_wall_time_past_the_end() -> None:
-    """The end was handled after the report: the CPU clock at the end is unknown, wall time stands in."""
-    h = Harness()
-    t = h.task(1, 5 * MS)
-    runner = t.runner
-    assert isinstance(runner, RecordingRunner)
-    runner.cpu = 0
-    b = h.started(20 * MS)
-    [(_, grant)] = h.grants()
-    h.report(t, done(t, grant, busy=12 * MS, end=b.t_ns + 12 * MS, cpu=12 * MS))
-    h.ended(b, 9 * MS)
-    assert h.sched.interference_ns == 3 * MS and h.sched.used_ns == 9 * MS
-
-
-def test_train_time_runs_from_the_first_bubble_event_to_the_last() -> None:
-    h = Harness()
-    b = h.started(10 * MS)
-    h.ended(b, 10 * MS)
-    h.clock.advance(30 * MS)
-    b = h.started(10 * MS, index=1)
-    h.ended(b, 10 * MS)
-    assert h.sched.train_ns(alive=False) == 50 * MS
-    h.clock.advance(5 * MS)
-    assert h.sched.train_ns(alive=True) == 55 * MS
-
-
-def test_train_time_adds_up_each_launch_not_the_time_between() -> None:
-    h = Harness()
-    b = h.started(10 * MS)
-    h.ended(b, 10 * MS)  # the first job: 10 ms
-    h.sched.backend_lost()
-    h.clock.advance(1000 * MS)  # nothing trains here for a second
-    b = h.started(10 * MS, index=1)
-    h.clock.advance(15 * MS)
-    h.ended(b, 10 * MS)
-    assert h.sched.train_ns(alive=False) == 20 * MS
-    h.clock.advance(5 * MS)
-    assert h.sched.train_ns(alive=True) == 30 * MS
-
-
-def test_a_filler_takes_a_bubble_only_after_the_other_tasks_gave_it_back() -> None:
-    h = Harness()
-    filler = h.task(1, 1 * MS, fill=True)  # placed first, and its short steps fit any bubble
-    big = h.task(2, 8 * MS)
-    for bubble in range(3):  # every bubble, whoever was served last: the long-step task first
-        ev = h.started(20 * MS, step=bubble)
-        assert h.grants()[-1][0] == big.task_id
-        h.clock.advance(16 * MS)  # two of its steps; a third does not fit in the 4 ms left
-        h.report(big, done(big, h.grants()[-1][1], busy=16 * MS))
-        assert h.grants()[-1][0] == filler.task_id  # the end of the bubble goes to the filler
-        h.clock.advance(3 * MS)
-        h.report(filler, done(filler, h.grants()[-1][1], busy=3 * MS))
-        h.ended(ev, 20 * MS)
-    assert len(h.grants()) == 6
-
-
-def test_a_filler_alone_on_its_device_takes_whole_bubbles() -> None:
-    h = Harness()
-    filler = h.task(1, 1 * MS, fill=True)
-    h.started(20 * MS)
-    assert h.grants()[-1][0] == filler.task_id
-
-
-def test_a_packing_task_is_granted_what_is_left_though_its_whole_step_does_not_fit() -> None:
-    """Its worker offers a smaller piece (fit_piece); one that does not pack is kept out as before."""
-    for packs, estimate, granted in (
-        (True, 5 * MS, True),
-        (True, -1, True),
-        (False, 5 * MS, False),
-        (False, -1, False),
-    ):
-        h = Harness()
-        big = h.task(1, 8 * MS)
-        filler = h.task(2, estimate, fill=True)  # -1: not measured yet (an unmeasured kind only probes fresh bubbles)
-        filler.packs = packs
-        h.started(20 * MS)
-        h.clock.advance(16 * MS)  # 4 ms left: the filler's whole 5 ms step does not fit
-        h.report(big, done(big, h.grants()[-1][1], busy=16 * MS))
-        assert (h.grants()[-1][0] == filler.task_id) is granted
-
-
-def test_a_packing_task_whose_piece_cannot_be_split_gets_a_probe_now_and_then() -> None:
-    """A packing task is granted bubbles its whole step does not fit; where its worker finds no piece that
-    does (a partitioned task's optimizer chunk cannot be halved) and gives each back at once, the task
-    would wait forever: it is counted as shut out, and gets a probe as any other task does."""
-    h = Harness()
-    t = h.task(1, 80 * MS)  # larger than any bubble
-    t.packs = True
-    for i in range(PROBE_AFTER_BUBBLES - 1):
-        b = h.started(20 * MS, index=i)
-        [(_, grant)] = h.grants()[-1:]
-        assert not grant.probe  # granted as a packing task ...
-        h.report(t, done(t, grant))  # ... and given back with no step
-        h.ended(b, 20 * MS)
-    h.started(20 * MS, index=99)
-    assert h.grants()[-1][1].probe
-    t.estimate_ns = 30 * MS
-    h.report(t, done(t, h.grants()[-1][1], busy=30 * MS))  # it ran its step: no longer shut out
-    b = h.started(20 * MS, index=100)
-    assert not h.grants()[-1][1].probe
-
-
-def test_a_packing_task_that_runs_pieces_is_never_probed() -> None:
-    h = Harness()
-    t = h.task(1, 80 * MS)
-    t.packs = True
-    for i in range(3 * PROBE_AFTER_BUBBLES):
-        b = h.started(20 * MS, index=i)
-        grant = h.grants()[-1][1]
-        assert not grant.probe
-        h.report(t, done(t, grant, busy=10 * MS))  # a piece that fit
-        h.ended(b, 20 * MS)
-
-
-def test_the_typical_bubble_comes_from_the_profile_until_enough_bubbles_ended_here() -> None:
-    h = Harness()
-    info = DeviceInfo(name="cpu:0", first_seen_ns=0, profiled_bubble_ns=30 * MS)
-    assert h.sched.typical_bubble_ns(info) == 30 * MS
-    for k in range(MIN_BUBBLES_SEEN):
-        h.ended(h.started(20 * MS, step=k, index=0), 20 * MS if k % 2 else 2 * MS)
-        h.clock.advance(5 * MS)
-        assert h.sched.typical_bubble_ns(info) == (30 * MS if k < MIN_BUBBLES_SEEN - 1 else 20 * MS)
-    assert h.sched.status(info).typical_bubble_ns == 20 * MS  # what `freeride status` shows
-
-
-def test_without_a_profile_the_first_bubbles_give_the_typical_one() -> None:
-    """A job without a profile has its tasks placed after its first steps: a few bubbles then, not 16."""
-    h = Harness()
-    info = DeviceInfo(name="cpu:0", first_seen_ns=0)
-    assert h.sched.typical_bubble_ns(info) == 0  # nothing known yet
-    for k, length in enumerate((25 * MS, 2 * MS, 20 * MS)):
-        h.ended(h.started(20 * MS, step=0, index=k), length)
-        h.clock.advance(5 * MS)
-    assert h.sched.typical_bubble_ns(info) == 25 * MS
