@@ -58,6 +58,9 @@ def pending_reason(spec: p.TaskSpec, views: Sequence[DeviceView], known: Collect
         return f"needs a GPU (device_kind = 'gpu'); no CUDA device here (devices: {', '.join(known) or 'none yet'})"
     if spec.device:
         return f"pinned to {spec.device}, which no training rank has announced yet"
+    if views and all(view.departed for view in views):
+        left = ", ".join(sorted(view.device for view in views))
+        return f"the training ranks of {left} have left (their job ended); it waits for a job to train here"
     return "no training rank has announced a device yet"
 
 

@@ -48,5 +48,7 @@ def job_without_bubbles(devices: Iterable[DeviceInfo]) -> str:
 
 def waiting_on_device(device: str, info: DeviceInfo | None) -> str:
     """Why a task placed on ``device`` runs no step there ("" when it may)."""
+    if info is not None and info.departed:
+        return f"the training rank of {device} has left; a step runs when a rank trains there again"
     reason = no_bubbles(info) if info is not None else ""
     return f"{device} has {reason}; no step runs until it has bubbles" if reason else ""

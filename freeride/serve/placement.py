@@ -34,6 +34,8 @@ class DeviceView:
     bubble_share: float
     """Bubble time per second of training (profiled or learned); negative while unknown."""
     alive: bool
+    departed: bool = False
+    """A rank trained here and left: an unpinned task is not placed here (nothing may ever train here again)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,15 +88,17 @@ def place(peak_memory: int, devices: Sequence[DeviceView], *, pinned: str = "") 
     the tasks already placed), then the fewest tasks, then the most free memory.
 
     Returns:
-        The device, ``None`` if no device is known yet (wait for backends),
-        or :class:`NoFit` explaining why none will do.
+        The device, ``None`` if no device is known yet, or every known one's
+        rank left (wait for backends), or :class:`NoFit` explaining why none
+        will do.
     """
     if pinned:
         views = [d for d in devices if d.device == pinned]
         if not views:
             return None
     else:
-        views = [d for d in devices if d.alive] or list(devices)
+        # a device declared before its rank reports may take tasks to set up; one whose rank left may not
+        views = [d for d in devices if d.alive] or [d for d in devices if not d.departed]
     if not views:
         return None
     fits = [d for d in views if _fits(peak_memory, d)]

@@ -97,6 +97,11 @@ class DeviceInfo:
     def alive(self) -> bool:
         return self.trainer is not None and self.trainer.alive
 
+    @property
+    def departed(self) -> bool:
+        """A rank trained here and left (its job ended, or it was lost): no new task comes here until one trains."""
+        return self.trainer is not None and not self.trainer.alive
+
 
 class RankListener(Protocol):
     def device_added(self, info: DeviceInfo) -> None:

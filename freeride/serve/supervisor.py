@@ -284,6 +284,7 @@ class Supervisor:
                     tasks=len(mine),
                     bubble_share=self._share(info),
                     alive=info.alive,
+                    departed=info.departed,
                 )
             )
         return views

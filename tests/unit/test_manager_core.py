@@ -7,6 +7,8 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from freeride import protocol as p
 from freeride.serve.config import ServeConfig
 from freeride.serve.core import ManagerCore
@@ -15,15 +17,15 @@ from freeride.transport import BadFrame, Endpoints, bubbles_endpoint
 MS = 1_000_000
 
 
-def core(tmp_path: Path) -> tuple[ManagerCore, list[tuple[bytes, p.ManagerToWorker]]]:
+def core(tmp_path: Path, **config: Any) -> tuple[ManagerCore, list[tuple[bytes, p.ManagerToWorker]]]:
     sent: list[tuple[bytes, p.ManagerToWorker]] = []
 
     def send(ident: bytes, msg: p.ManagerToWorker) -> bool:
         sent.append((ident, msg))
         return True
 
-    config = ServeConfig(endpoints=Endpoints.ipc(tmp_path), state_dir=tmp_path / "state")
-    return ManagerCore(config, send=send), sent
+    settings = ServeConfig(endpoints=Endpoints.ipc(tmp_path), state_dir=tmp_path / "state", **config)
+    return ManagerCore(settings, send=send), sent
 
 
 def hello(rank: int, *, device: str, endpoint: str = "") -> p.Hello:
@@ -102,3 +104,22 @@ async def test_a_task_submitted_by_request_is_placed_and_a_cancel_before_its_wor
     assert mgr.tasks[reply.task_id].state == "cancelled" and sent == []
     unknown = mgr.on_control(p.Cancel(task_id=99))
     assert isinstance(unknown, p.Rejected) and "no task 99" in unknown.reason
+
+
+def test_a_device_whose_job_ended_takes_no_new_task_and_says_why(tmp_path: Path) -> None:
+    """A pipeline-size-1 job keeps an unpinned task pending; when that job ends, its departed device must not
+    take the task (it was placed there and showed `running` with 0 steps and no reason)."""
+    mgr, _ = core(tmp_path, settle_s=0.0)
+    single = msgspec.structs.replace(hello(0, device="cpu:0"), num_stages=1)
+    mgr.on_event(single)
+    reply = mgr.on_control(p.Submit(spec=p.TaskSpec(kind="iterative", target="pagerank")))
+    assert isinstance(reply, p.Submitted) and reply.device == ""
+    task = mgr.tasks[reply.task_id]
+    assert "pipeline size 1" in task.pending_reason
+    mgr.on_event(p.Goodbye(rank=0, t_ns=1, dropped=0))
+    mgr.supervisor.place_pending()
+    assert task.state == "pending" and task.device == ""
+    assert "the training ranks of cpu:0 have left" in task.pending_reason, task.pending_reason
+    mgr.on_event(msgspec.structs.replace(hello(1, device="cpu:0"), num_stages=2))  # a new job with bubbles
+    mgr.supervisor.place_pending()
+    assert task.device == "cpu:0" and task.pending_reason == ""
