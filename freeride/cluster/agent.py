@@ -239,46 +239,39 @@ class Agent:
                 logger.info("[cluster] node %s: job %d cancelled by a user; stopping it", self.config.node, job_id)
                 self._control.request(p.Cancel(task_id=cancelled.task_id))
 
+    def _give_back(self, lease: m.Leased, reason: str) -> None:
+        """The job goes back to the queue, not counted against it (this node could not run it now)."""
+        node = self.config.node
+        self._report(
+            m.PreemptJob(node=node, job_id=lease.job_id, attempt=lease.attempt, token=lease.token, reason=reason)
+        )
+
+    def _fail(self, lease: m.Leased, error: str, *, final: bool = False) -> None:
+        node = self.config.node
+        self._report(
+            m.FailJob(
+                node=node, job_id=lease.job_id, attempt=lease.attempt, token=lease.token, error=error, final=final
+            )
+        )
+
     def _start(self, lease: m.Leased) -> None:
         node = self.config.node
         spec = lease.spec
         if spec.kind not in self.config.kinds:
-            self._report(
-                m.PreemptJob(
-                    node=node,
-                    job_id=lease.job_id,
-                    attempt=lease.attempt,
-                    token=lease.token,
-                    reason=f"{node} runs no programs from the queue (its agent was started without --allow-programs)",
-                )
+            self._give_back(
+                lease, f"{node} runs no programs from the queue (its agent was started without --allow-programs)"
             )
             return
         if spec.checkpoint_dir:
             try:
                 Path(spec.checkpoint_dir).mkdir(parents=True, exist_ok=True)
             except OSError as exc:
-                self._report(
-                    m.FailJob(
-                        node=node,
-                        job_id=lease.job_id,
-                        attempt=lease.attempt,
-                        token=lease.token,
-                        error=f"{node} cannot create checkpoint_dir: {exc}",
-                    )
-                )
+                self._fail(lease, f"{node} cannot create checkpoint_dir: {exc}")
                 return
         try:
             reply = self._control.request(p.Submit(spec=spec))
         except ManagerUnreachable as exc:
-            self._report(
-                m.PreemptJob(
-                    node=node,
-                    job_id=lease.job_id,
-                    attempt=lease.attempt,
-                    token=lease.token,
-                    reason=f"manager unreachable: {exc}",
-                )
-            )
+            self._give_back(lease, f"manager unreachable: {exc}")
             return
         match reply:
             case p.Submitted(task_id=task_id):
@@ -294,24 +287,7 @@ class Agent:
                     task_id,
                     f", resuming from step {lease.checkpointed_steps}" if lease.checkpointed_steps > 0 else "",
                 )
-            case p.Rejected(reason=reason):
-                self._report(  # the spec itself: every node's manager would reject it the same way
-                    m.FailJob(
-                        node=node,
-                        job_id=lease.job_id,
-                        attempt=lease.attempt,
-                        token=lease.token,
-                        error=f"{node} rejected it: {reason}",
-                        final=True,
-                    )
-                )
+            case p.Rejected(reason=reason):  # the spec itself: every node's manager would reject it the same way
+                self._fail(lease, f"{node} rejected it: {reason}", final=True)
             case _:
-                self._report(
-                    m.PreemptJob(
-                        node=node,
-                        job_id=lease.job_id,
-                        attempt=lease.attempt,
-                        token=lease.token,
-                        reason=f"manager answered {reply!r}",
-                    )
-                )
+                self._give_back(lease, f"manager answered {reply!r}")
