@@ -9,6 +9,16 @@ under a target duration (sized from the device's bubbles, see
 through the activations each piece kept) and the optimizer update in runs of
 parameters. The arithmetic is that of one plain step; every step boundary is
 an exact checkpoint. See :class:`PartitionedTraining`.
+
+A model whose forward ``torch.fx`` cannot trace (every Hugging Face model,
+``nn.LSTM``, ``nn.Transformer``), or whose slowest part fx cannot trace into,
+is exported by ``torch.export`` instead: a piece per ATen operation, for
+batches of the first batch's shapes (see :mod:`freeride.partition.exported`).
+Where neither can take it, setup says why each failed. A batch input that is a
+tuple is the model's arguments (``model(*x)``). Outputs and the values between
+pieces keep their containers' types: a ``ModelOutput``, a named tuple, a
+dataclass (see :mod:`freeride.partition.values`). A piece that stays over the
+target is logged with its module and measured time.
 """
 
 from freeride.partition._common import DEFAULT_TARGET_MS, piece_target_s

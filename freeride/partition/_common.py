@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from freeride.partition.plan import Plan, Step
+from freeride.partition.values import rebuild
 from freeride.sidetask import IterativeTask, TaskContext
 
 __all__ = [
@@ -57,11 +58,8 @@ def piece_target_s(bubble_ns: int) -> float:
 
 
 def to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, tuple | list):
-        return type(value)(to_device(v, device) for v in value)
-    return value
+    """``value`` with its tensors on ``device``, its containers of the types they were."""
+    return rebuild(value, lambda v: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
 
 
 def capture_rng(device: torch.device) -> dict[str, torch.Tensor]:

@@ -15,9 +15,10 @@ are never detached: they collect their gradients directly, as in a plain
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from freeride.partition._compat import traceable_torch
+from freeride.partition.values import inputs, rebuild, tensors
 
 __all__ = ["Atom", "Executor", "NodeGraph", "split_count", "splittable", "trace"]
 
@@ -52,6 +54,14 @@ class _Tracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name not in self.opened
+
+    def create_arg(self, a: Any) -> fx.node.Argument:
+        if isinstance(a, dict) and dataclasses.is_dataclass(a):
+            # a ModelOutput built of traced values: fx would make it a plain dict (a dataclass comes first
+            # for fx only when it is no dict); built by its own constructor, it keeps its type and fields
+            kwargs = {str(k): self.create_arg(v) for k, v in a.items()}
+            return self.create_node("call_function", type(a), (), kwargs)
+        return super().create_arg(a)
 
     def trace(self, root: nn.Module | Callable[..., Any], concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         with traceable_torch(self):
@@ -102,7 +112,10 @@ class NodeGraph:
     """A traced model: its nodes in order, and where each node's value is last read."""
 
     model: nn.Module
+    """What the graph's ``get_attr`` and ``call_module`` nodes name: the model, or the module exported of it."""
     graph: fx.Graph
+    build_output: Callable[[Sequence[Any]], Any] | None = None
+    """For an exported graph, which returns its output's tensors: the output built again around them."""
     nodes: list[fx.Node] = field(init=False)
     last_use: list[int] = field(init=False)
     index: dict[fx.Node, int] = field(init=False)
@@ -118,6 +131,18 @@ class NodeGraph:
             return None
         return self.model.get_submodule(str(node.target))
 
+    def where(self, i: int) -> str:
+        """The module node ``i`` runs in, for messages: its target, or the innermost module it was exported from."""
+        node = self.nodes[i]
+        if node.op == "call_module":
+            return str(node.target)
+        stack = list((node.meta.get("nn_module_stack") or {}).values())
+        if not stack:
+            return node.name
+        path, kind = stack[-1]
+        path = str(path).removeprefix("model").removeprefix(".")  # the exported wrapper's own attribute
+        return f"{path or getattr(kind, '__name__', str(kind).rsplit('.', 1)[-1])}:{node.name}"
+
     def inplace(self, node: fx.Node) -> bool:
         """Whether ``node`` writes into its first argument (a boundary leaf must not be written)."""
         if node.op == "call_module":
@@ -125,7 +150,7 @@ class NodeGraph:
         if node.op == "call_method":
             return str(node.target).endswith("_")
         if node.op == "call_function":
-            name = getattr(node.target, "__name__", "")
+            name = getattr(node.target, "__name__", "").split(".")[0]  # an ATen op's overload: add_.Tensor
             return (
                 node.target in _INPLACE_FUNCTIONS
                 or bool(node.kwargs.get("inplace"))
@@ -134,31 +159,17 @@ class NodeGraph:
         return False
 
 
-def _leaves(value: object) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, tuple | list):
-        for item in value:
-            yield from _leaves(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _leaves(item)
-
-
 def _detach(value: object, pairs: list[tuple[torch.Tensor, torch.Tensor]], clone: bool) -> object:
     """``value`` with every tensor that needs a gradient replaced by a fresh leaf; (tensor, leaf) into ``pairs``."""
-    if isinstance(value, torch.Tensor):
-        if not value.requires_grad or isinstance(value, nn.Parameter):
-            return value
-        leaf = value.detach().requires_grad_()
-        pairs.append((value, leaf))
-        return leaf.clone() if clone else leaf
-    if isinstance(value, tuple | list):
-        items = [_detach(v, pairs, clone) for v in value]
-        return type(value)(items) if isinstance(value, tuple) and not hasattr(value, "_fields") else items
-    if isinstance(value, dict):
-        return {k: _detach(v, pairs, clone) for k, v in value.items()}
-    return value
+
+    def leaf(v: object) -> object:
+        if not isinstance(v, torch.Tensor) or not v.requires_grad or isinstance(v, nn.Parameter):
+            return v
+        fresh = v.detach().requires_grad_()
+        pairs.append((v, fresh))
+        return fresh.clone() if clone else fresh
+
+    return rebuild(value, leaf)
 
 
 def _layer(module: nn.Module | None) -> nn.Linear | nn.Conv2d:
@@ -208,14 +219,17 @@ class Executor:
         is the same: the gradient existed for most of each batch anyway. A checkpoint holds
         the gradient by reference as it holds the weights, and is written before the next step.
         """
-        self._inputs: tuple[object, object] = (None, None)
+        self._inputs: list[object] = []
+        """The model's arguments for the batch in flight, in the order of the graph's placeholders."""
+        self._target: object = None
         self.output: object = None
         self.loss: torch.Tensor | None = None
 
     def begin(self, x: object, target: object = None) -> None:
         """Start a batch: ``x`` is the model's input, ``target`` the loss's second argument."""
         self.reset()
-        self._inputs = (x, target)
+        self._inputs = list(tensors(inputs(x))) if self.g.build_output is not None else inputs(x)
+        self._target = target
 
     def reset(self) -> None:
         """Drop everything held for the batch in flight."""
@@ -238,12 +252,16 @@ class Executor:
         node = self.g.nodes[i]
         op, target = node.op, node.target
         if op == "placeholder":
-            if i == 0:
-                value: Any = self._inputs[0]
+            at = sum(1 for n in self.g.nodes[:i] if n.op == "placeholder")
+            if at < len(self._inputs):
+                value: Any = self._inputs[at]
             elif node.args:
                 value = node.args[0]
             else:
-                raise ValueError(f"the model's forward takes a second input {target!r}: give it a default")
+                raise ValueError(
+                    f"the model's forward takes an input {target!r} the batch does not hold: give it a default,"
+                    " or make the batch's input a tuple of all the inputs (the model is called as model(*x))"
+                )
         elif op == "get_attr":
             value = self.g.model
             for name in str(target).split("."):
@@ -259,9 +277,10 @@ class Executor:
             args, kwargs = self._arg(node.args), self._arg(node.kwargs)
             value = getattr(args[0], str(target))(*args[1:], **kwargs)
         elif op == "output":
-            self.output = self._arg(node.args[0])
+            output = self._arg(node.args[0])
+            self.output = output if self.g.build_output is None else self.g.build_output(output)
             if self.loss_fn is not None:
-                self.loss = self.loss_fn(self.output, self._inputs[1])
+                self.loss = self.loss_fn(self.output, self._target)
             return
         else:
             raise ValueError(f"unknown fx node op {op!r}")

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from freeride.partition.exported import export
 from freeride.partition.graph import Atom, Executor, NodeGraph, split_count, splittable, trace
 
 __all__ = ["Plan", "Step", "group", "make_plan", "timer"]
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 _MAX_ROUNDS = 8
 """Rounds of opening and splitting: each goes one level deeper into the module tree."""
+_NO_WORK = ("placeholder", "get_attr", "output")
+"""Nodes that only name a value: never reported as slow (their time is the executor's own)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,13 +232,89 @@ def _merge(
     return out, out_f, out_b
 
 
-def _traces(model: nn.Module, opened: set[str]) -> bool:
+def _quote(exc: BaseException) -> str:
+    """An exception's message, first line, short enough for a log line."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
+def _traces(model: nn.Module, opened: set[str]) -> str:
+    """Why tracing ``model`` with the modules ``opened`` traced into fails ("" where it does not)."""
     try:
         trace(model, opened)
     except Exception as exc:  # fx raises TraceError, TypeError, AttributeError, ... on untraceable code
-        logger.info("[partition] keeps a module whole: tracing into it failed: %s", exc)
-        return False
-    return True
+        return _quote(exc)
+    return ""
+
+
+def _exported(model: nn.Module, x: object) -> NodeGraph:
+    module, build = export(model, x)
+    return NodeGraph(module, module.graph, build)
+
+
+def _export_instead(model: nn.Module, x: object) -> NodeGraph | None:
+    """``model`` exported, where fx keeps a slow module whole; None where it cannot be exported either."""
+    try:
+        graph = _exported(model, x)
+    except Exception as exc:
+        logger.info("[partition] %s: torch.export cannot export it either (%s)", type(model).__name__, _quote(exc))
+        return None
+    logger.info(
+        "[partition] %s: exported by torch.export, for torch.fx cannot trace into a slow module of it"
+        " (a piece per ATen operation; batches must keep the first one's shapes)",
+        type(model).__name__,
+    )
+    return graph
+
+
+def _first_graph(model: nn.Module, x: object) -> NodeGraph:
+    """``model`` traced by ``torch.fx`` with its children as leaves, or else exported by ``torch.export``."""
+    name = type(model).__name__
+    why = _traces(model, set())
+    if not why:
+        return NodeGraph(model, trace(model, set()))
+    try:
+        graph = _exported(model, x)
+    except Exception as exc:
+        raise ValueError(
+            f"cannot partition {name}: torch.fx cannot trace its forward ({why}), nor torch.export export it"
+            f" ({_quote(exc)}); where a branch on a tensor's value is the cause, move it into a submodule,"
+            " which then runs as one piece"
+        ) from None
+    logger.info(
+        "[partition] %s: torch.fx cannot trace its forward (%s): exported by torch.export instead"
+        " (a piece per ATen operation; batches must keep the first one's shapes)",
+        name,
+        why,
+    )
+    return graph
+
+
+def _report_slow(
+    graph: NodeGraph, atoms: list[Atom], fwd: list[float], bwd: list[float], target_s: float, closed: dict[str, str]
+) -> None:
+    """Log each node whose atom stays over the target, with what it took and why it was not cut further."""
+    seen: set[int] = set()
+    for atom, f, b in zip(atoms, fwd, bwd, strict=True):
+        if max(f, b) <= target_s or atom.start in seen or graph.nodes[atom.start].op in _NO_WORK:
+            continue
+        seen.add(atom.start)
+        where = graph.where(atom.start)
+        if atom.is_slice:
+            why = f"each of its {atom.parts} slices"
+        elif where in closed:
+            why = f"torch.fx cannot trace into it ({closed[where]})"
+        else:
+            why = "nothing smaller to cut it into"
+        logger.warning(
+            "[partition] %s stays over the target: %.2f ms forward, %.2f ms backward against %.2f ms (%s)",
+            where,
+            f * 1e3,
+            b * 1e3,
+            target_s * 1e3,
+            why,
+        )
 
 
 def make_plan(
@@ -250,22 +329,21 @@ def make_plan(
 ) -> Plan:
     """Trace ``model``, size its pieces on the batch ``(x, target)`` and group them into steps.
 
-    Running the model here has side effects a caller undoes: random draws,
-    batch-norm statistics and parameter gradients.
+    The model is traced by ``torch.fx``, or exported by ``torch.export`` where
+    fx cannot trace its forward, or where fx keeps a module slower than the
+    target and than the rest of the model whole because it cannot trace into
+    it (a wrapper around a Hugging Face model; see
+    :mod:`freeride.partition.exported`). Running the model here has side
+    effects a caller undoes: random draws, batch-norm statistics and parameter
+    gradients.
 
     Raises:
-        ValueError: ``model``'s own forward cannot be traced by ``torch.fx``.
+        ValueError: neither ``torch.fx`` nor ``torch.export`` can take ``model``'s forward.
     """
     opened: set[str] = set()
-    closed: set[str] = set()
+    closed: dict[str, str] = {}
     slices: dict[str, int] = {}
-    try:
-        graph = NodeGraph(model, trace(model, opened))
-    except Exception as exc:
-        raise ValueError(
-            f"cannot partition {type(model).__name__}: torch.fx cannot trace its forward ({exc}); move the"
-            " data-dependent branch into a submodule, which then runs as one piece"
-        ) from None
+    graph = _first_graph(model, x)
     for rounds in range(_MAX_ROUNDS + 1):
         atoms = _node_atoms(graph, slices)
         fwd, bwd = _profile(graph, atoms, x, target, loss_fn, device, runs)
@@ -282,19 +360,29 @@ def make_plan(
                 continue
             if any(True for _ in module.children()):
                 if name not in closed and name not in opened:
-                    if _traces(model, opened | {name}):
+                    why = _traces(model, opened | {name})
+                    if why:
+                        logger.info("[partition] keeps %s whole: tracing into it failed: %s", name, why)
+                        closed[name] = why
+                    else:
                         opened.add(name)
                         changed = True
-                    else:
-                        closed.add(name)
             elif splittable(module):
                 parts = split_count(module, cost, target_s)
                 if parts > slices.get(name, 1):
                     slices[name] = parts
                     changed = True
         if not changed:
+            total = sum(per_node.values())
+            if any(cost > max(target_s, total / 2) and graph.where(i) in closed for i, cost in per_node.items()):
+                exported = _export_instead(model, x)
+                if exported is not None:
+                    graph, opened, slices = exported, set(), {}
+                    atoms = _node_atoms(graph, slices)
+                    fwd, bwd = _profile(graph, atoms, x, target, loss_fn, device, runs)
             break
         graph = NodeGraph(model, trace(model, opened))
+    _report_slow(graph, atoms, fwd, bwd, target_s, closed)
     merged, f_costs, b_costs = _merge(atoms, fwd, bwd, target_s)
     plan = Plan.of(graph, merged, f_costs, b_costs, target_s=target_s, training=loss_fn is not None)
     logger.info(

@@ -20,8 +20,8 @@ may (a step of its own kind), and the rest runs next, so the end of a bubble
 takes half a step rather than none.
 
 The parameters after each batch are those of ``opt.zero_grad();
-loss_fn(model(x), y).backward(); opt.step()`` on the same batch, up to the
-rounding of summing gradients in another order.
+loss_fn(model(x), y).backward(); opt.step()`` on the same batch (``model(*x)``
+where ``x`` is a tuple), up to the rounding of summing gradients in another order.
 
 Checkpoints are exact at every step boundary. During the forward and backward
 passes the state describes the batch's start (its data position, random state
@@ -63,7 +63,7 @@ class TrainingParts(NamedTuple):
     model: nn.Module
     optimizer: torch.optim.Optimizer
     loss_fn: Callable[[Any, Any], torch.Tensor]
-    """Called as ``loss_fn(model(x), y)`` for each batch ``(x, y)``."""
+    """Called as ``loss_fn(model(x), y)`` for each batch ``(x, y)`` (``model(*x)`` where ``x`` is a tuple)."""
     data: Iterable[Any]
     """Yields ``(x, y)`` batches; re-iterable, the same batches each pass."""
 
