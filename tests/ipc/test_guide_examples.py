@@ -45,6 +45,7 @@ def example(name: str) -> ModuleType:
         ("packing_task", "sum of squares below 100000: 333328333350000"),
         ("spool_consumer", "['0.txt', '1.txt', '2.txt', '3.txt']"),
         ("partitioned_cnn", "for 24 batches; loss 0."),  # below ln 4 = 1.39: it learned
+        ("partitioned_gpt2", "12 batches; loss "),
     ],
 )
 def test_an_iterative_example_runs_alone(name: str, says: str, tmp_path: Path) -> None:
