@@ -14,6 +14,13 @@ through a temporary file and ``os.replace``, so a rank killed mid-write leaves
 the previous complete file. The rewrite runs after a step's end is taken, so it
 adds to no step this rank records; other ranks may see it, at most once per
 ``every_ns``, as a longer first wait of the next step.
+
+When ``freeride profile`` will stop the job (it named the steps it needs),
+each rank also writes its pid (``rank-<rank>.pid``) and exits quietly, with
+status 0 and its file written, on the SIGTERM the profiler then sends it: the
+launcher (torchrun, ``deepspeed``) sees its ranks end normally instead of being
+signalled itself and printing a traceback. A training script's own SIGTERM
+handler is left alone.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +38,14 @@ import msgspec
 
 from freeride.profile import RankObservations, StepRecord, write_observations
 
-__all__ = ["ENV_PROFILE_STEPS", "MAX_RECORDED_STEPS", "WRITE_EVERY_NS", "ObservationLog", "profile_steps_from_env"]
+__all__ = [
+    "ENV_PROFILE_STEPS",
+    "MAX_RECORDED_STEPS",
+    "WRITE_EVERY_NS",
+    "ObservationLog",
+    "pid_file",
+    "profile_steps_from_env",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +58,11 @@ WRITE_EVERY_NS = 5_000_000_000
 ENV_PROFILE_STEPS = "FREERIDE_PROFILE_STEPS"
 """Steps ``freeride profile`` needs from each rank: the file is written the moment a rank has them,
 so that the profiler can stop the job then."""
+
+
+def pid_file(directory: Path, rank: int) -> Path:
+    """Where a rank in profile mode names its process, for the profiler's SIGTERM."""
+    return directory / f"rank-{rank}.pid"
 
 
 def profile_steps_from_env(environ: dict[str, str] | None = None) -> int:
@@ -87,6 +108,29 @@ class ObservationLog:
         self.steps: list[StepRecord] = []
         if directory is not None:
             atexit.register(self.close)
+            if self._write_at > 0:
+                self._stop_quietly_on_sigterm(directory)
+
+    def _stop_quietly_on_sigterm(self, directory: Path) -> None:
+        """Name this process to the profiler, and end it with status 0 on its SIGTERM (see the module)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+                return  # the training script handles SIGTERM itself
+            signal.signal(signal.SIGTERM, self._quiet_exit)
+            path = pid_file(directory, self._base.rank)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(str(os.getpid()))
+            os.replace(tmp, path)
+        except (OSError, ValueError):
+            logger.debug("[profile] cannot arrange a quiet stop", exc_info=True)
+
+    def _quiet_exit(self, signum: int, frame: object) -> None:
+        try:
+            self.close()
+        finally:
+            os._exit(0)
 
     def add(self, record: StepRecord) -> None:
         """Keep ``record``; rewrite the file if the last write is ``every_ns`` old (or none was made)."""

@@ -3,9 +3,11 @@
 The ranks write their observations (:mod:`freeride.backends.observations`) into a
 temporary directory; this module watches that directory and, once every rank
 of every stage has recorded ``steps`` training steps, ends the job: SIGTERM to
-the job's process group (it runs in a session of its own, so ``deepspeed``,
-``torchrun`` and every rank they started get it), then SIGKILL after a grace
-period. The profile is then built from the files, which is also what happens
+each rank that named its process (they end with status 0, so the launcher
+ends normally, without a traceback), then, if the job is still running after
+a grace period, SIGTERM to the job's process group (it runs in a session of
+its own, so ``deepspeed``, ``torchrun`` and every rank they started get it)
+and SIGKILL. The profile is then built from the files, which is also what happens
 when the job ends on its own, successfully or not: a job that crashes after
 some steps still leaves a (partial) profile, and its exit status is passed on::
 
@@ -28,6 +30,7 @@ from pathlib import Path
 
 from freeride.backends.launch import launch_env
 from freeride.backends.observations import ENV_PROFILE_STEPS
+from freeride.host.procs import descends_from
 from freeride.profile import Profile, RankObservations, build_profile, read_observations, write_profile
 
 __all__ = [
@@ -129,6 +132,36 @@ def _read(directory: Path) -> list[RankObservations]:
         return []
 
 
+def _ranks_of(proc: subprocess.Popen[bytes], directory: Path) -> list[int]:
+    """The pids the job's ranks wrote (``rank-<rank>.pid``), of processes the job started (a launcher may put
+    its workers in sessions of their own)."""
+    pids = []
+    for path in sorted(directory.glob("rank-*.pid")):
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(path.read_text())
+            if pid > 0 and descends_from(pid, proc.pid):  # not a pid reused by someone else since
+                pids.append(pid)
+    return pids
+
+
+def _end_job(proc: subprocess.Popen[bytes], directory: Path, grace_s: float) -> int:
+    """Stop the ranks that asked to be stopped quietly and let the launcher end; else end the whole group."""
+    ranks = _ranks_of(proc, directory)
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    if ranks:
+        try:
+            code = proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            logger.info("[profile] the job did not end after its ranks: stopping its process group")
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # what it left behind
+            return code
+    return _end_group(proc, grace_s)
+
+
 def _end_group(proc: subprocess.Popen[bytes], grace_s: float) -> int:
     """SIGTERM the job's process group, SIGKILL it after ``grace_s``; returns the job's status."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30.0)):
@@ -151,10 +184,10 @@ def _watch(proc: subprocess.Popen[bytes], directory: Path, options: ProfileOptio
         observations = _read(directory) if options.steps else []
         if without_pipeline(observations):
             logger.info("[profile] the job runs with pipeline size 1: stopping it, it has no bubbles to measure")
-            return _end_group(proc, options.grace_s), True
+            return _end_job(proc, directory, options.grace_s), True
         if enough_steps(observations, options.steps):
             logger.info("[profile] every rank has %d steps: stopping the job", options.steps)
-            return _end_group(proc, options.grace_s), True
+            return _end_job(proc, directory, options.grace_s), True
 
 
 def _run_job(options: ProfileOptions, directory: Path) -> tuple[int, bool]:

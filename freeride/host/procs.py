@@ -20,6 +20,7 @@ __all__ = [
     "SHELL",
     "DeadlineTimer",
     "bind_to_parent",
+    "descends_from",
     "group_members",
     "process_cpu_ns",
     "read_state",
@@ -188,6 +189,22 @@ def group_members(pgid: int) -> list[int]:
         if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
             members.append(int(entry.name))
     return members
+
+
+def descends_from(pid: int, ancestor: int) -> bool:
+    """Whether process ``pid`` is ``ancestor`` or one of its descendants (by the parent chain in /proc)."""
+    seen = 0
+    while pid > 1 and seen < 64:
+        if pid == ancestor:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                raw = f.read()
+        except OSError:
+            return False
+        pid = int(raw[raw.rfind(b")") + 2 :].split()[1])
+        seen += 1
+    return pid == ancestor
 
 
 def bind_to_parent(name: str) -> None:

@@ -123,3 +123,20 @@ def test_deepspeed_hostfile_no_ssh_two_nodes_each_with_its_own_manager(nodes: li
         for rank in range(2)
     ]
     _check_each_node_saw_its_stage(nodes, _run_nodes(nodes, launcher))
+
+
+def test_profile_stops_a_torchrun_job_without_a_traceback(tmp_path: Path) -> None:
+    """torchrun, signalled itself, printed a SignalException traceback (exit 0) that read as a crash: the
+    profiler now stops the ranks, which end with status 0, and torchrun ends normally."""
+    runtime = tmp_path / "rt"
+    out = tmp_path / "job.json"
+    job = [
+        *[str(BIN / "torchrun"), "--nnodes", "1", "--nproc_per_node", "2", "--master_port", str(_free_port())],
+        str(ROOT / "tools" / "train" / "torchpipe_gpt.py"), "--compute", "sleep", "--steps", "300",
+    ]  # fmt: skip
+    cmd = freeride_cmd("profile", "--runtime-dir", str(runtime), "--out", str(out), "--steps", "3", "--")
+    done = subprocess.run([*cmd, *job], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "the job was stopped after 3 steps" in done.stdout, done.stdout[-2000:]
+    assert "Traceback" not in done.stderr and "SignalException" not in done.stderr, done.stderr[-4000:]
+    assert out.exists()
