@@ -19,6 +19,12 @@ tuple is the model's arguments (``model(*x)``). Outputs and the values between
 pieces keep their containers' types: a ``ModelOutput``, a named tuple, a
 dataclass (see :mod:`freeride.partition.values`). A piece that stays over the
 target is logged with its module and measured time.
+
+The recipe around the step is the plain loop's too (see
+:mod:`freeride.partition.recipe`): a learning-rate scheduler returned by
+``build()`` steps once per batch after its last update chunk, the option
+``clip_grad_norm`` clips the batch's whole gradient before the first chunk,
+and ``autocast_dtype`` runs the forward pieces under ``torch.autocast``.
 """
 
 from freeride.partition._common import DEFAULT_TARGET_MS, piece_target_s

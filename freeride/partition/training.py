@@ -21,7 +21,10 @@ takes half a step rather than none.
 
 The parameters after each batch are those of ``opt.zero_grad();
 loss_fn(model(x), y).backward(); opt.step()`` on the same batch (``model(*x)``
-where ``x`` is a tuple), up to the rounding of summing gradients in another order.
+where ``x`` is a tuple), up to the rounding of summing gradients in another order;
+with the options, of the same loop with its forward and loss under ``torch.autocast``,
+``clip_grad_norm_`` before ``opt.step()`` and ``scheduler.step()`` after it
+(see :mod:`freeride.partition.recipe`).
 
 Checkpoints are exact at every step boundary. During the forward and backward
 passes the state describes the batch's start (its data position, random state
@@ -51,6 +54,7 @@ from torch import nn
 from freeride.partition._common import EMA, Batches, Partitioned, capture_rng, restore_rng, to_device
 from freeride.partition.graph import Executor
 from freeride.partition.plan import Step, make_plan, timer
+from freeride.partition.recipe import Recipe
 from freeride.partition.update import ChunkedUpdate
 from freeride.sidetask import TaskContext
 
@@ -66,6 +70,8 @@ class TrainingParts(NamedTuple):
     """Called as ``loss_fn(model(x), y)`` for each batch ``(x, y)`` (``model(*x)`` where ``x`` is a tuple)."""
     data: Iterable[Any]
     """Yields ``(x, y)`` batches; re-iterable, the same batches each pass."""
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    """Of ``optimizer``; stepped once per batch, after the batch's update (None: a constant learning rate)."""
 
 
 class PartitionedTraining(Partitioned):
@@ -75,13 +81,28 @@ class PartitionedTraining(Partitioned):
     ``target_ms`` (0: the longest a step should take, in milliseconds; 0
     sizes it from the device's bubbles, see :func:`~freeride.partition.piece_target_s`),
     ``steps`` (0: train until stopped; else the number of batches),
-    ``profile_runs`` (2: timed runs per piece at setup).
+    ``profile_runs`` (2: timed runs per piece at setup),
+    ``clip_grad_norm`` (0: off; else the batch's whole gradient is clipped to
+    this total norm before its update, as ``torch.nn.utils.clip_grad_norm_``),
+    ``autocast_dtype`` (None: off; else forward pieces and the loss run under
+    ``torch.autocast`` with this dtype). A learning-rate scheduler comes from
+    :meth:`build` (:attr:`TrainingParts.scheduler`). See :mod:`freeride.partition.recipe`.
 
-    Metrics: ``loss`` (last batch), ``loss_ema``, ``batches``, ``steps_per_batch``.
+    Metrics: ``loss`` (last batch), ``loss_ema``, ``batches``, ``steps_per_batch``;
+    ``lr`` with a scheduler, ``grad_norm`` (before clipping) with clipping.
     """
 
-    def __init__(self, *, target_ms: float = 0.0, steps: int = 0, profile_runs: int = 2) -> None:
+    def __init__(
+        self,
+        *,
+        target_ms: float = 0.0,
+        steps: int = 0,
+        profile_runs: int = 2,
+        clip_grad_norm: float = 0.0,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__(target_ms=target_ms, steps=steps, profile_runs=profile_runs)
+        self.recipe = Recipe(clip_grad_norm=clip_grad_norm, autocast_dtype=autocast_dtype)
         self.model: nn.Module = nn.Identity()
         self.loss = math.nan
         self.loss_ema = math.nan
@@ -115,12 +136,14 @@ class PartitionedTraining(Partitioned):
         self.model, self.optimizer, self.loss_fn = parts.model, parts.optimizer, parts.loss_fn
         self.batches = Batches(parts.data)
         self.update = ChunkedUpdate(self.optimizer)
+        self.recipe.attach(parts.scheduler, self.optimizer)
         x, y = self._split(to_device(self.batches.peek(), self.device))
         rng, buffers = capture_rng(self.device), self._buffers()
         self.model.train()
-        self.plan = make_plan(
-            self.model, x, y, self.loss_fn, target_s=self.target_s, device=self.device, runs=self.profile_runs
-        )
+        with self.recipe.forward(self.device):  # timed as it will run (backward too: for its time only)
+            self.plan = make_plan(
+                self.model, x, y, self.loss_fn, target_s=self.target_s, device=self.device, runs=self.profile_runs
+            )
         target_s = self.target_s
         self.chunks = ChunkedUpdate.chunks(self.update.split(self.update.profile(self.device), target_s), target_s)
         pieces = self.update.pieces
@@ -229,8 +252,9 @@ class PartitionedTraining(Partitioned):
         if self._phase == "forward":
             if self._pos == 0 and not self._in_batch:
                 self._begin_batch()
-            for k in step.atoms:  # type: ignore[union-attr]
-                self.executor.forward(k)
+            with self.recipe.forward(self.device):
+                for k in step.atoms:  # type: ignore[union-attr]
+                    self.executor.forward(k)
             if not self._atom:
                 self._pos += 1
             if self._pos == len(self.plan.forward):
@@ -244,6 +268,7 @@ class PartitionedTraining(Partitioned):
                 self._pos += 1
             if self._pos == len(self.plan.backward):
                 self.executor.reset()
+                self.recipe.clip(self.model)  # the batch's whole gradient, before any update chunk
                 self._phase, self._cursor, self._start = "update", 0, None
         else:
             _, hi, _ = self.chunks[self._chunk()]
@@ -268,6 +293,7 @@ class PartitionedTraining(Partitioned):
     def _end_batch(self) -> None:
         for p in self.model.parameters():
             p.grad = None
+        self.recipe.end_batch()
         self.batches_done += 1
         self.loss_ema = self.loss if math.isnan(self.loss_ema) else EMA * self.loss_ema + (1 - EMA) * self.loss
         self._phase, self._pos, self._cursor, self._in_batch = "forward", 0, 0, False
@@ -276,12 +302,17 @@ class PartitionedTraining(Partitioned):
     def metrics(self) -> dict[str, float]:
         plan = self.plan
         per_batch = len(plan.forward) + len(plan.backward) + len(self.chunks) if plan is not None else 0
-        return {
+        out = {
             "loss": self.loss,
             "loss_ema": self.loss_ema,
             "batches": float(self.batches_done),
             "steps_per_batch": float(per_batch),
         }
+        if self.recipe.scheduler is not None:
+            out["lr"] = self.recipe.lr
+        if self.recipe.clip_grad_norm > 0:
+            out["grad_norm"] = self.recipe.grad_norm
+        return out
 
     def _capture(self) -> dict[str, Any]:
         mid = self._start is not None
@@ -304,6 +335,7 @@ class PartitionedTraining(Partitioned):
             "loss": self.loss,
             "loss_ema": self.loss_ema,
             "mid_batch": mid,
+            "recipe": self.recipe.state_dict(),
             "extra": self.extra_state(),
         }
 
@@ -330,4 +362,5 @@ class PartitionedTraining(Partitioned):
             self._phase, self._cursor = "forward", 0
         self.batches_done = int(state["batches"])
         self.loss, self.loss_ema = float(state["loss"]), float(state["loss_ema"])
+        self.recipe.load_state_dict(state.get("recipe") or {})
         self.load_extra_state(state.get("extra") or {})
