@@ -180,15 +180,20 @@ def group_members(pgid: int) -> list[int]:
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                raw = f.read()
-        except OSError:
-            continue
-        fields = raw[raw.rfind(b")") + 2 :].split()
+        fields = _stat_fields(int(entry.name))
         if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
             members.append(int(entry.name))
     return members
+
+
+def _stat_fields(pid: int) -> list[bytes]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, ppid, pgrp, ...); [] if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return []
+    return raw[raw.rfind(b")") + 2 :].split()
 
 
 def descends_from(pid: int, ancestor: int) -> bool:
@@ -197,12 +202,10 @@ def descends_from(pid: int, ancestor: int) -> bool:
     while pid > 1 and seen < 64:
         if pid == ancestor:
             return True
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                raw = f.read()
-        except OSError:
+        fields = _stat_fields(pid)
+        if len(fields) < 2:
             return False
-        pid = int(raw[raw.rfind(b")") + 2 :].split()[1])
+        pid = int(fields[1])
         seen += 1
     return pid == ancestor
 

@@ -265,7 +265,9 @@ class DeviceScheduler(LedgerView):
         self._returned(task, done)
 
     def _returned(self, task: TaskRecord, done: p.GrantDone) -> None:
-        if not any(st.task is task and not st.returned for gid, st in self._grants.items() if gid != done.grant_id):
+        if task in self.slow and not any(
+            st.task is task and not st.returned for gid, st in self._grants.items() if gid != done.grant_id
+        ):
             self.slow.release(task)  # its step ended: it runs freely again
         state = self._grants.get(done.grant_id)
         if state is None:  # a grant forgotten when its task left: all we know is its own account
