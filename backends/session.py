@@ -31,6 +31,7 @@ __all__ = [
     "ENV_EVENTS",
     "ENV_JOB",
     "HELLO_EVERY_NS",
+    "REPORTS_EVERY_NS",
     "BackendConfig",
     "BackendSession",
     "attach_logger",
@@ -74,6 +75,10 @@ def manager_reachable(sent: int, endpoint: str) -> bool:
 
 HELLO_EVERY_NS = 5_000_000_000
 """How often a rank repeats its Hello (a manager may start after the job)."""
+REPORTS_EVERY_NS = 1_000_000_000
+"""While a rank publishes its bubbles, how often its step reports go to the manager, together (decision D50)."""
+_REPORTS_QUEUED = 256
+"""Step reports kept for the next send at most (a job of very short steps sends them sooner)."""
 CONNECT_WAIT_MS = 100
 """At attach, once: how long a rank waits for its connection to a manager whose socket exists, so that its
 first Hello is not dropped (the manager then knows the job from its first step)."""
@@ -135,7 +140,9 @@ class BackendConfig:
     min_bubble_ns: int = 1_000_000
     """Bubbles expected to be shorter than this are not announced."""
     publish_bubbles: bool = True
-    """Also publish bubble starts to armed side-task workers (one hop; ipc endpoints only)."""
+    """Publish bubble events (ipc endpoints only): armed side-task workers take the starts (one hop), and the
+    manager follows them only while side work may run on this device (decision D50). Without it they go to the
+    manager over the events socket."""
     job: str = ""
     """The training job's name, the same on all its ranks ("": from the environment, see :func:`job_from_env`)."""
 
@@ -159,12 +166,19 @@ class BackendSession:
     """
 
     def __init__(
-        self, config: BackendConfig, *, emitter: EventEmitter | None = None, run_delay: ThreadRunDelay | None = None
+        self,
+        config: BackendConfig,
+        *,
+        emitter: EventEmitter | None = None,
+        publisher: BubblePublisher | None = None,
+        run_delay: ThreadRunDelay | None = None,
     ) -> None:
+        """``emitter``, ``publisher``: a test's, instead of real sockets (with an emitter and no publisher,
+        bubble events go through the emitter)."""
         self.config = config
         self._emitter = emitter if emitter is not None else EventEmitter(config.endpoint)
-        self._publisher: BubblePublisher | None = None
-        publish = config.publish_bubbles and emitter is None  # a test's emitter: no real sockets
+        self._publisher: BubblePublisher | None = publisher
+        publish = config.publish_bubbles and emitter is None and publisher is None
         self._publish_to = bubbles_endpoint(config.endpoint, config.rank) if publish else ""
         """Where to publish bubble starts; "" once that is settled (bound, or not to be)."""
         self._run_delay = run_delay if run_delay is not None else ThreadRunDelay()
@@ -173,8 +187,9 @@ class BackendSession:
         self.last_waited_runnable_ns = 0
         """How long the stage waited for its core at the end of the last bubble (see :class:`BubbleEnded`)."""
         self._open: p.BubbleStarted | None = None
-        self._step_report: p.StepFinished | None = None
-        """The last step's report, sent with the next event (see :meth:`step_finished`)."""
+        self._step_reports: list[p.StepFinished] = []
+        """Step reports not sent yet (see :meth:`step_finished`)."""
+        self._reports_sent_ns = time.monotonic_ns()
         self._step = -1
         self._index = 0
         self._step_bubble_ns = 0
@@ -281,9 +296,11 @@ class BackendSession:
         self._open = event
         self._index += 1
         if self._publisher is not None:
-            self._publisher.publish(event)  # first: an armed worker starts on it
-        self._emitter.emit(event)
-        self._send_step_report()  # the manager wakes once for both, while this stage waits
+            self._publisher.publish(event)  # to armed workers, and to the manager while it follows this rank
+            self._send_step_reports(due_after_ns=REPORTS_EVERY_NS)
+        else:
+            self._emitter.emit(event)
+            self._send_step_reports()  # the manager wakes once for both, while this stage waits
         # Read last, as the rank is about to block (the worker the announcement woke on this core lets it
         # block first: freeride.worker.courtesy). A bubble timed on the device ends on the device's
         # clock: the host thread's waits do not apply.
@@ -309,51 +326,68 @@ class BackendSession:
         self.last_waited_runnable_ns = waited
         self._step_bubble_ns += duration
         self.bubbles += 1
-        self._emitter.emit(
-            p.BubbleEnded(
-                rank=start.rank,
-                stage=start.stage,
-                device=start.device,
-                step=start.step,
-                index=start.index,
-                t_ns=now,
-                duration_ns=duration,
-                waited_runnable_ns=waited,
-            )
+        event = p.BubbleEnded(
+            rank=start.rank,
+            stage=start.stage,
+            device=start.device,
+            step=start.step,
+            index=start.index,
+            t_ns=now,
+            duration_ns=duration,
+            waited_runnable_ns=waited,
         )
+        if self._publisher is not None:
+            self._publisher.publish(event)
+        else:
+            self._emitter.emit(event)
         return duration
 
     def step_finished(self, step: int, duration_ns: int) -> None:
         """Report the end of training step ``step``.
 
-        The report goes out with the rank's next event (the next bubble's start,
-        as this stage begins to wait, or the next step's report), not alone: a
-        message sent as the next step's compute begins wakes the manager on a
-        core the stage needs (on CPU, where a core stands in for the device,
-        that is training time; decision D48). A heartbeat or the rank's
-        goodbye sends it too.
+        The report never goes out alone as the next step's compute begins: such
+        a message wakes the manager on a core the stage needs (on CPU, where a
+        core stands in for the device, that is training time). While the rank
+        publishes its bubbles (decision D50), its reports go together about once
+        a second, as a bubble starts; otherwise each goes with the rank's next
+        event (the next bubble's start, as this stage begins to wait, or the next
+        step's report; decision D48). A heartbeat or the rank's goodbye sends
+        them too.
         """
         self.bubble_ended()
         self._maybe_hello(time.monotonic_ns())
         bubble_ns = self._step_bubble_ns if step == self._step else 0
-        self._send_step_report()  # a step without bubbles: the last one's report goes now
-        self._step_report = p.StepFinished(
-            rank=self.config.rank,
-            stage=self.config.stage,
-            step=step,
-            t_ns=time.monotonic_ns(),
-            duration_ns=duration_ns,
-            bubble_ns=bubble_ns,
+        if self._publisher is None:
+            self._send_step_reports()  # a step without bubbles: the last one's report goes now
+        else:
+            self._send_step_reports(due_after_ns=2 * REPORTS_EVERY_NS)  # steps without bubbles: now and then
+        self._step_reports.append(
+            p.StepFinished(
+                rank=self.config.rank,
+                stage=self.config.stage,
+                step=step,
+                t_ns=time.monotonic_ns(),
+                duration_ns=duration_ns,
+                bubble_ns=bubble_ns,
+            )
         )
 
-    def _send_step_report(self) -> None:
-        report, self._step_report = self._step_report, None
-        if report is not None:
+    def _send_step_reports(self, *, due_after_ns: int = 0) -> None:
+        """Send the reports kept, if any, and if ``due_after_ns`` passed since the last send (or too many wait)."""
+        reports = self._step_reports
+        if not reports:
+            return
+        now = time.monotonic_ns()
+        if due_after_ns and now - self._reports_sent_ns < due_after_ns and len(reports) < _REPORTS_QUEUED:
+            return
+        self._step_reports = []
+        self._reports_sent_ns = now
+        for report in reports:  # queued together: libzmq writes them at once and the manager reads them in one wake-up
             self._emitter.emit(report)
 
     def heartbeat(self) -> None:
         self._maybe_hello(time.monotonic_ns())
-        self._send_step_report()
+        self._send_step_reports()
         self._emitter.emit(p.Heartbeat(rank=self.config.rank, t_ns=time.monotonic_ns()))
 
     def close(self) -> None:
@@ -363,7 +397,7 @@ class BackendSession:
         self._closed = True
         atexit.unregister(self.close)
         self.bubble_ended()
-        self._send_step_report()
+        self._send_step_reports()
         goodbye = p.Goodbye(rank=self.config.rank, t_ns=time.monotonic_ns(), dropped=self._emitter.dropped)
         if self._publisher is not None:
             self._publisher.close()

@@ -91,7 +91,9 @@ def format_status(status: p.StatusReply, *, verbose: bool = False) -> str:
     if verbose:
         lines.append("")
         lines.append(
-            "used: side-task compute inside bubbles, as a share of the bubble time offered to side tasks (not held"
+            "bubbles, bubble time: those the manager followed, a device's first ones and then those while side"
+            " work is placed there (a rank's bubbles that nothing would use cost the manager no wake-up); used:"
+            " side-task compute inside bubbles, as a share of the bubble time offered to side tasks (not held"
             " back to measure the job's cost); interference: side-task compute after bubble ends (what a GPU would"
             " take from training), and its share of the stage's training time"
         )

@@ -55,6 +55,8 @@ class ManagerCore:
         """Trace writers and metrics exporters; see :mod:`freeride.observe.base`."""
         self.costs = TrainingCosts(config.holdback, budget=config.slowdown_budget, on_pair=self.observers.training_cost)
         """Each job's measured cost and slowdown budget: what the schedulers may grant."""
+        self._following: set[str] = set()
+        """The ranks' bubble publishers the core asked to follow (see :meth:`follow_bubbles`)."""
         self.supervisor = Supervisor(
             config,
             devices=self.ranks.devices,
@@ -90,6 +92,7 @@ class ManagerCore:
                 self.costs.hello(event.rank, event.job)
                 if (scheduler := self.schedulers.get(event.device)) is not None:
                     scheduler.follow_rank(self._bubbles_endpoint(event))
+                self.refresh_following()
             # Bubble events are handled here, on the events loop, not through a queue: a
             # queue hop costs a loop iteration on the bubble-start -> step path.
             case p.BubbleStarted():
@@ -99,7 +102,10 @@ class ManagerCore:
             case p.BubbleEnded():
                 info = self.ranks.bubble(event)
                 if info is not None:
-                    self.schedulers[info.name].on_bubble_ended(event)
+                    scheduler = self.schedulers[info.name]
+                    scheduler.on_bubble_ended(event)
+                    if not scheduler.wants_bubbles and scheduler.bubbles_endpoint in self._following:
+                        self.refresh_following()  # learned, and nothing here to grant: stop at once
             case p.StepFinished(rank=rank, step=step, duration_ns=duration, bubble_ns=bubble):
                 self.ranks.step_finished(rank, duration_ns=duration, bubble_ns=bubble)
                 self.costs.step_finished(rank, step, duration)
@@ -107,6 +113,7 @@ class ManagerCore:
                 self.ranks.heartbeat(rank)
             case p.Goodbye(rank=rank, dropped=dropped):
                 self.ranks.goodbye(rank, dropped)
+                self.refresh_following()
             case _:
                 assert_never(event)
 
@@ -120,6 +127,36 @@ class ManagerCore:
             self.event_refused(f"rank {hello.rank} publishes bubbles on {hello.bubbles_endpoint!r}, not {expected!r}")
             return ""
         return hello.bubbles_endpoint
+
+    # -- whose bubbles are followed --------------------------------------------
+
+    def bubbles_wanted(self) -> set[str]:
+        """The bubble publishers to follow: of each device where side work is placed, or whose bubbles are not learned.
+
+        A rank that publishes its bubbles (an ipc rank, the usual case) sends them
+        only to those who follow it, so a device without side work costs the
+        manager no wake-up per bubble (decision D50); placing a task waiting for a
+        device needs none (its rank's step reports tell the device's bubble share).
+        Every rank is followed while the manager writes a trace.
+        """
+        every = self.config.trace is not None
+        return {
+            s.bubbles_endpoint for s in self.schedulers.values() if s.bubbles_endpoint and (every or s.wants_bubbles)
+        }
+
+    def refresh_following(self) -> None:
+        """Follow exactly :meth:`bubbles_wanted` (called as ranks, tasks and bubbles come and go, and each second)."""
+        wanted = self.bubbles_wanted()
+        if wanted == self._following:
+            return
+        for scheduler in self.schedulers.values():
+            if scheduler.bubbles_endpoint in wanted - self._following:
+                scheduler.followed_again()
+        self._following = wanted
+        self.follow_bubbles(wanted)
+
+    def follow_bubbles(self, endpoints: set[str]) -> None:
+        """Follow the ranks publishing on ``endpoints``, and no other (the manager's SUB; nothing here)."""
 
     # -- what the ranks tell (RankListener) -----------------------------------
 
@@ -176,8 +213,10 @@ class ManagerCore:
         return self.supervisor.tasks
 
     def submit(self, spec: p.TaskSpec) -> p.Submitted | p.Rejected:
-        """Validate, record and place a side task."""
-        return self.supervisor.submit(spec)
+        """Validate, record and place a side task (its device's bubbles are followed from now on)."""
+        reply = self.supervisor.submit(spec)
+        self.refresh_following()
+        return reply
 
     async def cancel(self, task_id: int) -> p.Cancelled | p.Rejected:
         """Stop a side task; it checkpoints first, so submitting it again resumes it."""

@@ -207,6 +207,10 @@ class InterferenceGuard:
 
     # -- feeding -------------------------------------------------------------
 
+    def unseen(self) -> None:
+        """Bubbles were not followed for a while (no side work here): the next one starts a span of its own."""
+        self._last_end_ns = 0
+
     def add_interference(self, ns: int) -> None:
         """Side work ran ``ns`` past a bubble's end (counted with the next bubble that ends)."""
         self._pending_ns += max(0, ns)
@@ -245,7 +249,7 @@ class InterferenceGuard:
         """Interference since the last change, as a share of the training time it spans (0 with none)."""
         if not self._epoch:
             return 0.0
-        span = self._epoch[-1].end_ns - self._epoch[0].since_ns
+        span = sum(b.end_ns - b.since_ns for b in self._epoch)  # each from the end before it: no unseen gap
         taken = sum(b.interference_ns for b in self._epoch)
         return taken / span if span > 0 else 0.0
 

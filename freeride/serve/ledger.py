@@ -146,6 +146,11 @@ class DeviceLedger:
             gpu_uuid=gpu_uuid,
         )
 
+    @property
+    def learned(self) -> bool:
+        """Enough bubbles ended here for :meth:`typical_bubble_ns` to be measured, not profiled."""
+        return len(self._recent_bubbles) >= MIN_BUBBLES_SEEN
+
     def typical_bubble_ns(self, info: DeviceInfo) -> int:
         """This device's typical bubble (see :func:`freeride.profile.typical_bubble_ns`); 0 while unknown.
 

@@ -5,8 +5,10 @@ Usage::
     async with Manager(config) as manager:
         await manager.run(stop_event)
 
-Three sockets, each owned by one object and read by one task: backend events
-(PULL), side-task workers (ROUTER) and control clients (ROUTER). What arrives
+Four sockets, each owned by one object and read by one task: backend events
+(PULL), the bubbles of the ranks where side work may run (SUB, see
+:meth:`~freeride.serve.core.ManagerCore.bubbles_wanted`), side-task workers
+(ROUTER) and control clients (ROUTER). What arrives
 is handed to the socket-free core (:class:`~freeride.serve.core.ManagerCore`:
 the ranks, one :class:`~freeride.serve.scheduler.DeviceScheduler` per device,
 called synchronously on each bubble event, and the supervisor). Everything runs
@@ -32,6 +34,7 @@ from freeride.serve.config import ServeConfig
 from freeride.serve.core import ManagerCore, sampled
 from freeride.transport import (
     BadFrame,
+    BubbleFollower,
     ControlServer,
     EventReceiver,
     WorkerHub,
@@ -60,6 +63,7 @@ class Manager(ManagerCore):
         self._tg: asyncio.TaskGroup | None = None
         self._ctx = new_async_context()
         self._receiver: EventReceiver | None = None
+        self._follower: BubbleFollower | None = None
         self._control: ControlServer | None = None
         self._closed = False
         self._lock: ServeLock | None = None
@@ -97,6 +101,7 @@ class Manager(ManagerCore):
             # the handler first: libzmq lets connections in unchecked while none is bound
             self._zap = ZapHandler(self._ctx, curve_clients=curve.clients if curve else frozenset())
             self._receiver = EventReceiver(self._ctx, self.config.endpoints.events, curve=curve)
+            self._follower = BubbleFollower(self._ctx)
             self._hub = WorkerHub(self._ctx, self.config.endpoints.workers)
             self._control = ControlServer(self._ctx, self.config.endpoints.control, curve=curve)
             if self.config.trace is not None:
@@ -156,7 +161,7 @@ class Manager(ManagerCore):
             await self._mps.quit()
         if self._nvml is not None:
             self._nvml.close()
-        for owner in (self._receiver, self._hub, self._control, self._zap):
+        for owner in (self._receiver, self._follower, self._hub, self._control, self._zap):
             if owner is not None:
                 owner.close()
         self._ctx.term()
@@ -173,6 +178,7 @@ class Manager(ManagerCore):
                 if self._zap is not None:
                     tg.create_task(self._zap.serve(), name="manager-zap")
                 tg.create_task(self._events_loop(), name="manager-events")
+                tg.create_task(self._bubbles_loop(), name="manager-bubbles")
                 tg.create_task(self._workers_loop(), name="manager-workers")
                 tg.create_task(self._control_loop(), name="manager-control")
                 tg.create_task(self._watchdog(), name="manager-watchdog")
@@ -200,11 +206,29 @@ class Manager(ManagerCore):
             # read one by one, a flood of events would keep control and workers waiting.
             await asyncio.sleep(0)
 
+    async def _bubbles_loop(self) -> None:
+        assert self._follower is not None
+        while True:
+            for event in await self._follower.recv_batch(_BATCH):
+                self.on_event(event)
+            await asyncio.sleep(0)  # see _events_loop
+
+    def follow_bubbles(self, endpoints: set[str]) -> None:
+        follower = self._follower
+        if follower is None:
+            return
+        for endpoint in follower.followed - endpoints:
+            follower.unfollow(endpoint)
+        for endpoint in endpoints - follower.followed:
+            follower.follow(endpoint)
+        logger.debug("[events] following the bubbles of %d ranks", len(endpoints))
+
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.config.backend_timeout_s / 4))
             self._poll_nvml()
             self.ranks.check_silence()
+            self.refresh_following()  # tasks placed, finished or gone since
 
     def _poll_nvml(self) -> None:
         """Free memory per GPU and memory per side-task process, for placement and status."""

@@ -162,6 +162,18 @@ class DeviceScheduler(LedgerView):
         self._arming.endpoint = endpoint
         self._arm_next()
 
+    @property
+    def wants_bubbles(self) -> bool:
+        """Whether the manager should follow this device's bubbles even with no side work placed here.
+
+        Its first bubbles are: what they last tells the first task placed here its typical bubble.
+        """
+        return self.in_use or not self.ledger.learned
+
+    def followed_again(self) -> None:
+        """The manager follows this device's bubbles again after a time without side work here."""
+        self.guard.unseen()
+
     def backend_lost(self) -> None:
         """The rank training here is gone: stop handing out its bubble."""
         self._arming.disarm()

@@ -15,7 +15,7 @@ import zmq
 from freeride import protocol as p
 from freeride.auth import CurveClientKeys, KeysMissing, Refused
 from freeride.transport.endpoints import nobody_listens
-from freeride.transport.frames import encoder
+from freeride.transport.frames import BUBBLE_END, BUBBLE_START, encoder
 from freeride.transport.guard import guard_client
 
 __all__ = ["BubblePublisher", "EventEmitter"]
@@ -128,12 +128,15 @@ class EventEmitter:
 
 
 class BubblePublisher:
-    """A rank's PUB of its :class:`~freeride.protocol.BubbleStarted` events, for armed workers.
+    """A rank's PUB of its bubble events: the starts for armed workers, starts and ends for the manager.
 
-    Bound by the rank (one per rank, in the manager's runtime directory); workers
-    connect and disconnect as they are armed. Like :class:`EventEmitter` it never
-    blocks and never raises: a PUB drops what a slow subscriber cannot take, and
-    one without subscribers drops at once.
+    Bound by the rank (one per rank, in the manager's runtime directory). Each
+    message is one frame, a topic byte (:data:`BUBBLE_START`, :data:`BUBBLE_END`)
+    and the event: armed workers subscribe to the starts, the manager to both
+    while side work may run on the rank's device (decision D50). Like
+    :class:`EventEmitter` it never blocks and never raises: a PUB drops what a
+    slow subscriber cannot take, and one without subscribers drops at once, in
+    the caller's thread, waking nobody.
     """
 
     def __init__(self, endpoint: str, *, sndhwm: int = 16) -> None:
@@ -156,14 +159,15 @@ class BubblePublisher:
     def bound(self) -> bool:
         return self._sock is not None
 
-    def publish(self, event: p.BubbleStarted) -> None:
-        """Offer ``event`` to the armed workers; never blocks or raises."""
+    def publish(self, event: p.BubbleStarted | p.BubbleEnded) -> None:
+        """Offer ``event`` to whoever subscribes to its kind; never blocks or raises."""
         sock = self._sock
         if sock is None or os.getpid() != self._pid:
             self.dropped += 1
             return
+        topic = BUBBLE_START if isinstance(event, p.BubbleStarted) else BUBBLE_END
         try:
-            sock.send(encoder.encode(event), zmq.NOBLOCK)
+            sock.send(topic + encoder.encode(event), zmq.NOBLOCK)
         except Exception:  # the training step must never see our errors
             self.dropped += 1
             logger.debug("[emit] publish failed", exc_info=True)

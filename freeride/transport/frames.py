@@ -7,7 +7,7 @@ from typing import TypeVar
 
 import msgspec
 
-__all__ = ["BadFrame", "decode", "encoder"]
+__all__ = ["BUBBLE_END", "BUBBLE_START", "BadFrame", "decode", "encoder"]
 
 _M = TypeVar("_M")
 
@@ -30,3 +30,9 @@ def decode(decoder: msgspec.msgpack.Decoder[_M], frame: bytes) -> _M | BadFrame:
         return decoder.decode(frame)
     except msgspec.DecodeError as exc:  # ValidationError is a subclass
         return BadFrame(reason=str(exc), size=len(frame))
+
+
+BUBBLE_START = b"S"
+"""The first byte of a bubble start on a rank's bubble publisher (armed workers subscribe to these only)."""
+BUBBLE_END = b"E"
+"""The first byte of a bubble end there (only the manager follows those)."""

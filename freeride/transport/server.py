@@ -1,4 +1,4 @@
-"""The manager's sockets: the PULL for backend events, the ROUTERs for side-task workers and control clients."""
+"""The manager's sockets: PULL for backend events, SUB to ranks' bubbles, ROUTERs for workers and clients."""
 
 from __future__ import annotations
 
@@ -12,22 +12,21 @@ import zmq.asyncio
 
 from freeride import protocol as p
 from freeride.auth import CurveServerKeys
-from freeride.transport.frames import BadFrame, decode, encoder
+from freeride.transport.frames import BUBBLE_END, BUBBLE_START, BadFrame, decode, encoder
 from freeride.transport.guard import guard_server
 from freeride.transport.owner import AsyncOwner
 
-__all__ = ["ControlServer", "EventReceiver", "WorkerHub"]
+__all__ = ["BubbleEvent", "BubbleFollower", "ControlServer", "EventReceiver", "WorkerHub"]
 
 logger = logging.getLogger(__name__)
 
 _M = TypeVar("_M")
 
 
-class EventReceiver(AsyncOwner[p.BackendEvent]):
-    """The manager's PULL socket for backend events.
+class _DescriptorReader(AsyncOwner[_M]):
+    """Reads its socket by waiting on the socket's descriptor itself (a reader on the event loop).
 
-    It waits on the socket's descriptor itself (a reader on the event loop) and
-    reads with non-blocking receives, never through pyzmq's asyncio receive:
+    It reads with non-blocking receives, never through pyzmq's asyncio receive:
     events mostly come one at a time, each a wake-up of the manager, and
     pyzmq's Future per receive makes each wake-up cost more CPU, which on a
     machine without spare cores is taken from training (docs/benchmarks.md,
@@ -36,15 +35,8 @@ class EventReceiver(AsyncOwner[p.BackendEvent]):
     another reader.
     """
 
-    def __init__(
-        self, ctx: zmq.asyncio.Context, endpoint: str, *, rcvhwm: int = 100_000, curve: CurveServerKeys | None = None
-    ) -> None:
-        sock = ctx.socket(zmq.PULL)
-        guard_server(sock, endpoint, curve)
-        sock.setsockopt(zmq.RCVHWM, rcvhwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_EVENT_FRAME)
-        sock.bind(endpoint)
-        super().__init__(sock, msgspec.msgpack.Decoder(p.BackendEvent))
+    def __init__(self, sock: zmq.asyncio.Socket, decoder: msgspec.msgpack.Decoder[_M]) -> None:
+        super().__init__(sock, decoder)
         self._reading: tuple[asyncio.AbstractEventLoop, int] | None = None
         """The loop and descriptor the reader is registered on (``None``: not yet)."""
         self._ready = asyncio.Event()
@@ -75,6 +67,20 @@ class EventReceiver(AsyncOwner[p.BackendEvent]):
                 batch = self._drain(limit)
         return batch
 
+
+class EventReceiver(_DescriptorReader[p.BackendEvent]):
+    """The manager's PULL socket for backend events."""
+
+    def __init__(
+        self, ctx: zmq.asyncio.Context, endpoint: str, *, rcvhwm: int = 100_000, curve: CurveServerKeys | None = None
+    ) -> None:
+        sock = ctx.socket(zmq.PULL)
+        guard_server(sock, endpoint, curve)
+        sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_EVENT_FRAME)
+        sock.bind(endpoint)
+        super().__init__(sock, msgspec.msgpack.Decoder(p.BackendEvent))
+
     async def recv(self) -> p.BackendEvent | BadFrame:
         return self._event((await self._frames(1))[0])
 
@@ -86,6 +92,62 @@ class EventReceiver(AsyncOwner[p.BackendEvent]):
         if len(frames) != 1:
             return BadFrame(reason=f"expected 1 frame, got {len(frames)}", size=sum(map(len, frames)))
         return decode(self._decoder, frames[0])
+
+
+BubbleEvent = p.BubbleStarted | p.BubbleEnded
+"""What a rank's bubble publisher sends."""
+
+
+class BubbleFollower(_DescriptorReader[BubbleEvent]):
+    """The manager's SUB to the bubble publishers of the ranks whose devices may run side work.
+
+    The manager follows a rank (:meth:`follow`) while side work is placed on its
+    device or waits for one, and stops (:meth:`unfollow`) once none is: a rank
+    nobody follows publishes into nothing and wakes no one (decision D50). Only
+    endpoints inside the manager's private runtime directory are followed (the
+    manager derives them itself); a socket file that is gone is retried now and
+    then by libzmq until it is unfollowed.
+    """
+
+    def __init__(self, ctx: zmq.asyncio.Context, *, rcvhwm: int = 100_000) -> None:
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_EVENT_FRAME + 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 500)  # a rank that left: its file is retried twice a second, not ten times
+        sock.setsockopt(zmq.SUBSCRIBE, BUBBLE_START)
+        sock.setsockopt(zmq.SUBSCRIBE, BUBBLE_END)
+        super().__init__(sock, msgspec.msgpack.Decoder(BubbleEvent))
+        self.followed: set[str] = set()
+        """The endpoints connected now."""
+
+    def follow(self, endpoint: str) -> None:
+        """Connect to the publisher on ``endpoint`` (ipc only; nothing to do if already)."""
+        if endpoint in self.followed:
+            return
+        if not endpoint.startswith("ipc://"):
+            raise ValueError(f"bubble events are followed over ipc only, got {endpoint!r}")
+        self._live().connect(endpoint)
+        self.followed.add(endpoint)
+
+    def unfollow(self, endpoint: str) -> None:
+        """Disconnect from ``endpoint`` (nothing to do if not followed)."""
+        if endpoint not in self.followed:
+            return
+        self.followed.discard(endpoint)
+        try:
+            self._live().disconnect(endpoint)
+        except zmq.ZMQError as exc:  # never connected as far as libzmq knows: nothing left to undo
+            logger.debug("[events] disconnecting %s: %s", endpoint, exc)
+
+    async def recv_batch(self, limit: int) -> list[BubbleEvent | BadFrame]:
+        """The next bubble event, and up to ``limit - 1`` more that are already queued."""
+        return [self._event(frames) for frames in await self._frames(limit)]
+
+    def _event(self, frames: list[bytes]) -> BubbleEvent | BadFrame:
+        if len(frames) != 1:
+            return BadFrame(reason=f"expected 1 frame, got {len(frames)}", size=sum(map(len, frames)))
+        return decode(self._decoder, frames[0][1:])
 
 
 class _RouterOwner(AsyncOwner[_M]):

@@ -10,7 +10,7 @@ import zmq
 import zmq.asyncio
 
 from freeride import protocol as p
-from freeride.transport.frames import BadFrame, decode, encoder
+from freeride.transport.frames import BUBBLE_START, BadFrame, decode, encoder
 from freeride.transport.owner import AsyncOwner
 
 __all__ = ["BubbleListener", "WorkerLink", "wait_readable", "worker_identity"]
@@ -66,7 +66,7 @@ class BubbleListener(AsyncOwner[p.BubbleStarted]):
         sock.setsockopt(zmq.CONFLATE, 1)  # before connect
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_EVENT_FRAME)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.setsockopt(zmq.SUBSCRIBE, BUBBLE_START)  # starts only: a conflated queue must not keep an end
         sock.connect(endpoint)
         self.endpoint = endpoint
         super().__init__(sock, msgspec.msgpack.Decoder(p.BubbleStarted))
@@ -76,7 +76,7 @@ class BubbleListener(AsyncOwner[p.BubbleStarted]):
         frame = self._frame_nowait()
         if frame is None:
             return None
-        event: p.BubbleStarted | BadFrame = decode(self._decoder, frame)
+        event: p.BubbleStarted | BadFrame = decode(self._decoder, frame[len(BUBBLE_START) :])
         return event
 
 

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from _events import EventTap
+
 from freeride import protocol as p
 from freeride.backends.launch import ENV_MODE, ENV_PROFILE_DIR
 from freeride.backends.session import ENV_EVENTS
-from freeride.transport import BadFrame, EventReceiver, new_async_context
+from freeride.transport import BadFrame, new_async_context
 
 __all__ = ["SCRIPT", "TrainRun", "plain_env", "run_training", "train_cmd"]
 
@@ -85,7 +87,7 @@ async def run_training(
     ctx = new_async_context()
     collected: list[p.BackendEvent] = []
     if events is not None:
-        receiver = EventReceiver(ctx, events)
+        receiver = EventTap(ctx, events)
 
     async def pump() -> None:
         assert receiver is not None

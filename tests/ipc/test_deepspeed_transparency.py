@@ -32,10 +32,11 @@ STEPS = 12
 RECEIVER = """
 import asyncio, sys
 from freeride import protocol as p
-from freeride.transport import EventReceiver, new_async_context
+from freeride.transport import new_async_context
+from _events import EventTap  # follows the rank's bubble publisher, as a manager would
 
 async def main():
-    receiver = EventReceiver(new_async_context(), sys.argv[1])
+    receiver = EventTap(new_async_context(), sys.argv[1])
     print("ready", flush=True)
     while True:
         event = await receiver.recv()
@@ -98,8 +99,9 @@ async def test_training_survives_a_manager_killed_mid_run(runtime: Path) -> None
     (runtime / "killed").mkdir(exist_ok=True)
     env = plain_env()
     receiver = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", RECEIVER, events, env=env, stdout=asyncio.subprocess.PIPE
-    )
+        sys.executable, "-c", RECEIVER, events, env={**env, "PYTHONPATH": str(Path(__file__).parent)},
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
     assert receiver.stdout is not None
     try:
         async with asyncio.timeout(30):

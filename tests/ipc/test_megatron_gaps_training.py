@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _events import EventTap
 
 from freeride import protocol as p
 from freeride.backends.launch import launch_env
 from freeride.profile import read_observations
-from freeride.transport import EventReceiver, new_async_context
+from freeride.transport import new_async_context
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +92,7 @@ def _parse(run: Run, stdout: str) -> None:
         records.sort(key=lambda r: int(r["step"]))
 
 
-async def _collect(receiver: EventReceiver, run: Run, ranks: int) -> None:
+async def _collect(receiver: EventTap, run: Run, ranks: int) -> None:
     goodbyes: set[int] = set()
     while len(goodbyes) < ranks:
         event = await receiver.recv()
@@ -106,7 +107,7 @@ async def launch(args: list[str], env: Mapping[str, str], *, ranks: int, events:
     """Run the training script; with ``events``, bind a PULL socket there first and collect until every Goodbye."""
     run = Run()
     ctx = new_async_context()
-    receiver = EventReceiver(ctx, events) if events is not None else None
+    receiver = EventTap(ctx, events) if events is not None else None
     try:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _events import EventTap
 
 from freeride import protocol as p
 from freeride.backends.launch import launch_env
@@ -29,7 +30,7 @@ from freeride.backends.schedule import Durations
 from freeride.backends.session import ENV_EVENTS
 from freeride.backends.tracker import schedule_priors
 from freeride.profile import RankObservations, read_observations
-from freeride.transport import EventReceiver, new_async_context
+from freeride.transport import new_async_context
 
 pytestmark = pytest.mark.slow
 
@@ -92,7 +93,7 @@ def _parse(run: Run) -> None:
         records.sort(key=lambda r: int(r["step"]))
 
 
-async def _collect(receiver: EventReceiver, run: Run, goodbyes: asyncio.Event, kill_after: int | None) -> None:
+async def _collect(receiver: EventTap, run: Run, goodbyes: asyncio.Event, kill_after: int | None) -> None:
     seen: set[int] = set()
     while len(seen) < RANKS:
         event = await receiver.recv()
@@ -117,7 +118,7 @@ async def launch(
     """Run the training script; with ``events``, bind a PULL socket there first and collect."""
     run = Run()
     ctx = new_async_context()
-    receiver = EventReceiver(ctx, events) if events is not None else None
+    receiver = EventTap(ctx, events) if events is not None else None
     goodbyes = asyncio.Event()
     try:
         proc = await asyncio.create_subprocess_exec(
@@ -343,6 +344,7 @@ async def test_training_survives_a_manager_that_dies(baseline_losses: list[float
     assert run.losses() == baseline_losses
     for rank in range(RANKS):
         stats = run.done[rank]["freeride"]
-        assert stats["steps"] == 6 and stats["dropped"] > 0, stats
+        # what it sent after: bubbles published to nobody (never counted), step reports kept for a later send
+        assert stats["steps"] == 6, stats
     times = [float(r["step_ms"]) for r in run.steps[0][1:]]
     assert max(times) < 5 * statistics.median(times), f"a step stalled after the manager died: {times}"

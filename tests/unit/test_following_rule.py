@@ -1,0 +1,102 @@
+"""Whose bubbles the manager follows: a device's rank while its bubbles are learned, then only while side work is
+there (decision D50). Socket-free: the core is fed events and requests directly and tells what it would follow."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from freeride import protocol as p
+from freeride.serve.config import ServeConfig
+from freeride.serve.core import ManagerCore
+from freeride.serve.ledger import MIN_BUBBLES_SEEN
+from freeride.transport import Endpoints, bubbles_endpoint
+
+MS = 1_000_000
+
+
+class Following(ManagerCore):
+    """The core, with what it asks the manager's SUB to follow recorded instead of connected."""
+
+    def __init__(self, tmp_path: Path, **config: Any) -> None:
+        settings = ServeConfig(endpoints=Endpoints.ipc(tmp_path), state_dir=tmp_path / "state", **config)
+        super().__init__(settings, send=lambda ident, msg: True)
+        self.followed: set[str] = set()
+        self.changes = 0
+
+    def follow_bubbles(self, endpoints: set[str]) -> None:
+        self.followed = set(endpoints)
+        self.changes += 1
+
+    def rank(self, rank: int) -> str:
+        """Rank ``rank`` says hello on cpu:<rank>, publishing its bubbles; its endpoint."""
+        endpoint = bubbles_endpoint(self.config.endpoints.events, rank)
+        self.on_event(
+            p.Hello(
+                protocol_version=p.PROTOCOL_VERSION, rank=rank, stage=rank, num_stages=2, device=f"cpu:{rank}",
+                framework="sim", pid=1000 + rank, t_ns=0, bubbles_endpoint=endpoint, job="job",
+            )
+        )  # fmt: skip
+        return endpoint
+
+    def bubbles(self, rank: int, count: int, *, t0_ns: int = 0) -> None:
+        for i in range(count):
+            t = t0_ns + (i + 1) * 100 * MS
+            kw = {"rank": rank, "stage": rank, "device": f"cpu:{rank}", "step": i, "index": 0}
+            self.on_event(p.BubbleStarted(**kw, t_ns=t, expected_ns=20 * MS, spare_memory=-1))
+            self.on_event(p.BubbleEnded(**kw, t_ns=t + 20 * MS, duration_ns=20 * MS))
+
+
+def test_a_rank_is_followed_until_its_bubbles_are_learned_then_only_while_side_work_is_placed_there(
+    tmp_path: Path,
+) -> None:
+    mgr = Following(tmp_path)
+    ep0, ep1 = mgr.rank(0), mgr.rank(1)
+    assert mgr.followed == {ep0, ep1}  # what the first bubbles last tells the first task its typical bubble
+    mgr.bubbles(0, MIN_BUBBLES_SEEN - 1)
+    assert mgr.followed == {ep0, ep1}
+    mgr.bubbles(0, 1, t0_ns=10**10)
+    assert mgr.followed == {ep1}, "learned, nothing placed there: left at once, not at the next second's check"
+    assert mgr.status().devices[0].typical_bubble_ns == 20 * MS
+    reply = mgr.on_control(p.Submit(spec=p.TaskSpec(kind="iterative", target="pagerank", device="cpu:0")))
+    assert isinstance(reply, p.Submitted) and reply.device == "cpu:0"
+    assert mgr.followed == {ep0, ep1}, "a task placed there: followed again as it is submitted"
+    mgr.bubbles(0, 4, t0_ns=2 * 10**10)
+    assert mgr.followed == {ep0, ep1}, "kept while the task is there"
+    task = mgr.tasks[reply.task_id]
+    task.cancel()
+    mgr.schedulers["cpu:0"].on_task_changed(task)
+    mgr.refresh_following()  # the manager's watchdog, each second
+    assert mgr.followed == {ep1}
+    mgr.on_event(p.Goodbye(rank=1, t_ns=1, dropped=0))
+    assert mgr.followed == set(), "a rank that left is not followed (libzmq would retry its socket file)"
+
+
+def test_a_rank_that_does_not_publish_is_never_followed_and_a_trace_follows_every_rank(tmp_path: Path) -> None:
+    plain = Following(tmp_path / "a")
+    plain.on_event(
+        p.Hello(
+            protocol_version=p.PROTOCOL_VERSION, rank=0, stage=0, num_stages=2, device="cpu:0", framework="sim",
+            pid=1000, t_ns=0, job="job",
+        )
+    )  # fmt: skip
+    assert plain.followed == set() and plain.changes == 0  # its events come over the events socket, as before
+    traced = Following(tmp_path / "b", trace=tmp_path / "trace.json")
+    ep0 = traced.rank(0)
+    traced.bubbles(0, 2 * MIN_BUBBLES_SEEN)
+    assert traced.followed == {ep0}, "a trace shows every bubble"
+
+
+def test_a_device_followed_again_starts_the_guards_span_anew(tmp_path: Path) -> None:
+    """The time no bubble was followed (no side work there) is not a stretch of training the guard judged."""
+    mgr = Following(tmp_path)
+    mgr.rank(0)
+    mgr.bubbles(0, MIN_BUBBLES_SEEN)
+    guard = mgr.schedulers["cpu:0"].guard
+    mgr.on_control(p.Submit(spec=p.TaskSpec(kind="iterative", target="pagerank", device="cpu:0")))
+    guard.add_interference(2 * MS)  # taken from the training after the next bubble to end
+    mgr.bubbles(0, 1, t0_ns=3600 * 10**9)  # an hour later
+    # 2 ms over what the learned bubbles span (the first from its start, then 100 ms each) and this one's
+    # 20 ms: not over the hour in between
+    learned = 20 * MS + (MIN_BUBBLES_SEEN - 1) * 100 * MS
+    assert guard.share() == 2 * MS / (learned + 20 * MS)
