@@ -43,6 +43,17 @@ def _liveness_shown(t: p.TaskStatus) -> str:
     return "; ".join(parts)
 
 
+WARM_UP = (
+    "no bubble announced yet: a rank announces none in its first training step (warm-up: it measures that step's"
+    " waits to predict the next ones)"
+)
+
+
+def _warming_up(d: p.DeviceStatus) -> bool:
+    """A live rank trains here, in its first step as far as the manager knows, and no bubble came yet."""
+    return d.alive and d.bubbles == 0 and d.steps <= 1 and not d.no_bubbles
+
+
 def _guard_line(d: p.DeviceStatus) -> str:
     """What the device's interference guard set, and why."""
     return f"{printable(d.device):10} guard: {describe_guard(d)} ({printable(d.guard_reason) or 'no reason given'})"
@@ -70,6 +81,7 @@ def format_status(status: p.StatusReply, *, verbose: bool = False) -> str:
             if d.typical_bubble_ns > 0
         )
     lines.extend(f"{printable(d.device):10} {printable(d.no_bubbles)}" for d in status.devices if d.no_bubbles)
+    lines.extend(f"{printable(d.device):10} {WARM_UP}" for d in status.devices if _warming_up(d))
     lines.extend(printable(line) for line in cost_lines(status.costs, status.devices))
     lines.append("")
     lines.append(

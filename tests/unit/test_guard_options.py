@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from freeride import protocol as p
 from freeride.cli.demo import DemoOptions, DemoReport
 from freeride.cli.main import build_parser
 from freeride.cli.serve import serve_config
-from freeride.cli.status import format_status
+from freeride.cli.status import WARM_UP, format_status
 from freeride.observe.metrics import StatusCollector
 from freeride.serve.config import ServeConfig
 from freeride.transport import Endpoints
@@ -111,3 +112,20 @@ def test_the_demo_report_shows_what_each_guard_settled_on() -> None:
         options=DemoOptions(), status=_status(margin_ns=270_000, prediction_factor=1.0, guard_reason=reason)
     )
     assert f"guard cpu:0: margin 0.27 ms, bubbles predicted x1.00 ({reason})" in report.text().splitlines()
+
+
+def test_status_says_why_a_rank_in_its_first_step_has_announced_no_bubble() -> None:
+    """The first step is warm-up (the adapters measure its waits and announce none): status says so, where a user
+    would otherwise see a live rank and no bubble, and not once a bubble came or a step beyond the first."""
+
+    def shown(**fields: object) -> bool:
+        status = _status()
+        device = msgspec.structs.replace(status.devices[0], **fields)
+        return f"cpu:0      {WARM_UP}" in format_status(msgspec.structs.replace(status, devices=[device])).splitlines()
+
+    assert shown(bubbles=0, bubble_ns=0, used_ns=0, steps=0)
+    assert shown(bubbles=0, bubble_ns=0, used_ns=0, steps=1)
+    assert not shown(bubbles=0, bubble_ns=0, used_ns=0, steps=2)
+    assert not shown(steps=0)  # bubbles came
+    assert not shown(bubbles=0, bubble_ns=0, used_ns=0, steps=0, alive=False)
+    assert not shown(bubbles=0, bubble_ns=0, used_ns=0, steps=0, no_bubbles="no pipeline bubbles: pipeline size 1")
