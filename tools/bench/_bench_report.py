@@ -10,6 +10,7 @@ the whole range of the pairs) says how much it does cover.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -60,6 +61,10 @@ class RunResult:
     """Side-task steps in this run, by ``name@device``."""
     flags: list[str] = field(default_factory=list)
     """Why this run's side tasks did not run through it (finished, failed, no steps)."""
+    freeride_cpu_ns: int = 0
+    """CPU time the manager and every process under it used during the run (side-task steps included)."""
+    steps: int = 0
+    """Training steps the run was asked for."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -261,6 +266,22 @@ def _meter_row(final: p.StatusReply) -> str:
     return f"{what} | {_pct(est.median)} ({interval}, {est.n} pairs) | |"
 
 
+def _outside_row(with_runs: Sequence[RunResult]) -> str:
+    """FreeRide's CPU time beyond what side-task steps used in bubbles, per training step: what it may take from
+    training where no core is spare (the manager's wake-ups, the workers' own work between steps)."""
+    steps = sum(r.steps for r in with_runs)
+    if not steps or not any(r.freeride_cpu_ns for r in with_runs):
+        return "| FreeRide's CPU beyond bubble time used, per training step | not measured | |"
+    total = sum(r.freeride_cpu_ns for r in with_runs) / steps / 1e6
+    used = sum(r.used_ns for r in with_runs) / steps / 1e6
+    step = statistics.median(r.step_ms for r in with_runs)
+    return (
+        f"| FreeRide's CPU beyond bubble time used, per training step (manager and workers: {total:.2f} ms,"
+        f" less {used:.2f} ms of steps in bubbles) | {total - used:.2f} ms, {(total - used) / step:.2%} of a"
+        f" {step:.1f} ms step | |"
+    )
+
+
 def render(section: Section) -> str:
     """The markdown section of one benchmark."""
     runs = section.runs
@@ -354,6 +375,7 @@ def render(section: Section) -> str:
         if bubble
         else "| bubble time used by side-task steps | no bubbles seen | >= 85 % |",
         f"| side-task steps past a bubble's end | {overrun / 1e9:.2f} s in all | |",
+        _outside_row(with_runs),
         f"| side-task throughput | {sum(steps_by_task.values()) / train_s:.1f} steps/s "
         f"({', '.join(f'{d}: {n / train_s:.1f}' for d, n in sorted(steps_by_task.items(), key=_by_device))}) | |"
         if train_s > 0

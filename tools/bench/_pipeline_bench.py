@@ -54,6 +54,7 @@ from _bench_report import RunKind, RunResult, Section, render
 from _bench_tasks import TASK_DEFAULTS, Job, SideTask, add_side_task_args, side_task, side_tasks
 
 from freeride import protocol as p
+from freeride.host.procs import descends_from, process_cpu_ns
 from freeride.profile import load_profile
 from freeride.serve.guard import describe as describe_guard
 from freeride.transport import ControlClient, Endpoints, ManagerUnreachable
@@ -140,10 +141,17 @@ def _stop(serve: subprocess.Popen[bytes]) -> None:
             serve.wait()
 
 
+def _freeride_cpu_ns(serve_pid: int) -> int:
+    """CPU time so far of the manager and every process under it (its side tasks' workers and programs)."""
+    pids = [int(e.name) for e in os.scandir("/proc") if e.name.isdigit()]
+    return sum(max(0, process_cpu_ns(pid)) for pid in pids if descends_from(pid, serve_pid))
+
+
 def _one_run(
-    job: Job, planned: PlannedRun, steps: int, runtime: Path, endpoints: Endpoints, holdback_every: int
+    job: Job, planned: PlannedRun, steps: int, runtime: Path, endpoints: Endpoints, holdback_every: int, serve_pid: int
 ) -> RunResult:
     before = _status(endpoints) if planned.kind == "with" else None
+    cpu_before = _freeride_cpu_ns(serve_pid) if planned.kind == "with" else 0
     match planned.kind:
         case "alone":
             cmd = job.cmd(steps)
@@ -161,6 +169,8 @@ def _one_run(
     result.trained_ns = figures.trained_ns
     result.held_step_ms = figures.held_step_ms
     if before is not None:
+        result.freeride_cpu_ns = _freeride_cpu_ns(serve_pid) - cpu_before
+        result.steps = steps
         with_figures(result, before, _status(endpoints))
     return result
 
@@ -217,7 +227,7 @@ def bench(
         _wait_for("side tasks to start", 120, lambda: _tasks_running(endpoints, count), serve, runtime / "serve.log")
         runs: list[RunResult] = []
         for planned in plan(options):
-            result = _one_run(job, planned, options.steps, runtime, endpoints, options.holdback_every)
+            result = _one_run(job, planned, options.steps, runtime, endpoints, options.holdback_every, serve.pid)
             runs.append(result)
             cpu = f", cpu {result.cpu_ms:.2f} ms" if result.cpu_ms is not None else ""
             flags = f" [{'; '.join(result.flags)}]" if result.flags else ""
