@@ -41,6 +41,9 @@ class TaskContext:
 
     What a task that sizes its own steps sizes them by (see ``freeride.partition``).
     """
+    memory_limit: int = -1
+    """Bytes the task may use at its peak: its declared peak, or the manager's share of the spare memory
+    (-1: no cap). What a task that sizes its own batches sizes them by."""
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("freeride.task"))
 
 

@@ -195,6 +195,7 @@ async def _serve(link: WorkerLink, assign: p.Assign, feed: RankFeed) -> int:
             torch_device=_torch_device(assign.device),
             workdir=workdir,
             bubble_ns=assign.bubble_ns,
+            memory_limit=assign.memory_limit,
         )
         await task.setup(tctx)  # first: the state a checkpoint restores needs the model it belongs to
         steps = _load_checkpoint(task, Path(assign.checkpoint_path))
