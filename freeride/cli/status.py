@@ -115,6 +115,8 @@ def format_status(status: p.StatusReply, *, verbose: bool = False) -> str:
         f"bubble start -> side-task step: p50 {format_ns(lat.p50_ns)}, p99 {format_ns(lat.p99_ns)} "
         f"over {lat.count} grants; {status.events} events, {status.rejected_frames} rejected frames"
     )
+    if status.manager_cores:
+        lines.append(printable(status.manager_cores))
     return "\n".join(lines)
 
 

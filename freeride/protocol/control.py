@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from freeride.protocol.base import Count, Message, Metrics
+from freeride.protocol.base import Count, Message, Metrics, Text
 from freeride.protocol.spec import TaskKind, TaskSpec, TaskState
 
 __all__ = [
@@ -207,6 +207,8 @@ class StatusReply(Message, frozen=True, tag="status"):
     rejected_frames: int
     uptime_ns: int
     costs: list[TrainingCost] = []
+    manager_cores: Text = ""
+    """Where the manager's own threads run beside the training ranks, and why ("": no rank trains here)."""
     """Each training job's measured cost."""
 
 

@@ -30,6 +30,7 @@ from freeride import protocol as p
 from freeride.auth import CurveServerKeys, ServeLock, ensure_private_dir, is_loopback_endpoint, load_server_keys
 from freeride.gpu.mps import MpsDaemon
 from freeride.gpu.nvml import NvmlMonitor
+from freeride.host.owncores import OwnCores
 from freeride.serve.config import ServeConfig
 from freeride.serve.core import ManagerCore, sampled
 from freeride.transport import (
@@ -70,6 +71,8 @@ class Manager(ManagerCore):
         self._zap: ZapHandler | None = None
         self._nvml: NvmlMonitor | None = None
         self._mps: MpsDaemon | None = None
+        self._own = OwnCores()
+        """Keeps the manager's own threads off the ranks' cores where some are spare (freeride.host.owncores)."""
 
     # -- lifetime -------------------------------------------------------------
 
@@ -229,6 +232,7 @@ class Manager(ManagerCore):
             self._poll_nvml()
             self.ranks.check_silence()
             self.refresh_following()  # tasks placed, finished or gone since
+            self._own.update(frozenset(c for d in self.devices.values() if d.alive for c in d.cpu_affinity))
 
     def _poll_nvml(self) -> None:
         """Free memory per GPU and memory per side-task process, for placement and status."""
@@ -240,6 +244,9 @@ class Manager(ManagerCore):
         for index in free:
             used.update(self._nvml.process_memory(index))
         self.supervisor.note_process_memory(used)
+
+    def status(self) -> p.StatusReply:
+        return msgspec.structs.replace(super().status(), manager_cores=self._own.placement.reason)
 
     def gpu_uuid(self, device: str) -> str:
         """NVML's UUID of a device (see :meth:`~freeride.gpu.nvml.NvmlMonitor.uuid_of`); "" without NVML."""
