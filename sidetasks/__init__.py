@@ -40,6 +40,10 @@ DESCRIPTIONS: dict[str, str] = {
         "Greedy batch generation with a Hugging Face causal LM and a KV cache for a JSONL file of prompts;"
         " writes results as it goes, resumes after the last one written. Needs freeride-runtime[llm]."
     ),
+    "llm-lora": (
+        "LoRA fine-tuning of a Hugging Face causal LM (base frozen, adapters trained with AdamW) on a JSONL file"
+        " of texts or token ids. Split automatically into steps under target_ms. Needs freeride-runtime[llm]."
+    ),
     "sweep-shard": "One shard of a sum-of-squares sweep (shard=I shards=N); writes OUT/shard-I.json when done.",
     "imaging-cli": "Plain resumable program (--out DIR --images N): edge maps of images; no FreeRide API.",
 }
