@@ -290,4 +290,3 @@ class BatchGeneration(DeviceTask):
         # replaced meanwhile) cannot conjure them
         self.written = self._resume_point()
         self._batch, self._cache = [], None
-
