@@ -77,8 +77,9 @@ async def test_side_task_steps_fit_inside_bubbles(manager: Manager, tmp_path: Pa
             late_us = (s + STEP_MS * MS + margin - expected_end) / 1e3
             assert late_us <= SLACK_US, f"{device}: step at {(s - begin) / MS:.2f} ms started {late_us:.0f} us too late"
         device_status = next(d for d in manager.status().devices if d.device == device)
-        # events sent before the rank's connection is up are dropped, and counted
-        assert len(windows) - result.dropped <= device_status.bubbles <= len(windows)
+        # events sent before the rank's connection is up are dropped, and counted; a bubble published before
+        # the manager's subscription reached the rank's publisher goes to nobody (decision D50): the first one
+        assert len(windows) - result.dropped - 1 <= device_status.bubbles <= len(windows)
         # the manager's account of side-task compute inside bubbles agrees with the task's own step
         # log: each step's CPU time, in the share of its wall interval before the end of its bubble as
         # the stage measured it (CPU, not wall: a worker waiting for its core does no work; the rest of
