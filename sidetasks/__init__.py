@@ -44,6 +44,11 @@ DESCRIPTIONS: dict[str, str] = {
         "LoRA fine-tuning of a Hugging Face causal LM (base frozen, adapters trained with AdamW) on a JSONL file"
         " of texts or token ids. Split automatically into steps under target_ms. Needs freeride-runtime[llm]."
     ),
+    "llm-eval": (
+        "Scores each new checkpoint the training job saves to a directory (watch=DIR): next-token loss and"
+        " perplexity on held-out data, one batch per step; results to a JSONL file and metrics."
+        " Needs freeride-runtime[llm]."
+    ),
     "sweep-shard": "One shard of a sum-of-squares sweep (shard=I shards=N); writes OUT/shard-I.json when done.",
     "imaging-cli": "Plain resumable program (--out DIR --images N): edge maps of images; no FreeRide API.",
 }

@@ -1,0 +1,251 @@
+"""Evaluation of the training job's own checkpoints as they appear: loss and perplexity on held-out data.
+
+What teams buy separate GPUs for: every checkpoint the job saves is scored
+on a held-out set while the job goes on. The task watches a directory; each
+new checkpoint (a directory saved with ``save_pretrained``, or a state-dict
+file, ``.pt``/``.pth``/``.bin`` read with ``torch.load(weights_only=True)`` or
+``.safetensors``, for the architecture ``model`` names) is loaded while the
+task holds no bubble, then evaluated one held-out batch per step, in the
+bubbles. Each result goes to a JSONL file as it is complete and to the task's
+metrics (``freeride status``, Prometheus ``freeride_side_task_metric``).
+
+A checkpoint is taken once it has not changed for ``settle_s`` seconds, and
+never while its name starts with a dot or ends in ``.tmp`` or ``.partial``
+(how savers write before they rename). The results file is the task's
+progress: a restart evaluates what it does not list (the checkpoint in
+flight again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from freeride.sidetask import IterativeTask, StepGate, TaskContext
+from freeride.sidetasks._common import sample_seed
+from freeride.sidetasks._llm import TINY_MODELS, load_causal_lm, read_prompts
+
+__all__ = ["CheckpointEvaluation", "checkpoints_in"]
+
+logger = logging.getLogger(__name__)
+
+STATE_FILES = (".pt", ".pth", ".bin", ".safetensors")
+"""Names of state-dict files taken as checkpoints."""
+_UNFINISHED = (".tmp", ".partial")
+
+
+def _changed_ns(path: Path) -> int:
+    """The latest modification time of ``path`` or, for a directory, of anything in it."""
+    latest = path.stat().st_mtime_ns
+    if path.is_dir():
+        for child in path.rglob("*"):
+            latest = max(latest, child.stat().st_mtime_ns)
+    return latest
+
+
+def checkpoints_in(watch: Path, *, settle_s: float, now_ns: int | None = None) -> list[Path]:
+    """The checkpoints in ``watch`` that are complete by their look and unchanged for ``settle_s``, oldest first."""
+    now = time.time_ns() if now_ns is None else now_ns
+    found: list[tuple[int, str, Path]] = []
+    for entry in watch.iterdir():
+        name = entry.name
+        if name.startswith(".") or name.endswith(_UNFINISHED):
+            continue
+        saved = entry.is_dir() and (entry / "config.json").is_file()
+        if not (saved or (entry.is_file() and name.endswith(STATE_FILES))):
+            continue
+        try:
+            changed = _changed_ns(entry)
+        except FileNotFoundError:  # replaced while we looked
+            continue
+        if now - changed >= settle_s * 1e9:
+            found.append((changed, name, entry))
+    return [path for _, _, path in sorted(found)]
+
+
+class CheckpointEvaluation(IterativeTask):
+    """Score each new checkpoint in ``watch`` on held-out data: mean next-token loss and perplexity.
+
+    Options: ``watch`` (the directory the training job saves checkpoints to;
+    required), ``model`` ("tiny-gpt2": the architecture state-dict files are
+    loaded into, a built-in one or a ``save_pretrained`` directory; a checkpoint
+    that is itself such a directory brings its own), ``data`` ("": seeded
+    counting sequences; else a JSONL file of ``{"text": ...}`` or
+    ``{"input_ids": [...]}``, the held-out set), ``batches`` (8) of
+    ``batch_size`` (4) windows of ``context`` (32) tokens, ``results``
+    ("evaluations.jsonl", relative to the task's work directory), ``settle_s``
+    (2.0), ``poll_s`` (1.0: how often the directory is looked at), ``seed`` (0).
+
+    Metrics: ``evaluated``, ``skipped`` (checkpoints that did not load), ``loss`` and ``perplexity`` of the latest
+    checkpoint, ``best_loss``.
+    """
+
+    warm_up = False
+    """A step may write a result, which no restored state would undo."""
+
+    def __init__(
+        self,
+        *,
+        watch: str = "",
+        model: str = "tiny-gpt2",
+        data: str = "",
+        batches: int = 8,
+        batch_size: int = 4,
+        context: int = 32,
+        results: str = "evaluations.jsonl",
+        settle_s: float = 2.0,
+        poll_s: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        if not watch:
+            raise ValueError("watch must name the directory the training job saves its checkpoints to")
+        if not Path(watch).expanduser().is_dir():
+            raise ValueError(f"watch {watch!r} is not a directory")
+        for name, value in (("batches", batches), ("batch_size", batch_size), ("context", context)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not (settle_s >= 0 and math.isfinite(settle_s)) or not (poll_s > 0 and math.isfinite(poll_s)):
+            raise ValueError(f"settle_s must be >= 0 and poll_s > 0, got {settle_s}, {poll_s}")
+        if data and not Path(data).expanduser().is_file():
+            raise ValueError(f"data {data!r} is not a file")
+        if model not in TINY_MODELS and not Path(model).expanduser().is_dir():
+            raise ValueError(f"model {model!r} is neither a built-in one ({', '.join(TINY_MODELS)}) nor a directory")
+        if not results:
+            raise ValueError("results must name a file (relative to the task's work directory)")
+        self.watch, self.model_name, self.data_path = Path(watch).expanduser(), model, data
+        self.batches, self.batch_size, self.context = batches, batch_size, context
+        self.results, self.settle_s, self.poll_s, self.seed = results, settle_s, poll_s, seed
+        self.device = torch.device("cpu")
+        self.done_names: set[str] = set()
+        """Checkpoints evaluated (their results are in the results file)."""
+        self.skipped: set[str] = set()
+        """Checkpoints that could not be loaded into ``model`` (left out, said in the log)."""
+        self.latest: dict[str, float] = {}
+        self.best_loss = math.inf
+        self._base: Any = None
+        self._held_out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._results_path = Path(results)
+
+    # -- setup --------------------------------------------------------------------
+
+    async def setup(self, ctx: TaskContext) -> None:
+        self.device = torch.device(ctx.torch_device)
+        self._base, tokenizer = load_causal_lm(self.model_name, device=self.device, dtype=torch.float32, seed=self.seed)
+        self._held_out = self._windows(tokenizer, self._base.config.vocab_size)
+        self._results_path = ctx.workdir / self.results
+        self._read_results()
+
+    def _windows(self, tokenizer: Any, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The held-out batches: consecutive windows of the data's token stream, the same for every checkpoint."""
+        need = self.batches * self.batch_size * (self.context + 1)
+        if self.data_path:
+            texts = read_prompts(Path(self.data_path).expanduser(), tokenizer)
+            stream = torch.tensor([t for text in texts for t in text], dtype=torch.long)
+            if len(stream) < self.context + 1:
+                raise ValueError(f"the data has {len(stream)} tokens: fewer than context + 1 ({self.context + 1})")
+            stream = stream.repeat(math.ceil(need / len(stream)))[:need]
+        else:
+            g = torch.Generator().manual_seed(sample_seed(self.seed, 31, 0))
+            starts = torch.randint(3, vocab, (self.batches * self.batch_size, 1), generator=g)
+            stream = (3 + (starts - 3 + torch.arange(self.context + 1)) % (vocab - 3)).flatten()
+        windows = stream.view(self.batches, self.batch_size, self.context + 1).to(self.device)
+        return [(w[:, :-1], w[:, 1:]) for w in windows]
+
+    def _read_results(self) -> None:
+        if not self._results_path.exists():
+            return
+        with open(self._results_path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                    self.done_names.add(str(record["checkpoint"]))
+                    self.latest = {"loss": float(record["loss"]), "perplexity": float(record["perplexity"])}
+                    self.best_loss = min(self.best_loss, float(record["loss"]))
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line torn by a kill: that checkpoint is evaluated again
+
+    # -- the work -----------------------------------------------------------------
+
+    async def arrivals(self) -> AsyncIterator[Path]:
+        """New checkpoints, oldest first; waits for more when none is left."""
+        while True:
+            for path in checkpoints_in(self.watch, settle_s=self.settle_s):
+                if path.name not in self.done_names and path.name not in self.skipped:
+                    yield path
+            await asyncio.sleep(self.poll_s)
+
+    def load(self, path: Path) -> Any:
+        """The model of checkpoint ``path`` (off the event loop: the caller holds no bubble meanwhile)."""
+        if path.is_dir():
+            model, _ = load_causal_lm(str(path), device=self.device, dtype=torch.float32)
+            return model
+        if path.name.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            state: Any = load_file(str(path), device=str(self.device))
+        else:
+            state = torch.load(path, map_location=self.device, weights_only=True)
+        if isinstance(state, dict) and isinstance(state.get("model"), dict):
+            state = state["model"]  # {"model": ..., "optimizer": ...}, as training loops often save
+        self._base.load_state_dict(state)
+        return self._base
+
+    async def run(self, gate: StepGate) -> None:
+        async for path in gate.idle_until(self.arrivals()):
+            try:
+                model = await gate.wait_for(asyncio.to_thread(self.load, path))
+            except (OSError, RuntimeError, ValueError) as exc:  # not this architecture's, or unreadable
+                logger.warning("[eval] %s: cannot load it, left out: %s", path.name, exc)
+                self.skipped.add(path.name)
+                continue
+            total, count = 0.0, 0
+            for x, y in self._held_out:
+                async with gate.step("eval"):
+                    with torch.inference_mode():
+                        logits = model(x).logits
+                        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
+                        total += float(loss)
+                        count += y.numel()
+            self._record(path.name, total / count)
+            gate.report(**self.metrics())
+
+    def step(self) -> None:
+        raise NotImplementedError("CheckpointEvaluation runs through run(): it waits for checkpoints")
+
+    def _record(self, name: str, loss: float) -> None:
+        perplexity = math.exp(min(loss, 700.0))
+        self._results_path.parent.mkdir(parents=True, exist_ok=True)
+        line = json.dumps({"checkpoint": name, "loss": loss, "perplexity": perplexity, "time": time.time()})
+        with open(self._results_path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.done_names.add(name)
+        self.latest = {"loss": loss, "perplexity": perplexity}
+        self.best_loss = min(self.best_loss, loss)
+        logger.info("[eval] %s: loss %.4f, perplexity %.2f", name, loss, perplexity)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "evaluated": float(len(self.done_names)),
+            "skipped": float(len(self.skipped)),
+            "loss": self.latest.get("loss", math.nan),
+            "perplexity": self.latest.get("perplexity", math.nan),
+            "best_loss": self.best_loss,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"evaluated": sorted(self.done_names)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.done_names |= set(state.get("evaluated", []))
