@@ -28,6 +28,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         backend_timeout_s=parse_duration_ns(args.backend_timeout) / 1e9,
         profile=Path(args.profile) if args.profile else None,
         mps=args.mps,
+        own_process=True,
         trace=Path(args.trace) if args.trace else None,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,

@@ -47,6 +47,10 @@ class ServeConfig:
     """Run side tasks as MPS clients with memory caps (GPU only)."""
     trace: Path | None = None
     """Write a Chrome/Perfetto trace of bubbles and side-task work here."""
+    own_process: bool = False
+    """The manager has its process to itself (``freeride serve``): it moves its threads off the training ranks'
+    cores where some are spare (:mod:`freeride.host.owncores`). A manager run inside another program (a test,
+    an embedding) leaves that program's cores alone."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (of ``metrics_host``); 0 picks a free one. The documented port is
     :data:`DEFAULT_METRICS_PORT`; None serves none."""

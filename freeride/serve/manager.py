@@ -232,7 +232,8 @@ class Manager(ManagerCore):
             self._poll_nvml()
             self.ranks.check_silence()
             self.refresh_following()  # tasks placed, finished or gone since
-            self._own.update(frozenset(c for d in self.devices.values() if d.alive for c in d.cpu_affinity))
+            if self.config.own_process:
+                self._own.update(frozenset(c for d in self.devices.values() if d.alive for c in d.cpu_affinity))
 
     def _poll_nvml(self) -> None:
         """Free memory per GPU and memory per side-task process, for placement and status."""
