@@ -207,9 +207,9 @@ class StatusReply(Message, frozen=True, tag="status"):
     rejected_frames: int
     uptime_ns: int
     costs: list[TrainingCost] = []
+    """Each training job's measured cost."""
     manager_cores: Text = ""
     """Where the manager's own threads run beside the training ranks, and why ("": no rank trains here)."""
-    """Each training job's measured cost."""
 
 
 ControlReply = Submitted | Cancelled | Rejected | StatusReply
