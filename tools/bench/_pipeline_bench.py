@@ -83,13 +83,17 @@ __all__ = [
     "plan",
     "serve_cmd",
     "side_task",
+    "manager_status",
+    "stop_serve",
+    "wait_for_serve",
     "with_figures",
 ]
 
 _NO_SIDE_PRIORITY = "this `freeride serve` has no --side-priority: side tasks ran at nice 19"
 
 
-def _status(endpoints: Endpoints) -> p.StatusReply:
+def manager_status(endpoints: Endpoints) -> p.StatusReply:
+    """The manager's status (raises ``ManagerUnreachable`` if it does not answer within 10 s)."""
     with ControlClient(endpoints.control, timeout_s=10) as client:
         reply = client.request(p.StatusRequest())
     if not isinstance(reply, p.StatusReply):
@@ -101,9 +105,14 @@ class ManagerFailed(RuntimeError):
     """``freeride serve`` exited or never answered; the message ends with its log's tail."""
 
 
-def _wait_for(
+def wait_for_serve(
     what: str, timeout_s: float, check: Callable[[], bool], serve: subprocess.Popen[bytes], log: Path
 ) -> None:
+    """Wait until ``check()`` holds (a manager not answering yet counts as not yet).
+
+    Raises:
+        ManagerFailed: ``serve`` exited, or ``timeout_s`` passed; the message ends with ``log``'s tail.
+    """
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -119,7 +128,7 @@ def _wait_for(
 
 
 def _tasks_running(endpoints: Endpoints, count: int) -> bool:
-    tasks = _status(endpoints).tasks
+    tasks = manager_status(endpoints).tasks
     failed = [t for t in tasks if t.state == "failed"]
     if failed:
         raise RuntimeError(f"side task {failed[0].name} failed: {failed[0].error}")
@@ -131,7 +140,8 @@ def _serve_knows_side_priority() -> bool:
     return "--side-priority" in help_text
 
 
-def _stop(serve: subprocess.Popen[bytes]) -> None:
+def stop_serve(serve: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to ``freeride serve``, SIGKILL to its process group if it is not gone within 30 s."""
     if serve.poll() is None:
         serve.send_signal(signal.SIGTERM)
         try:
@@ -150,7 +160,7 @@ def _freeride_cpu_ns(serve_pid: int) -> int:
 def _one_run(
     job: Job, planned: PlannedRun, steps: int, runtime: Path, endpoints: Endpoints, holdback_every: int, serve_pid: int
 ) -> RunResult:
-    before = _status(endpoints) if planned.kind == "with" else None
+    before = manager_status(endpoints) if planned.kind == "with" else None
     cpu_before = _freeride_cpu_ns(serve_pid) if planned.kind == "with" else 0
     match planned.kind:
         case "alone":
@@ -171,7 +181,7 @@ def _one_run(
     if before is not None:
         result.freeride_cpu_ns = _freeride_cpu_ns(serve_pid) - cpu_before
         result.steps = steps
-        with_figures(result, before, _status(endpoints))
+        with_figures(result, before, manager_status(endpoints))
     return result
 
 
@@ -216,7 +226,7 @@ def bench(
                 stderr=log,
                 start_new_session=True,
             )
-        _wait_for("the manager", 60, lambda: bool(_status(endpoints)), serve, runtime / "serve.log")
+        wait_for_serve("the manager", 60, lambda: bool(manager_status(endpoints)), serve, runtime / "serve.log")
         for side in tasks:
             opts = [x for opt in side.options for x in ("--opt", opt)]
             role = ["--fill"] if side.fill else []
@@ -224,7 +234,9 @@ def bench(
                 submit = freeride_cmd("submit", "--runtime-dir", str(runtime), side.target, *opts, *role)
                 run_cmd([*submit, "--step-time", side.step_time, "--device", device, *submit_args])
         count = len(tasks) * len(profile.devices)
-        _wait_for("side tasks to start", 120, lambda: _tasks_running(endpoints, count), serve, runtime / "serve.log")
+        wait_for_serve(
+            "side tasks to start", 120, lambda: _tasks_running(endpoints, count), serve, runtime / "serve.log"
+        )
         runs: list[RunResult] = []
         for planned in plan(options):
             result = _one_run(job, planned, options.steps, runtime, endpoints, options.holdback_every, serve.pid)
@@ -234,7 +246,7 @@ def bench(
             label = "warm-up" if planned.pair < 0 else f"pair {planned.pair}"
             print(f"{label} {result.kind}: step {result.step_ms:.2f} ms{cpu}{flags}", file=sys.stderr)
             if result.kind == "with":  # where each device's interference guard stands, and why
-                for d in _status(endpoints).devices:
+                for d in manager_status(endpoints).devices:
                     print(f"  guard {d.device}: {describe_guard(d)} ({d.guard_reason})", file=sys.stderr)
         section = Section(
             title=job.title,
@@ -250,13 +262,13 @@ def bench(
             priority_note="" if supported else _NO_SIDE_PRIORITY,
             profile=profile,
             runs=runs,
-            final=_status(endpoints),
+            final=manager_status(endpoints),
             cpu_note=cpu_note,
         )
         return render(section)
     finally:
         if serve is not None:
-            _stop(serve)
+            stop_serve(serve)
         if options.keep:
             print(f"runtime dir kept: {runtime}", file=sys.stderr)
         else:

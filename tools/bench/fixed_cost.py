@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,10 +30,10 @@ from pathlib import Path
 
 from _bench_commands import freeride_cmd, plain_env, run_cmd  # tools/bench is the script's directory
 from _bench_figures import parse_steps
+from _pipeline_bench import manager_status, stop_serve, wait_for_serve
 from _stats import Estimate, paired_slowdown
 
-from freeride import protocol as p
-from freeride.transport import ControlClient, Endpoints, ManagerUnreachable
+from freeride.transport import Endpoints
 
 __all__ = ["main"]
 
@@ -61,27 +60,6 @@ def _command(kind: str, job: list[str], runtime: Path) -> list[str]:
             return freeride_cmd("launch", "--runtime-dir", str(runtime), "--", *job)
         case _:  # a runtime dir of its own each time: launch starts a manager there, for this run
             return freeride_cmd("launch", "--runtime-dir", tempfile.mkdtemp(prefix="run-", dir=runtime), "--", *job)
-
-
-def _status(endpoints: Endpoints, *, timeout_s: float) -> p.StatusReply:
-    with ControlClient(endpoints.control, timeout_s=timeout_s) as client:
-        reply = client.request(p.StatusRequest())
-    if not isinstance(reply, p.StatusReply):
-        raise RuntimeError(f"unexpected status reply {reply!r}")
-    return reply
-
-
-def _wait_for_manager(endpoints: Endpoints, serve: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if serve.poll() is not None:
-            raise RuntimeError(f"freeride serve exited with {serve.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            _status(endpoints, timeout_s=1)
-            return
-        except ManagerUnreachable:
-            time.sleep(0.2)
-    raise RuntimeError(f"freeride serve did not answer within 60 s:\n{log.read_text()[-4000:]}")
 
 
 def _line(name: str, est: Estimate) -> str:
@@ -114,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             start_new_session=True,
         )
     try:
-        _wait_for_manager(endpoints, serve, log)
+        wait_for_serve("the manager", 60, lambda: bool(manager_status(endpoints)), serve, log)
         run_cmd(_command("served", job, runtime))  # warm-up, left out: caches, and the manager learns the bubbles
         steps: dict[str, list[float]] = {kind: [] for kind in KINDS}
         for r in range(ns.rounds):
@@ -123,10 +101,9 @@ def main(argv: list[str] | None = None) -> int:
                 stdout, _ = run_cmd(_command(kind, job, runtime))
                 steps[kind].append(parse_steps(stdout).step_ms)
             print(f"round {r}: " + ", ".join(f"{k} {steps[k][-1]:.2f} ms" for k in KINDS), file=sys.stderr)
-        events = _status(endpoints, timeout_s=10).events
+        events = manager_status(endpoints).events
     finally:
-        os.killpg(serve.pid, signal.SIGTERM)
-        serve.wait(timeout=30)
+        stop_serve(serve)
         shutil.rmtree(runtime, ignore_errors=True)
 
     def pairs(a: str, b: str) -> list[tuple[float, float]]:
