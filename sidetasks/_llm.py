@@ -9,7 +9,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["TINY_MODELS", "cache_argument", "load_causal_lm", "read_prompts", "synthetic_prompts"]
+__all__ = [
+    "TINY_MODELS",
+    "cache_argument",
+    "check_model",
+    "counting_sequences",
+    "load_causal_lm",
+    "read_prompts",
+    "synthetic_prompts",
+    "token_stream",
+]
 
 TINY_MODELS: dict[str, dict[str, Any]] = {
     "tiny-gpt2": {
@@ -46,6 +55,19 @@ def cache_argument(model: Any) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def check_model(name: str) -> None:
+    """Refuse a model name that is neither built in (:data:`TINY_MODELS`) nor a directory.
+
+    Raises:
+        ValueError: saying which names are built in.
+    """
+    if name not in TINY_MODELS and not Path(name).expanduser().is_dir():
+        raise ValueError(
+            f"model {name!r} is neither a built-in one ({', '.join(TINY_MODELS)}) nor a directory saved with"
+            " save_pretrained"
+        )
+
+
 def load_causal_lm(name: str, *, device: torch.device, dtype: torch.dtype, seed: int = 0) -> tuple[Any, Any]:
     """The model called ``name`` (see :data:`TINY_MODELS`) on ``device`` in eval mode, and its tokenizer (or None).
 
@@ -60,12 +82,8 @@ def load_causal_lm(name: str, *, device: torch.device, dtype: torch.dtype, seed:
         model = transformers.AutoModelForCausalLM.from_config(config, **{_dtype_argument(transformers): dtype})
         tokenizer = None
     else:
+        check_model(name)
         path = Path(name).expanduser()
-        if not path.is_dir():
-            raise ValueError(
-                f"model {name!r} is neither a built-in one ({', '.join(TINY_MODELS)}) nor a directory saved with"
-                " save_pretrained"
-            )
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, **{_dtype_argument(transformers): dtype}
         )
@@ -114,3 +132,22 @@ def synthetic_prompts(count: int, tokens: int, *, vocab: int, seed: int = 0) -> 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, tokens + 1, (count,), generator=g)
     return [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in lengths]
+
+
+def token_stream(path: Path, tokenizer: Any, *, at_least: int) -> torch.Tensor:
+    """The prompts of a JSONL file (see :func:`read_prompts`) joined into one stream of token ids.
+
+    Raises:
+        ValueError: as :func:`read_prompts`, or fewer than ``at_least`` tokens in all.
+    """
+    stream = torch.tensor([t for text in read_prompts(path, tokenizer) for t in text], dtype=torch.long)
+    if len(stream) < at_least:
+        raise ValueError(f"the data has {len(stream)} tokens: fewer than context + 1 ({at_least})")
+    return stream
+
+
+def counting_sequences(count: int, length: int, *, vocab: int, seed: int) -> torch.Tensor:
+    """``(count, length)`` token ids, each row counting up (mod the ids 3 and up) from a seeded start: learnable."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(3, vocab, (count, 1), generator=g)
+    return 3 + (starts - 3 + torch.arange(length)) % (vocab - 3)

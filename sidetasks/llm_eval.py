@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from freeride.sidetask import IterativeTask, StepGate, TaskContext
 from freeride.sidetasks._common import sample_seed
-from freeride.sidetasks._llm import TINY_MODELS, load_causal_lm, read_prompts
+from freeride.sidetasks._llm import check_model, counting_sequences, load_causal_lm, token_stream
 
 __all__ = ["CheckpointEvaluation", "checkpoints_in"]
 
@@ -118,8 +118,7 @@ class CheckpointEvaluation(IterativeTask):
             raise ValueError(f"settle_s must be >= 0 and poll_s > 0, got {settle_s}, {poll_s}")
         if data and not Path(data).expanduser().is_file():
             raise ValueError(f"data {data!r} is not a file")
-        if model not in TINY_MODELS and not Path(model).expanduser().is_dir():
-            raise ValueError(f"model {model!r} is neither a built-in one ({', '.join(TINY_MODELS)}) nor a directory")
+        check_model(model)
         if not results:
             raise ValueError("results must name a file (relative to the task's work directory)")
         self.watch, self.model_name, self.data_path = Path(watch).expanduser(), model, data
@@ -149,15 +148,11 @@ class CheckpointEvaluation(IterativeTask):
         """The held-out batches: consecutive windows of the data's token stream, the same for every checkpoint."""
         need = self.batches * self.batch_size * (self.context + 1)
         if self.data_path:
-            texts = read_prompts(Path(self.data_path).expanduser(), tokenizer)
-            stream = torch.tensor([t for text in texts for t in text], dtype=torch.long)
-            if len(stream) < self.context + 1:
-                raise ValueError(f"the data has {len(stream)} tokens: fewer than context + 1 ({self.context + 1})")
+            stream = token_stream(Path(self.data_path).expanduser(), tokenizer, at_least=self.context + 1)
             stream = stream.repeat(math.ceil(need / len(stream)))[:need]
         else:
-            g = torch.Generator().manual_seed(sample_seed(self.seed, 31, 0))
-            starts = torch.randint(3, vocab, (self.batches * self.batch_size, 1), generator=g)
-            stream = (3 + (starts - 3 + torch.arange(self.context + 1)) % (vocab - 3)).flatten()
+            seed = sample_seed(self.seed, 31, 0)
+            stream = counting_sequences(self.batches * self.batch_size, self.context + 1, vocab=vocab, seed=seed)
         windows = stream.view(self.batches, self.batch_size, self.context + 1).to(self.device)
         return [(w[:, :-1], w[:, 1:]) for w in windows]
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from freeride.partition import PartitionedTraining, TrainingParts
 from freeride.sidetasks._common import sample_seed
-from freeride.sidetasks._llm import TINY_MODELS, load_causal_lm, read_prompts
+from freeride.sidetasks._llm import check_model, counting_sequences, load_causal_lm, token_stream
 
 __all__ = ["LoRAFineTuning", "LoRALinear", "add_lora"]
 
@@ -145,8 +145,7 @@ class LoRAFineTuning(PartitionedTraining):
             raise ValueError(f"lr must be a finite number > 0, got {lr}")
         if data and not Path(data).expanduser().is_file():
             raise ValueError(f"data {data!r} is not a file")
-        if model not in TINY_MODELS and not Path(model).expanduser().is_dir():
-            raise ValueError(f"model {model!r} is neither a built-in one ({', '.join(TINY_MODELS)}) nor a directory")
+        check_model(model)
         self.model_name, self.data_path = model, data
         self.targets = {t.strip() for t in targets.split(",") if t.strip()}
         if not self.targets:
@@ -156,16 +155,10 @@ class LoRAFineTuning(PartitionedTraining):
         self.trained_parameters = 0
 
     def _stream(self, tokenizer: Any, vocab: int) -> torch.Tensor:
-        if not self.data_path:  # counting sequences from seeded starts: learnable, so the loss must fall
-            g = torch.Generator().manual_seed(sample_seed(self.seed, 22, 0))
-            starts = torch.randint(3, vocab, (256, 1), generator=g)
-            runs = 3 + (starts - 3 + torch.arange(self.context + 1)) % (vocab - 3)
-            return runs.flatten()
-        texts = read_prompts(Path(self.data_path).expanduser(), tokenizer)
-        stream = torch.tensor([t for text in texts for t in text], dtype=torch.long)
-        if len(stream) < self.context + 1:
-            raise ValueError(f"the data has {len(stream)} tokens: fewer than context + 1 ({self.context + 1})")
-        return stream
+        if not self.data_path:  # learnable, so the loss must fall
+            seed = sample_seed(self.seed, 22, 0)
+            return counting_sequences(256, self.context + 1, vocab=vocab, seed=seed).flatten()
+        return token_stream(Path(self.data_path).expanduser(), tokenizer, at_least=self.context + 1)
 
     def build(self) -> TrainingParts:
         model, tokenizer = load_causal_lm(self.model_name, device=self.device, dtype=torch.float32, seed=self.seed)
