@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import cast
 
 import pytest
+from _sessionfix import Recorder
 
 from freeride import protocol as p
 from freeride.backends import session as session_module
@@ -16,31 +17,6 @@ from freeride.backends.session import BackendConfig, BackendSession
 from freeride.transport import BubblePublisher, EventEmitter
 
 MS = 1_000_000
-
-
-class Recorder:
-    """Stands in for the EventEmitter and the BubblePublisher: keeps what would have been sent."""
-
-    def __init__(self) -> None:
-        self.events: list[p.BackendEvent] = []
-        self.dropped = self.sent = 0
-
-    def wait_connected(self, timeout_ms: int) -> bool:
-        return True
-
-    def emit(self, event: p.BackendEvent) -> bool:
-        self.events.append(event)
-        return True
-
-    def publish(self, event: p.BubbleStarted | p.BubbleEnded) -> None:
-        self.events.append(event)
-
-    def close(self, goodbye: p.Goodbye | None = None, *, linger_ms: int = 200) -> None:
-        if goodbye is not None:
-            self.events.append(goodbye)
-
-    def kinds(self) -> list[str]:
-        return [type(e).__name__ for e in self.events]
 
 
 def _session(emitter: Recorder, publisher: Recorder | None) -> BackendSession:

@@ -10,35 +10,13 @@ import time
 from typing import cast
 
 import pytest
+from _sessionfix import Recorder
 
-from freeride import protocol as p
 from freeride.backends.session import BackendConfig, BackendSession
 from freeride.host.schedstat import ThreadRunDelay
 from freeride.transport import EventEmitter
 
 MS = 1_000_000
-
-
-class Recorder:
-    """Stands in for the EventEmitter: keeps what would have been sent."""
-
-    def __init__(self) -> None:
-        self.events: list[p.BackendEvent] = []
-        self.dropped = self.sent = 0
-
-    def wait_connected(self, timeout_ms: int) -> bool:
-
-        return True
-
-    def emit(self, event: p.BackendEvent) -> bool:
-        self.events.append(event)
-        return True
-
-    def close(self, goodbye: p.Goodbye | None = None, *, linger_ms: int = 200) -> None:
-        pass
-
-    def ended(self) -> list[p.BubbleEnded]:
-        return [e for e in self.events if isinstance(e, p.BubbleEnded)]
 
 
 class Counter:
