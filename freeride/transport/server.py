@@ -35,6 +35,9 @@ class _DescriptorReader(AsyncOwner[_M]):
     another reader.
     """
 
+    _topic_bytes = 0
+    """Bytes before the message in each frame (a publisher's topic), skipped when decoding."""
+
     def __init__(self, sock: zmq.asyncio.Socket, decoder: msgspec.msgpack.Decoder[_M]) -> None:
         super().__init__(sock, decoder)
         self._reading: tuple[asyncio.AbstractEventLoop, int] | None = None
@@ -67,6 +70,15 @@ class _DescriptorReader(AsyncOwner[_M]):
                 batch = self._drain(limit)
         return batch
 
+    async def recv_batch(self, limit: int) -> list[_M | BadFrame]:
+        """The next message, and up to ``limit - 1`` more that are already queued."""
+        return [self._event(frames) for frames in await self._frames(limit)]
+
+    def _event(self, frames: list[bytes]) -> _M | BadFrame:
+        if len(frames) != 1:
+            return BadFrame(reason=f"expected 1 frame, got {len(frames)}", size=sum(map(len, frames)))
+        return decode(self._decoder, frames[0][self._topic_bytes :])
+
 
 class EventReceiver(_DescriptorReader[p.BackendEvent]):
     """The manager's PULL socket for backend events."""
@@ -84,15 +96,6 @@ class EventReceiver(_DescriptorReader[p.BackendEvent]):
     async def recv(self) -> p.BackendEvent | BadFrame:
         return self._event((await self._frames(1))[0])
 
-    async def recv_batch(self, limit: int) -> list[p.BackendEvent | BadFrame]:
-        """The next event, and up to ``limit - 1`` more that are already queued."""
-        return [self._event(frames) for frames in await self._frames(limit)]
-
-    def _event(self, frames: list[bytes]) -> p.BackendEvent | BadFrame:
-        if len(frames) != 1:
-            return BadFrame(reason=f"expected 1 frame, got {len(frames)}", size=sum(map(len, frames)))
-        return decode(self._decoder, frames[0])
-
 
 BubbleEvent = p.BubbleStarted | p.BubbleEnded
 """What a rank's bubble publisher sends."""
@@ -108,6 +111,8 @@ class BubbleFollower(_DescriptorReader[BubbleEvent]):
     manager derives them itself); a socket file that is gone is retried now and
     then by libzmq until it is unfollowed.
     """
+
+    _topic_bytes = len(BUBBLE_START)
 
     def __init__(self, ctx: zmq.asyncio.Context, *, rcvhwm: int = 100_000) -> None:
         sock = ctx.socket(zmq.SUB)
@@ -139,15 +144,6 @@ class BubbleFollower(_DescriptorReader[BubbleEvent]):
             self._live().disconnect(endpoint)
         except zmq.ZMQError as exc:  # never connected as far as libzmq knows: nothing left to undo
             logger.debug("[events] disconnecting %s: %s", endpoint, exc)
-
-    async def recv_batch(self, limit: int) -> list[BubbleEvent | BadFrame]:
-        """The next bubble event, and up to ``limit - 1`` more that are already queued."""
-        return [self._event(frames) for frames in await self._frames(limit)]
-
-    def _event(self, frames: list[bytes]) -> BubbleEvent | BadFrame:
-        if len(frames) != 1:
-            return BadFrame(reason=f"expected 1 frame, got {len(frames)}", size=sum(map(len, frames)))
-        return decode(self._decoder, frames[0][1:])
 
 
 class _RouterOwner(AsyncOwner[_M]):
