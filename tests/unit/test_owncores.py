@@ -9,11 +9,11 @@ import textwrap
 
 import pytest
 
-from freeride.host.owncores import place_manager
+from freeride.host.owncores import Placement, place_manager
 
 
 def test_no_rank_on_the_managers_cores_leaves_it_where_it_was() -> None:
-    assert place_manager(frozenset({0, 1, 2, 3}), frozenset()) == place_manager(frozenset({0, 1, 2, 3}), frozenset())
+    assert place_manager(frozenset({0, 1, 2, 3}), frozenset()) == Placement(frozenset({0, 1, 2, 3}), "")
     placement = place_manager(frozenset({2, 3}), frozenset({0, 1}))
     assert (placement.cores, placement.reason) == (frozenset({2, 3}), "")
 
