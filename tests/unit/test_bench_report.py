@@ -265,7 +265,7 @@ def test_a_manager_that_exits_fails_the_wait_at_once_with_its_log(harness: Modul
     serve.wait(30)
     never: Callable[[], bool] = lambda: False  # noqa: E731
     with pytest.raises(harness.ManagerFailed, match=r"(?s)freeride serve exited with 1; its log ends:.*timed out"):
-        harness._wait_for("the manager", 20, never, serve, log)  # at once: an exit does not wait 20 s out
+        harness.wait_for_serve("the manager", 20, never, serve, log)  # at once: an exit does not wait 20 s out
 
 
 # -- the manager's own measure, and what FreeRide costs with no side work ---------------
