@@ -51,9 +51,15 @@ SIDE_TASKS_PID = 2
 _HEAD = b'{"displayTimeUnit":"ms","otherData":{"generator":"freeride","clock":"CLOCK_MONOTONIC"},"traceEvents":[\n'
 _TAIL = b"\n]}\n"
 _MAX_PENDING_BUBBLES = 256
+"""Bubbles kept per device while waiting for the step that contains them."""
 _INTERFERENCE_TID = 1 << 24
 """Track of a task's interference slices: this plus its task id (beside the task's own track)."""
-"""Bubbles kept per device while waiting for the step that contains them."""
+_STATUS_TID = 2 << 24
+"""Track of a task's state changes: this plus its task id.
+
+Not the task's own track: a grant's slice is written when the grant is done, and
+may begin before a state change written while it ran.
+"""
 
 _Args = dict[str, Any] | tuple[tuple[str, ...], tuple[Any, ...]] | None
 """A dict, or (keys, values): cheaper to build on the event loop, zipped by the writer thread."""
@@ -245,7 +251,8 @@ class TraceWriter(Observer):
         }
         if status.error:
             args["error"] = status.error
-        self._put(("i", status.state, "task_status", SIDE_TASKS_PID, status.task_id, self._clock(), 0, args))
+        tid = _STATUS_TID + status.task_id
+        self._put(("i", status.state, "task_status", SIDE_TASKS_PID, tid, self._clock(), 0, args))
 
     def training_cost(self, cost: p.TrainingCost) -> None:
         """A counter of the job's measured cost (percent), and an instant with the whole figure."""
@@ -367,10 +374,13 @@ class TraceWriter(Observer):
         self._tasks.add(task_id)
         label = f"{name} (task {task_id})" + (f" on {device}" if device else "")
         self._meta(SIDE_TASKS_PID, task_id, "thread_name", {"name": label})
-        self._meta(SIDE_TASKS_PID, task_id, "thread_sort_index", {"sort_index": 2 * task_id})
+        self._meta(SIDE_TASKS_PID, task_id, "thread_sort_index", {"sort_index": 3 * task_id})
         tid = _INTERFERENCE_TID + task_id
         self._meta(SIDE_TASKS_PID, tid, "thread_name", {"name": f"{label}: compute past bubble ends"})
-        self._meta(SIDE_TASKS_PID, tid, "thread_sort_index", {"sort_index": 2 * task_id + 1})
+        self._meta(SIDE_TASKS_PID, tid, "thread_sort_index", {"sort_index": 3 * task_id + 1})
+        tid = _STATUS_TID + task_id
+        self._meta(SIDE_TASKS_PID, tid, "thread_name", {"name": f"{label}: state"})
+        self._meta(SIDE_TASKS_PID, tid, "thread_sort_index", {"sort_index": 3 * task_id + 2})
 
     # -- buffering and writing ------------------------------------------------
 

@@ -173,6 +173,30 @@ def test_checkpoint_time_is_side_task_work(tmp_path: Path) -> None:
     ]
 
 
+def test_a_state_change_written_while_a_grant_ran_keeps_the_trace_valid(tmp_path: Path) -> None:
+    # A grant's slice is written when the grant is done; a state change (here the
+    # task's progress) written while it ran has a later time but was written first.
+    path = tmp_path / "t.json"
+    now = [T0 + 200 * MS]
+    writer = TraceWriter(path, clock=lambda: now[0])
+    running = p.TaskStatus(
+        task_id=3, name="spin", kind="iterative", state="running", device="cpu:0", steps=100, busy_ns=9 * MS
+    )
+    writer.task_status(running)
+    writer.grant_done("cpu:0", 3, "spin", grant(3, 23, T0, T0 + 390 * MS, steps=2))
+    writer.close()
+    events = load_checked(path)
+    (work,) = slices(events, SIDE_TASKS_PID, "side_task")
+    assert work[:2] == (T0, T0 + 390 * MS)
+    (state,) = [e for e in events if e.get("cat") == "task_status"]
+    assert (ns(state["ts"]), state["args"]["task_id"], state["args"]["steps"]) == (T0 + 200 * MS, 3, 100)
+    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names[state["tid"]] == "spin (task 3) on cpu:0: state"
+    # read back, the state belongs to its task
+    task = parse_trace(path.read_bytes()).tasks[3]
+    assert (task.state, len(task.grants)) == ("running", 1)
+
+
 def test_interference_is_drawn_from_the_bubble_end_with_the_stages_wait_in_its_args(tmp_path: Path) -> None:
     path = tmp_path / "t.json"
     writer = TraceWriter(path)
