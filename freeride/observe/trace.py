@@ -6,7 +6,10 @@ Trace Event Format (JSON Object Format) that Perfetto UI and
 
 * process ``training``: one thread per device (its stage), with ``compute``
   and ``bubble`` slices and a ``step N`` instant at the end of each step. The
-  compute slices are the parts of a step not spent in announced bubbles;
+  compute slices are the parts of a step not spent in announced bubbles. A
+  rank's bubbles and its step reports may come on different sockets, in either
+  order: a step is drawn once its bubbles are in (their time adds up to the
+  step's bubble time, or a later bubble came);
 * process ``side tasks``: one thread per task, with one slice per grant (first
   step start, or checkpoint start, to last step end; steps and busy time in
   its args) and an instant per state change (with the task's steps and
@@ -50,8 +53,11 @@ SIDE_TASKS_PID = 2
 
 _HEAD = b'{"displayTimeUnit":"ms","otherData":{"generator":"freeride","clock":"CLOCK_MONOTONIC"},"traceEvents":[\n'
 _TAIL = b"\n]}\n"
-_MAX_PENDING_BUBBLES = 256
-"""Bubbles kept per device while waiting for the step that contains them."""
+_MAX_PENDING_BUBBLES = 8192
+"""Bubbles kept per device while waiting for the step that contains them (a rank's step
+reports may come about a second after its bubbles)."""
+_MAX_WAITING_STEPS = 64
+"""Steps kept per device while waiting for their bubbles: past this the oldest is drawn with the bubbles that came."""
 _INTERFERENCE_TID = 1 << 24
 """Track of a task's interference slices: this plus its task id (beside the task's own track)."""
 _STATUS_TID = 2 << 24
@@ -81,6 +87,14 @@ class _Track:
     rank: int = -1
     pending: list[_Bubble] = field(default_factory=list)
     last_end_ns: int = 0
+    steps: collections.deque[p.StepFinished] = field(default_factory=collections.deque)
+    """Steps reported whose bubbles may still be on their way."""
+    bubble_sum: dict[int, int] = field(default_factory=dict)
+    """Per step, the duration of its bubbles received."""
+    newest_bubble_ns: int = 0
+    """The start of the latest bubble received."""
+    goodbyes: list[p.Goodbye] = field(default_factory=list)
+    """Goodbyes written once the steps before them are."""
 
 
 def _us(ns: int) -> msgspec.Raw:
@@ -185,13 +199,12 @@ class TraceWriter(Observer):
                 self._on_bubble_ended(event)
             case p.StepFinished():
                 self._on_step(event)
-            case p.Goodbye(rank=rank, t_ns=t_ns, dropped=dropped):
+            case p.Goodbye(rank=rank):
                 known = self._rank_device.get(rank)
                 if known is not None:
                     track = self._track(known)
-                    self._emit_pending(track, until_ns=None)
-                    args = {"rank": rank, "dropped": dropped}
-                    self._put(("i", "goodbye", "rank", TRAINING_PID, track.tid, max(t_ns, track.last_end_ns), 0, args))
+                    track.goodbyes.append(event)
+                    self._draw_steps(track)
             case p.Heartbeat():
                 pass
 
@@ -282,6 +295,7 @@ class TraceWriter(Observer):
             return
         self._closed = True
         for track in self._tracks.values():
+            self._draw_steps(track, every=True)
             self._emit_pending(track, until_ns=None)
         with self._cv:
             self._stop = True
@@ -317,12 +331,46 @@ class TraceWriter(Observer):
             expected = started.expected_ns
         self._rank_device.setdefault(ev.rank, ev.device)
         track = self._device_of(ev.rank, ev.device)
-        track.pending.append((ev.t_ns - ev.duration_ns, ev.t_ns, ev.step, ev.index, expected))
+        start = ev.t_ns - ev.duration_ns
+        if start < track.last_end_ns:
+            # its step was drawn without it (it waited too long): the file's order on the track comes first
+            logger.debug("[trace] %s: bubble %d.%d came after its step was drawn", track.device, ev.step, ev.index)
+            return
+        track.pending.append((start, ev.t_ns, ev.step, ev.index, expected))
+        track.bubble_sum[ev.step] = track.bubble_sum.get(ev.step, 0) + ev.duration_ns
+        track.newest_bubble_ns = max(track.newest_bubble_ns, start)
+        if track.steps or track.goodbyes:
+            self._draw_steps(track)
         if len(track.pending) > _MAX_PENDING_BUBBLES:  # a backend that never reports steps
             self._emit_pending(track, until_ns=None)
 
     def _on_step(self, ev: p.StepFinished) -> None:
         track = self._device_of(ev.rank)
+        track.steps.append(ev)
+        self._draw_steps(track)
+
+    def _draw_steps(self, track: _Track, *, every: bool = False) -> None:
+        """Draw the steps whose bubbles are in (``every``: all of them), then the goodbyes after them."""
+        while track.steps:
+            ev = track.steps[0]
+            complete = (
+                track.bubble_sum.get(ev.step, 0) >= ev.bubble_ns  # every bubble of the step, by its time
+                or track.newest_bubble_ns >= ev.t_ns  # a later bubble: the step's own came before it
+            )
+            if not (every or complete or len(track.steps) > _MAX_WAITING_STEPS):
+                break
+            track.steps.popleft()
+            track.bubble_sum.pop(ev.step, None)
+            self._draw_step(track, ev)
+        if not track.steps:
+            for goodbye in track.goodbyes:
+                self._emit_pending(track, until_ns=None)
+                args = {"rank": goodbye.rank, "dropped": goodbye.dropped}
+                ts = max(goodbye.t_ns, track.last_end_ns)
+                self._put(("i", "goodbye", "rank", TRAINING_PID, track.tid, ts, 0, args))
+            track.goodbyes.clear()
+
+    def _draw_step(self, track: _Track, ev: p.StepFinished) -> None:
         start, end = ev.t_ns - ev.duration_ns, ev.t_ns
         cursor = max(start, track.last_end_ns)
         inside = sorted(b for b in track.pending if b[0] < end)

@@ -173,6 +173,57 @@ def test_checkpoint_time_is_side_task_work(tmp_path: Path) -> None:
     ]
 
 
+def test_a_step_reported_before_its_bubbles_is_drawn_when_they_come(tmp_path: Path) -> None:
+    # A rank publishes its bubbles on a socket of its own and sends its step reports
+    # on the events socket: the last step's report and the goodbye may come first.
+    path = tmp_path / "t.json"
+    writer = TraceWriter(path)
+    writer.backend_event(hello(0))
+    events: list[p.BackendEvent] = []
+    for step in range(3):
+        base = T0 + step * STEP
+        for index, (b0, b1) in enumerate(BUBBLES):
+            kw: dict[str, Any] = {"rank": 0, "stage": 0, "device": "cpu:0", "step": step, "index": index}
+            events.append(p.BubbleEnded(**kw, t_ns=base + b1, duration_ns=b1 - b0))
+    reports = [
+        p.StepFinished(rank=0, stage=0, step=s, t_ns=T0 + (s + 1) * STEP, duration_ns=STEP, bubble_ns=10 * MS)
+        for s in range(3)
+    ]
+    goodbye = p.Goodbye(rank=0, t_ns=T0 + 3 * STEP + MS, dropped=0)
+    # step 0's report after both its bubbles; steps 1 and 2 and the goodbye ahead of their second bubbles
+    for ev in [*events[:2], reports[0], events[2], reports[1], events[3], events[4], reports[2], goodbye, events[5]]:
+        writer.backend_event(ev)
+    writer.close()
+    trace = load_checked(path)
+    bubbles = [(s, e) for s, e, _ in slices(trace, TRAINING_PID, "bubble")]
+    assert bubbles == [(T0 + n * STEP + b0, T0 + n * STEP + b1) for n in range(3) for b0, b1 in BUBBLES]
+    compute = sum(e - s for s, e, _ in slices(trace, TRAINING_PID, "compute"))
+    assert compute == 3 * (STEP - 10 * MS)
+    assert [e["name"] for e in trace if e.get("cat") in ("step", "rank")] == ["step 0", "step 1", "step 2", "goodbye"]
+
+
+def test_a_step_whose_bubbles_never_come_is_drawn_at_the_next_bubble_or_on_close(tmp_path: Path) -> None:
+    # Bubbles published before the manager's subscription reached the rank are lost to it.
+    path = tmp_path / "t.json"
+    writer = TraceWriter(path)
+    writer.backend_event(hello(0))
+    for step in range(2):
+        writer.backend_event(
+            p.StepFinished(rank=0, stage=0, step=step, t_ns=T0 + (step + 1) * STEP, duration_ns=STEP, bubble_ns=MS)
+        )
+    later = p.BubbleEnded(rank=0, stage=0, device="cpu:0", step=2, index=0, t_ns=T0 + 2 * STEP + 2 * MS, duration_ns=MS)
+    writer.backend_event(later)
+    writer.backend_event(
+        p.StepFinished(rank=0, stage=0, step=2, t_ns=T0 + 3 * STEP, duration_ns=STEP, bubble_ns=2 * MS)
+    )  # its second bubble never comes
+    writer.close()
+    trace = load_checked(path)
+    assert [ns(e["ts"]) for e in trace if e.get("cat") == "step"] == [T0 + STEP, T0 + 2 * STEP, T0 + 3 * STEP]
+    assert [(s, e) for s, e, _ in slices(trace, TRAINING_PID, "bubble")] == [
+        (T0 + 2 * STEP + MS, T0 + 2 * STEP + 2 * MS)
+    ]
+
+
 def test_a_state_change_written_while_a_grant_ran_keeps_the_trace_valid(tmp_path: Path) -> None:
     # A grant's slice is written when the grant is done; a state change (here the
     # task's progress) written while it ran has a later time but was written first.
