@@ -195,6 +195,8 @@ class BackendSession:
         self._step_bubble_ns = 0
         self._closed = False
         self.bubbles = 0
+        self._last_published: tuple[int, int] | None = None
+        """(step, index) of the last bubble end published (for the goodbye)."""
         self._hello_sent_ns = 0
         self._hello = p.Hello(
             protocol_version=p.PROTOCOL_VERSION,
@@ -338,6 +340,7 @@ class BackendSession:
         )
         if self._publisher is not None:
             self._publisher.publish(event)
+            self._last_published = (start.step, start.index)
         else:
             self._emitter.emit(event)
         return duration
@@ -398,8 +401,13 @@ class BackendSession:
         atexit.unregister(self.close)
         self.bubble_ended()
         self._send_step_reports()
-        goodbye = p.Goodbye(rank=self.config.rank, t_ns=time.monotonic_ns(), dropped=self._emitter.dropped)
+        goodbye = p.Goodbye(
+            rank=self.config.rank,
+            t_ns=time.monotonic_ns(),
+            dropped=self._emitter.dropped,
+            last_bubble=self._last_published,
+        )
         if self._publisher is not None:
-            self._publisher.close()
+            self._publisher.close()  # lingers a moment: the last bubble end goes out before the goodbye
         self._emitter.close(goodbye)
         self._run_delay.close()

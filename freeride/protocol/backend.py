@@ -93,6 +93,12 @@ class Goodbye(Message, frozen=True, tag="goodbye"):
     t_ns: Nanos
     dropped: Count = 0
     """Events the emitter could not send (manager away or slow)."""
+    last_bubble: tuple[Position, Position] | None = None
+    """(step, index) of the last bubble end the rank published on its own socket (None: none).
+
+    That socket is not this message's: a manager following the rank's bubbles
+    waits a moment for that end before it takes the goodbye, so that the job's
+    last bubble is counted and traced."""
 
 
 BackendEvent = Hello | BubbleStarted | BubbleEnded | StepFinished | Heartbeat | Goodbye

@@ -29,9 +29,13 @@ from freeride.serve.supervisor import Supervisor
 from freeride.serve.tasks import TaskRecord
 from freeride.transport import BadFrame, bubbles_endpoint
 
-__all__ = ["ManagerCore", "sampled"]
+__all__ = ["GOODBYE_WAIT_NS", "ManagerCore", "sampled"]
 
 logger = logging.getLogger(__name__)
+
+GOODBYE_WAIT_NS = 500_000_000
+"""How long a rank's goodbye waits for its last bubble end, which comes on another socket (the
+rank's publisher lingers up to 200 ms to send it); taken by :meth:`ManagerCore.finish_goodbyes`."""
 
 
 def sampled(count: int) -> bool:
@@ -56,6 +60,10 @@ class ManagerCore:
         self.costs = TrainingCosts(config.holdback, budget=config.slowdown_budget, on_pair=self.observers.training_cost)
         """Each job's measured cost and slowdown budget: what the schedulers may grant."""
         self._following: set[str] = set()
+        self._last_end: dict[int, tuple[int, int]] = {}
+        """Per rank, (step, index) of the last bubble end received."""
+        self._goodbyes: dict[int, tuple[p.Goodbye, int]] = {}
+        """Goodbyes waiting for their rank's last bubble end, with the time they are taken regardless."""
         """The ranks' bubble publishers the core asked to follow (see :meth:`follow_bubbles`)."""
         self.supervisor = Supervisor(
             config,
@@ -102,20 +110,48 @@ class ManagerCore:
             case p.BubbleEnded():
                 info = self.ranks.bubble(event)
                 if info is not None:
+                    self._last_end[event.rank] = (event.step, event.index)
                     scheduler = self.schedulers[info.name]
                     scheduler.on_bubble_ended(event)
-                    if not scheduler.wants_bubbles and scheduler.bubbles_endpoint in self._following:
+                    if self._goodbyes and event.rank in self._goodbyes:
+                        goodbye, _ = self._goodbyes[event.rank]
+                        if goodbye.last_bubble == (event.step, event.index):
+                            self._goodbye(goodbye)
+                    elif not scheduler.wants_bubbles and scheduler.bubbles_endpoint in self._following:
                         self.refresh_following()  # learned, and nothing here to grant: stop at once
             case p.StepFinished(rank=rank, step=step, duration_ns=duration, bubble_ns=bubble):
                 self.ranks.step_finished(rank, duration_ns=duration, bubble_ns=bubble)
                 self.costs.step_finished(rank, step, duration)
             case p.Heartbeat(rank=rank):
                 self.ranks.heartbeat(rank)
-            case p.Goodbye(rank=rank, dropped=dropped):
-                self.ranks.goodbye(rank, dropped)
-                self.refresh_following()
+            case p.Goodbye():
+                if self._last_end_on_its_way(event):
+                    self.ranks.leaving(event.rank)
+                    self._goodbyes[event.rank] = (event, time.monotonic_ns() + GOODBYE_WAIT_NS)
+                else:
+                    self._goodbye(event)
             case _:
                 assert_never(event)
+
+    def _last_end_on_its_way(self, goodbye: p.Goodbye) -> bool:
+        """Whether ``goodbye`` came ahead of its rank's last bubble end, which this manager follows."""
+        if goodbye.last_bubble is None or self._last_end.get(goodbye.rank) == goodbye.last_bubble:
+            return False
+        return bubbles_endpoint(self.config.endpoints.events, goodbye.rank) in self._following
+
+    def _goodbye(self, goodbye: p.Goodbye) -> None:
+        self._goodbyes.pop(goodbye.rank, None)
+        self._last_end.pop(goodbye.rank, None)
+        self.ranks.goodbye(goodbye.rank, goodbye.dropped)
+        self.refresh_following()
+
+    def finish_goodbyes(self) -> None:
+        """Take the goodbyes whose rank's last bubble end did not come in time (called each second)."""
+        now = time.monotonic_ns()
+        for goodbye, due_ns in list(self._goodbyes.values()):
+            if now >= due_ns:
+                logger.debug("[events] rank %d: its last bubble end did not come", goodbye.rank)
+                self._goodbye(goodbye)
 
     def _bubbles_endpoint(self, hello: p.Hello) -> str:
         """Where the rank publishes its bubble starts: only the address derived here is followed.

@@ -231,6 +231,7 @@ class Manager(ManagerCore):
             await asyncio.sleep(min(1.0, self.config.backend_timeout_s / 4))
             self._poll_nvml()
             self.ranks.check_silence()
+            self.finish_goodbyes()
             self.refresh_following()  # tasks placed, finished or gone since
             if self.config.own_process:
                 self._own.update(frozenset(c for d in self.devices.values() if d.alive for c in d.cpu_affinity))

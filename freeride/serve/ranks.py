@@ -57,6 +57,8 @@ class _Rank:
     alive: bool = True
     steps: int = 0
     """Training steps this rank finished."""
+    leaving: bool = False
+    """It said goodbye; the manager waits a moment for its last bubble end (its exit is no loss)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -243,6 +245,12 @@ class Ranks:
     def heartbeat(self, rank: int) -> None:
         self._seen(rank)
 
+    def leaving(self, rank: int) -> None:
+        """``rank`` said goodbye, taken a moment later: until then its exit or silence is no loss."""
+        trainer = self._ranks.get(rank)
+        if trainer is not None:
+            trainer.leaving = True
+
     def goodbye(self, rank: int, dropped: int) -> None:
         trainer = self._ranks.get(rank)
         if trainer is None:
@@ -292,7 +300,7 @@ class Ranks:
         """Give up ranks that can only be watched by their events and have been silent too long."""
         now = self._clock.now_ns()
         for trainer in list(self._ranks.values()):
-            if trainer.pidfd < 0 and now - trainer.last_seen_ns > self._timeout_ns:
+            if trainer.pidfd < 0 and not trainer.leaving and now - trainer.last_seen_ns > self._timeout_ns:
                 self._lose(trainer, f"silent for {self._timeout_s:g}s")
 
     def live(self) -> list[int]:
@@ -380,7 +388,7 @@ class Ranks:
         trainer.pidfd = fd
 
         def exited() -> None:
-            if trainer.alive and self._ranks.get(trainer.rank) is trainer:
+            if trainer.alive and not trainer.leaving and self._ranks.get(trainer.rank) is trainer:
                 self._lose(trainer, "its process exited without saying goodbye")
             else:
                 self._unwatch(trainer)

@@ -172,13 +172,20 @@ class BubblePublisher:
             self.dropped += 1
             logger.debug("[emit] publish failed", exc_info=True)
 
-    def close(self) -> None:
-        """Release the socket (idempotent); libzmq removes the socket file."""
+    def close(self, *, linger_ms: int = 200) -> None:
+        """Release the socket (idempotent), waiting at most ``linger_ms`` for what is queued to go.
+
+        The rank's last bubble end is published just before it closes: without
+        the wait, a subscriber the I/O thread had not reached yet would lose it.
+        A publisher without subscribers holds nothing and returns at once.
+        libzmq removes the socket file.
+        """
         sock, ctx = self._sock, self._ctx
         self._sock = self._ctx = None
         if sock is None or ctx is None or os.getpid() != self._pid:
             return
         try:
+            sock.setsockopt(zmq.LINGER, linger_ms)
             sock.close()
             ctx.term()
         except Exception:

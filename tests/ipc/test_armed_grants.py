@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import zmq
 from conftest import running_manager, wait_until
 
 from freeride import protocol as p
@@ -33,6 +34,7 @@ from freeride.transport import (
     new_async_context,
     wait_readable,
 )
+from freeride.transport.frames import BUBBLE_END
 
 MS = 1_000_000
 DEVICE = "cpu:0"
@@ -193,6 +195,39 @@ async def test_a_publisher_without_subscribers_never_blocks_and_a_listener_gets_
         if listener is not None:
             listener.close()
         publisher.close()
+        ctx.term()
+
+
+def test_a_publisher_closed_right_after_its_last_bubble_end_still_delivers_it(runtime_dir: Path) -> None:
+    # A rank publishes its last bubble end just before it closes; the manager must get it.
+    endpoint = bubbles_endpoint(Endpoints.ipc(runtime_dir).events, 4)
+    ctx = zmq.Context()
+    try:
+        for attempt in range(20):
+            publisher = BubblePublisher(endpoint)
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(endpoint)
+            try:
+                step = 0
+                while not sub.poll(10):  # until the subscription is up
+                    step += 1
+                    publisher.publish(_started(step))
+                last = p.BubbleEnded(rank=4, stage=0, device=DEVICE, step=10**6, index=0, t_ns=1, duration_ns=1)
+                publisher.publish(last)
+                publisher.close()
+                got = []
+                while sub.poll(5000):
+                    frame = sub.recv()
+                    got.append(frame)
+                    if frame[:1] == BUBBLE_END:
+                        break
+                assert got and got[-1][:1] == BUBBLE_END, f"attempt {attempt}: the last bubble end was lost"
+            finally:
+                publisher.close()
+                sub.close()
+    finally:
         ctx.term()
 
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from freeride import protocol as p
+from freeride.serve import core
 from freeride.serve.config import ServeConfig
 from freeride.serve.core import ManagerCore
 from freeride.serve.ledger import MIN_BUBBLES_SEEN
@@ -100,3 +103,47 @@ def test_a_device_followed_again_starts_the_guards_span_anew(tmp_path: Path) -> 
     # 20 ms: not over the hour in between
     learned = 20 * MS + (MIN_BUBBLES_SEEN - 1) * 100 * MS
     assert guard.share() == 2 * MS / (learned + 20 * MS)
+
+
+def test_a_goodbye_ahead_of_its_ranks_last_bubble_end_waits_for_it(tmp_path: Path) -> None:
+    # The rank publishes its bubble ends on a socket of its own and says goodbye on the
+    # events socket: the goodbye may come first. The job's last bubble is still counted.
+    mgr = Following(tmp_path)
+    ep0 = mgr.rank(0)
+    mgr.bubbles(0, 3)
+    last = {"rank": 0, "stage": 0, "device": "cpu:0", "step": 3, "index": 0}
+    mgr.on_event(p.BubbleStarted(**last, t_ns=10**9, expected_ns=20 * MS, spare_memory=-1))
+    mgr.on_event(p.Goodbye(rank=0, t_ns=10**9 + 30 * MS, dropped=0, last_bubble=(3, 0)))
+    assert mgr.live_backends() == [0] and mgr.followed == {ep0}, "waits for the end on its way"
+    mgr.finish_goodbyes()  # the watchdog's second, within the wait
+    assert mgr.live_backends() == [0]
+    mgr.on_event(p.BubbleEnded(**last, t_ns=10**9 + 20 * MS, duration_ns=20 * MS))
+    assert mgr.live_backends() == [] and mgr.followed == set()
+    (device,) = mgr.status().devices
+    assert device.bubbles == 4 and device.bubble_ns == 4 * 20 * MS
+
+
+def test_a_goodbye_is_taken_at_once_when_no_bubble_end_is_on_its_way(tmp_path: Path) -> None:
+    mgr = Following(tmp_path)
+    mgr.rank(0)
+    mgr.bubbles(0, 3)  # the last is steps 2, index 0
+    mgr.on_event(p.Goodbye(rank=0, t_ns=10**9, dropped=0, last_bubble=(2, 0)))
+    assert mgr.live_backends() == [], "its last end came first"
+    mgr.rank(1)
+    mgr.bubbles(1, MIN_BUBBLES_SEEN)  # learned, no task there: not followed
+    assert mgr.followed == set()
+    mgr.on_event(p.Goodbye(rank=1, t_ns=10**10, dropped=0, last_bubble=(99, 0)))
+    assert mgr.live_backends() == [], "a rank not followed: nothing to wait for"
+
+
+def test_a_goodbye_whose_bubble_end_never_comes_is_taken_after_a_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mgr = Following(tmp_path)
+    mgr.rank(0)
+    mgr.bubbles(0, 3)
+    monkeypatch.setattr(core, "GOODBYE_WAIT_NS", 0)  # the wait, over at once
+    mgr.on_event(p.Goodbye(rank=0, t_ns=10**9, dropped=0, last_bubble=(3, 0)))  # its end was dropped
+    assert mgr.live_backends() == [0], "taken by the watchdog"
+    mgr.finish_goodbyes()
+    assert mgr.live_backends() == [] and mgr.followed == set()

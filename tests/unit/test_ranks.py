@@ -120,6 +120,35 @@ async def test_a_rank_whose_process_exits_is_lost_through_its_pidfd() -> None:
         ranks.close()
 
 
+async def test_a_rank_leaving_is_not_lost_when_its_process_exits_or_falls_silent() -> None:
+    # A goodbye ahead of the rank's last bubble end is taken a moment later (ManagerCore):
+    # meanwhile the rank's exit is no loss, and neither is its silence.
+    import asyncio
+
+    ranks, listener, clock = make()
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        ranks.hello(hello(pid=child.pid))
+        ranks.bubble(bubble(rank=1, device="cpu:1"))  # seen only by its events: watched by its silence
+        ranks.leaving(0)
+        ranks.leaving(1)
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(timeout=30)
+        for _ in range(20):
+            await asyncio.sleep(0.01)  # the pidfd becomes readable on the loop
+        clock.advance(6 * S)
+        ranks.check_silence()
+        assert listener.lost == [] and sorted(ranks.live()) == [0, 1]
+        ranks.goodbye(0, dropped=0)
+        ranks.goodbye(1, dropped=0)
+        assert listener.lost == ["cpu:0", "cpu:1"] and ranks.live() == []
+    finally:
+        child.kill()
+        child.wait()
+        ranks.close()
+
+
 async def test_a_restarted_rank_replaces_its_record_and_its_pidfd_is_closed() -> None:
     ranks, _, _ = make()
     ranks.hello(hello(pid=os.getpid()))

@@ -51,6 +51,8 @@ def test_a_publishing_rank_sends_its_bubbles_to_the_publisher_and_its_step_repor
     rank.step_finished(5, 50 * MS)
     rank.close()
     assert emitter.kinds()[-2:] == ["StepFinished", "Goodbye"], "the goodbye sends what is kept"
+    goodbye = emitter.events[-1]
+    assert isinstance(goodbye, p.Goodbye) and goodbye.last_bubble == (5, 0), "it names the last bubble published"
 
 
 def test_a_rank_that_does_not_publish_sends_everything_to_the_manager_each_report_with_the_next_bubble() -> None:
@@ -64,6 +66,9 @@ def test_a_rank_that_does_not_publish_sends_everything_to_the_manager_each_repor
         "BubbleStarted", "StepFinished", "BubbleEnded",
         "BubbleStarted", "StepFinished",
     ]  # fmt: skip
+    rank.close()
+    goodbye = emitter.events[-1]
+    assert isinstance(goodbye, p.Goodbye) and goodbye.last_bubble is None, "its bubbles came on the same socket"
 
 
 def test_steps_without_bubbles_send_their_reports_now_and_then(monkeypatch: pytest.MonkeyPatch) -> None:
