@@ -7,7 +7,8 @@ the cheapest events a flooder can send that still go through ranks and
 scheduler), paced to a rate or as fast as it can. A prober process asks for
 status every 20 ms, as ``freeride status`` would, and times each answer.
 
-Three measurements, each with a fresh manager:
+Three measurements, each with a fresh manager (``--rounds N`` runs only the third,
+N times over, for intervals):
 
 * absorbed: events/s the manager handles under an unpaced flood;
 * status: p50/p99/max of status round trips, quiet and under ``--status-rate``
@@ -17,6 +18,14 @@ Three measurements, each with a fresh manager:
   used, quiet and under ``--harvest-rate`` events/s (goal: within 10 % of quiet).
 
     flock /tmp/freeride-bench.lock .venv/bin/python tools/bench/flood.py
+    flock /tmp/freeride-bench.lock .venv/bin/python tools/bench/flood.py --rounds 6
+
+With ``--rounds``, each round runs the pipeline quiet, with the flood to the
+manager, with the flood to a sink and quiet again, in an order rotated from
+round to round, and the ratios of the rounds (flood to quiet, sink to quiet,
+flood to sink: what the manager's own work costs, and quiet to quiet: the
+A/A floor) are given with the median's distribution-free 95 % interval
+(``_stats.paired_slowdown``; 6 rounds or more for full coverage).
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ from contextlib import AsyncExitStack
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from _stats import Estimate, paired_slowdown  # tools/bench is the script's directory
 
 from freeride import protocol as p
 from freeride.observe.stats import quantile
@@ -293,6 +304,50 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+HARVEST_RUNS = ("quiet", "flood", "sink", "quiet again")
+"""The runs of a round, in the first round's order (each round starts one further on)."""
+ROUND_RATIOS = (
+    ("flood to the manager / quiet", "quiet", "flood"),
+    ("same flood to a sink / quiet (control: the host's cores alone)", "quiet", "sink"),
+    ("flood to the manager / flood to a sink (the manager's own work)", "sink", "flood"),
+    ("quiet / quiet (A/A)", "quiet", "quiet again"),
+)
+"""(what, base run, compared run): each reported as the change of the bubble share used."""
+
+
+async def harvest_rounds(args: argparse.Namespace) -> dict[str, Any]:
+    """``args.rounds`` rounds of the four harvesting runs, each round's order rotated."""
+    rounds: list[dict[str, Any]] = []
+    for k in range(args.rounds):
+        runs: dict[str, Any] = {}
+        for name in HARVEST_RUNS[k % 4 :] + HARVEST_RUNS[: k % 4]:
+            rate = args.harvest_rate if name in ("flood", "sink") else 0
+            runs[name] = await harvest(rate, args.harvest_s, elsewhere=name == "sink")
+            print(f"round {k + 1}/{args.rounds} {name}: {runs[name]['harvested']:.1%}", file=sys.stderr, flush=True)
+        rounds.append(runs)
+    ratios: dict[str, Any] = {}
+    for what, base, other in ROUND_RATIOS:
+        pairs = [(r[base]["harvested"], r[other]["harvested"]) for r in rounds]
+        est = paired_slowdown(pairs)
+        ratios[what] = {"median": est.median, "low": est.low, "high": est.high, "coverage": est.coverage}
+    return {"rounds": rounds, "ratios": ratios}
+
+
+def _rounds_table(r: dict[str, Any], args: argparse.Namespace) -> str:
+    quiet = sorted(run["quiet"]["harvested"] for run in r["rounds"])
+    rows = [
+        f"{len(r['rounds'])} rounds, {args.harvest_rate:,.0f} events/s offered, {args.harvest_s:g} s of training each;"
+        f" bubble share used quiet: median {quiet[len(quiet) // 2]:.1%} (range {quiet[0]:.1%} .. {quiet[-1]:.1%})",
+        "",
+        "| change of the bubble share used | median | 95 % interval | coverage |",
+        "| --- | ---: | --- | ---: |",
+    ]
+    for what, est in r["ratios"].items():
+        e = Estimate(n=len(r["rounds"]), **est)
+        rows.append(f"| {what} | {e.median:+.1%} | {e.low:+.1%} .. {e.high:+.1%} | {e.coverage:.1%} |")
+    return "\n".join(rows)
+
+
 def _table(r: dict[str, Any], args: argparse.Namespace) -> str:
     ab, sq, sf = r["absorbed"], r["status_quiet"], r["status_flood"]
     hq, hf, he = r["harvest_quiet"], r["harvest_flood"], r["harvest_flood_elsewhere"]
@@ -332,6 +387,7 @@ def main() -> int:
     parser.add_argument("--status-s", type=float, default=10.0, help="length of each status measurement")
     parser.add_argument("--harvest-rate", type=float, default=30_000, help="events/s offered while training")
     parser.add_argument("--harvest-s", type=float, default=15.0, help="training time of each harvesting run")
+    parser.add_argument("--rounds", type=int, default=0, help="only harvesting: this many rounds of four runs")
     parser.add_argument("--json", action="store_true")
     # child modes
     parser.add_argument("--send", nargs=3, metavar=("ENDPOINT", "RATE", "SECONDS"), help=argparse.SUPPRESS)
@@ -351,6 +407,10 @@ def main() -> int:
         return 0
     import uvloop
 
+    if args.rounds > 0:
+        r = uvloop.run(harvest_rounds(args))
+        print(json.dumps(r, indent=1) if args.json else _rounds_table(r, args))
+        return 0
     r = uvloop.run(run(args))
     print(json.dumps(r, indent=1) if args.json else _table(r, args))
     return 0
