@@ -26,6 +26,7 @@ holds it; tests drive it directly with a fake clock). Its rules:
 
 from __future__ import annotations
 
+import collections
 import hmac
 import secrets
 import time
@@ -94,7 +95,8 @@ class Ledger:
             return m.Refused(reason=f"max_attempts must be >= 1, got {request.max_attempts}")
         if "" in names:
             return m.Refused(reason="every job needs a name (it keys the job's checkpoint on every node)")
-        taken = sorted({n for n in names if n in self._names} | {n for n in names if names.count(n) > 1})
+        counts = collections.Counter(names)
+        taken = sorted({n for n in counts if n in self._names or counts[n] > 1})
         if taken:
             shown = ", ".join(taken[:5]) + (" ..." if len(taken) > 5 else "")
             return m.Refused(reason=f"job names already in the queue or given twice: {shown}; pick another --name")

@@ -10,7 +10,9 @@ tools/bench/flood.py (docs/benchmarks.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import threading
 
 import msgspec
 import zmq
@@ -151,3 +153,44 @@ async def test_an_oversized_control_request_does_not_cost_the_answer_to_others(m
     finally:
         rogue.close(0)
         ctx.term()
+
+
+async def test_status_answers_while_a_flood_goes_on(manager: Manager) -> None:
+    # A sender thread floods the events socket as fast as it can for as long as the
+    # test asks for status; each status must come while the flood is being read (when
+    # one loop served everything, status got no answer in 10 s at 30k events/s).
+    stop = threading.Event()
+
+    def flood() -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 10_000)  # as fast as the manager reads, without piling up here
+        sock.connect(manager.config.endpoints.events)
+        frames = [
+            msgspec.msgpack.encode(
+                p.BubbleStarted(rank=1000 + k, stage=0, device=f"flood:{k}", step=0, index=0, t_ns=1, expected_ns=1)
+            )
+            for k in range(8)
+        ]
+        try:
+            while not stop.is_set():
+                for frame in frames:
+                    with contextlib.suppress(zmq.Again):
+                        sock.send(frame, zmq.NOBLOCK)
+        finally:
+            sock.close()
+            ctx.term()
+
+    thread = threading.Thread(target=flood, name="flood", daemon=True)
+    thread.start()
+    try:
+        await wait_until(lambda: manager.events > 10_000, 30, "the flood under way")
+        for _ in range(5):
+            before = manager.events
+            reply = await _status(manager)
+            assert manager.events > before, "the flood was read while status was asked for"
+            assert reply.events >= before
+    finally:
+        stop.set()
+        thread.join(30)

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from freeride import protocol as p
+from freeride.cluster import ledger as ledger_module
 from freeride.cluster import messages as m
 from freeride.cluster.ledger import Ledger, fits
 
@@ -237,3 +238,22 @@ def test_one_submission_queues_at_most_max_submit_jobs() -> None:
     too_many = m.SubmitJobs(specs=[_spec(f"j{i}") for i in range(m.MAX_SUBMIT + 1)])
     with pytest.raises(msgspec.ValidationError):
         m.decode_request(m.encode(too_many))
+
+
+def test_the_queue_holds_at_most_max_jobs_whatever_the_submissions(
+    clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # MAX_SUBMIT bounds one submission; the queue's own bound holds across submissions
+    monkeypatch.setattr(ledger_module, "MAX_JOBS", 5)
+    queue = Ledger(clock)
+    assert isinstance(queue.handle(m.SubmitJobs(specs=[_spec(f"a{i}") for i in range(3)])), m.Submitted)
+    refused = queue.handle(m.SubmitJobs(specs=[_spec(f"b{i}") for i in range(3)]))
+    assert isinstance(refused, m.Refused) and "at most 5 jobs; 3 are in it" in refused.reason
+    assert len(queue.jobs()) == 3, "nothing of the refused submission was queued"
+    assert isinstance(queue.handle(m.SubmitJobs(specs=[_spec(f"c{i}") for i in range(2)])), m.Submitted)
+
+
+def test_a_name_given_twice_in_the_largest_submission_is_refused(clock: FakeClock) -> None:
+    names = [f"j{i}" for i in range(m.MAX_SUBMIT - 1)] + ["j7"]
+    reply = Ledger(clock).handle(m.SubmitJobs(specs=[_spec(n) for n in names]))
+    assert isinstance(reply, m.Refused) and "given twice: j7" in reply.reason
