@@ -180,6 +180,42 @@ class _Bubble:
     """Side work was granted in it (a bubble nobody used says nothing about the margin)."""
 
 
+class _Epoch:
+    """The bubbles since the guard's last change (the latest ``window``), with their sums kept as they come and go.
+
+    The guard reads the sums at every bubble's end, on the manager's loop: summing
+    the window there each time was a pass over up to ``window`` bubbles per bubble.
+    """
+
+    def __init__(self, window: int) -> None:
+        self._bubbles: deque[_Bubble] = deque()
+        self._window = window
+        self.span_ns = 0
+        """Training time the bubbles span, each from the end of the one before it."""
+        self.taken_ns = 0
+        """Interference settled in that time."""
+        self.granted = 0
+        """Bubbles side work was granted in."""
+
+    def __len__(self) -> int:
+        return len(self._bubbles)
+
+    def append(self, bubble: _Bubble) -> None:
+        if len(self._bubbles) == self._window:
+            self._count(self._bubbles.popleft(), -1)
+        self._bubbles.append(bubble)
+        self._count(bubble, 1)
+
+    def clear(self) -> None:
+        self._bubbles.clear()
+        self.span_ns = self.taken_ns = self.granted = 0
+
+    def _count(self, b: _Bubble, sign: int) -> None:
+        self.span_ns += sign * (b.end_ns - b.since_ns)
+        self.taken_ns += sign * b.interference_ns
+        self.granted += sign * b.granted
+
+
 class InterferenceGuard:
     """Keeps one device's margin and prediction factor where interference stays under the target."""
 
@@ -198,7 +234,7 @@ class InterferenceGuard:
         self.widenings = 0
         self.narrowings = 0
         self._settled: deque[_Settled] = deque(maxlen=_SETTLED_WINDOW)
-        self._epoch: deque[_Bubble] = deque(maxlen=c.window)
+        self._epoch = _Epoch(c.window)
         """Bubbles since the last change (at most a window of them)."""
         self._ratios: deque[float] = deque(maxlen=c.window)
         """Measured length over predicted length of the last bubbles."""
@@ -247,11 +283,8 @@ class InterferenceGuard:
 
     def share(self) -> float:
         """Interference since the last change, as a share of the training time it spans (0 with none)."""
-        if not self._epoch:
-            return 0.0
-        span = sum(b.end_ns - b.since_ns for b in self._epoch)  # each from the end before it: no unseen gap
-        taken = sum(b.interference_ns for b in self._epoch)
-        return taken / span if span > 0 else 0.0
+        span = self._epoch.span_ns  # each bubble's from the end before it: no unseen gap
+        return self._epoch.taken_ns / span if span > 0 else 0.0
 
     def reliable_ratio(self) -> float | None:
         """What bubbles last, over their prediction, in all but the shortest tenth (None: too few seen)."""
@@ -302,7 +335,7 @@ class InterferenceGuard:
             self.widenings += 1
             self.reason = f"widened: {over.format('>')}{shortened}{self._bounds()}"
             return
-        used = sum(1 for b in self._epoch if b.granted)
+        used = self._epoch.granted
         if share <= c.target / 2 and used >= c.narrow_after:
             reliable = self.reliable_ratio() or 1.0
             factor = self.factor

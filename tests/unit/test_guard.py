@@ -296,3 +296,20 @@ def test_short_bubbles_that_gave_no_work_at_all_are_left_out_and_said_so() -> No
     )
     assert g.min_bubble_ns == 4 * MS
     assert "2-4 ms cost interference and gave no work" in g.reason
+
+
+def test_the_share_over_a_full_window_is_what_its_bubbles_sum_to() -> None:
+    # The guard keeps its window's sums as bubbles come and go: what it reports is
+    # the sum over the bubbles still in the window, each from the end before it.
+    window = 8
+    guard = InterferenceGuard(GuardConfig(window=window, widen_after=window, narrow_after=window, target=0.9))
+    spans: list[tuple[int, int]] = []  # (span, interference) per bubble
+    end = 0
+    for k in range(3 * window + 3):
+        gap, taken = 10 * MS + k * MS, (k % 3) * 100_000
+        end += gap
+        guard.add_interference(taken)
+        guard.bubble_ended(end, 2 * MS, 2 * MS, granted=False)  # nothing granted: the margin never narrows
+        spans.append((gap if k else 2 * MS, taken))
+        last = spans[-window:]
+        assert guard.share() == pytest.approx(sum(t for _, t in last) / sum(s for s, _ in last))
