@@ -301,9 +301,17 @@ async def test_the_peer_uid_check_is_consulted_on_ipc(runtime_dir: Path) -> None
 # -- (a') what clients connect to ---------------------------------------------------------
 
 
+_CLIENT_COMMANDS = [
+    pytest.param(["submit", "--imperative", "--", "true"], id="submit"),
+    pytest.param(["status"], id="status"),
+    pytest.param(["cancel", "1"], id="cancel"),
+]
+"""Each client command, as a user types it: ``submit --imperative`` carries the caller's environment."""
+
+
 @as_root
-def test_a_client_tells_a_socket_planted_in_another_users_dir_nothing(runtime_dir: Path) -> None:
-    """``submit --imperative`` carries the caller's environment: not to a socket another user may have bound."""
+@pytest.mark.parametrize("command", _CLIENT_COMMANDS)
+def test_a_client_tells_a_socket_planted_in_another_users_dir_nothing(runtime_dir: Path, command: list[str]) -> None:
     planted = runtime_dir / "planted"
     planted.mkdir(mode=0o700)
     ctx = zmq.Context()
@@ -312,10 +320,33 @@ def test_a_client_tells_a_socket_planted_in_another_users_dir_nothing(runtime_di
     os.chown(planted, NOBODY, NOBODY)
     try:
         env = {**os.environ, "SECRET_FOR_THE_TRAP": "s3cr3t"}
-        cmd = freeride_cmd("submit", "--runtime-dir", str(planted), "--imperative", "--", "true")
+        cmd = freeride_cmd(command[0], "--runtime-dir", str(planted), *command[1:])
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
         assert done.returncode == 2, done
         assert f"is owned by uid {NOBODY}, not you" in done.stderr, done.stderr
+        assert not trap.poll(500), "the planted socket received a request"
+    finally:
+        trap.close(0)
+        ctx.term()
+
+
+@as_root
+@pytest.mark.parametrize("command", _CLIENT_COMMANDS)
+def test_a_client_tells_a_socket_another_user_planted_in_its_own_dir_nothing(
+    runtime_dir: Path, command: list[str]
+) -> None:
+    # the directory is ours and private; the socket in it was bound (or chowned) by someone else
+    ours = runtime_dir / "ours"
+    ours.mkdir(mode=0o700)
+    ctx = zmq.Context()
+    trap = ctx.socket(zmq.ROUTER)
+    trap.bind(f"ipc://{ours}/control")
+    os.chown(ours / "control", NOBODY, NOBODY)
+    try:
+        cmd = freeride_cmd(command[0], "--runtime-dir", str(ours), *command[1:])
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done
+        assert f"socket {ours / 'control'} is owned by uid {NOBODY}, not you" in done.stderr, done.stderr
         assert not trap.poll(500), "the planted socket received a request"
     finally:
         trap.close(0)

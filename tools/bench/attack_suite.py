@@ -288,8 +288,11 @@ ATTACKS: tuple[Attack, ...] = (
     Attack(
         "30.1",
         "clients talk to a socket in a runtime dir another user planted (secrets in a submit's environment)",
-        "clients check the dir (owner, mode, link) and the socket's owner before connecting",
-        (_SEC_I + "test_a_client_tells_a_socket_planted_in_another_users_dir_nothing",),
+        "submit, status and cancel check the dir (owner, mode, link) and the socket's owner before connecting",
+        (
+            _SEC_I + "test_a_client_tells_a_socket_planted_in_another_users_dir_nothing",
+            _SEC_I + "test_a_client_tells_a_socket_another_user_planted_in_its_own_dir_nothing",
+        ),
         needs="root (a second uid)",
     ),
     Attack(
