@@ -217,3 +217,17 @@ def test_a_task_without_a_peak_is_capped_even_before_its_stage_says_what_it_spar
     assert sup.processes.peak(gpu) == 4 << 30
     devices["cpu:0"].spare_memory = 1 << 30  # once the stage reports, its figure counts
     assert sup.processes.peak(host) == 1 << 30
+
+
+def test_a_program_without_a_peak_is_capped_like_any_task(tmp_path: Path) -> None:
+    """An imperative program declared without a peak: the same default cap as an iterative task (the host's
+    available memory shared by the host devices, read from this machine), applied by the same rule."""
+    devices = {"cpu:0": DeviceInfo(name="cpu:0", first_seen_ns=0), "cpu:1": DeviceInfo(name="cpu:1", first_seen_ns=0)}
+    sup = supervisor(tmp_path, devices)
+    program = TaskRecord(
+        task_id=3, spec=p.TaskSpec(kind="imperative", argv=["sleep", "60"]), name="p", checkpoint_path=tmp_path / "c"
+    )
+    program.place("cpu:0")
+    assert program.spec.peak_memory < 0
+    cap = sup.processes.memory_cap(program)
+    assert cap.mechanism == "rlimit_as" and 0 < program.memory_cap <= meminfo("MemAvailable") // 2 + (64 << 20)

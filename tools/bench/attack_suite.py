@@ -197,6 +197,7 @@ ATTACKS: tuple[Attack, ...] = (
         (
             _LIVE_I + "test_a_task_without_a_declared_peak_is_still_capped_and_fails_alone",
             "tests/unit/test_serve_declarations.py::test_a_task_without_a_peak_is_capped_even_before_its_stage_says_what_it_spares",
+            "tests/unit/test_serve_declarations.py::test_a_program_without_a_peak_is_capped_like_any_task",
         ),
     ),
     Attack(
