@@ -60,11 +60,9 @@ class ManagerCore:
         self.costs = TrainingCosts(config.holdback, budget=config.slowdown_budget, on_pair=self.observers.training_cost)
         """Each job's measured cost and slowdown budget: what the schedulers may grant."""
         self._following: set[str] = set()
-        self._last_end: dict[int, tuple[int, int]] = {}
-        """Per rank, (step, index) of the last bubble end received."""
+        """The ranks' bubble publishers the core asked to follow (see :meth:`follow_bubbles`)."""
         self._goodbyes: dict[int, tuple[p.Goodbye, int]] = {}
         """Goodbyes waiting for their rank's last bubble end, with the time they are taken regardless."""
-        """The ranks' bubble publishers the core asked to follow (see :meth:`follow_bubbles`)."""
         self.supervisor = Supervisor(
             config,
             devices=self.ranks.devices,
@@ -110,7 +108,6 @@ class ManagerCore:
             case p.BubbleEnded():
                 info = self.ranks.bubble(event)
                 if info is not None:
-                    self._last_end[event.rank] = (event.step, event.index)
                     scheduler = self.schedulers[info.name]
                     scheduler.on_bubble_ended(event)
                     if self._goodbyes and event.rank in self._goodbyes:
@@ -135,13 +132,12 @@ class ManagerCore:
 
     def _last_end_on_its_way(self, goodbye: p.Goodbye) -> bool:
         """Whether ``goodbye`` came ahead of its rank's last bubble end, which this manager follows."""
-        if goodbye.last_bubble is None or self._last_end.get(goodbye.rank) == goodbye.last_bubble:
+        if goodbye.last_bubble is None or self.ranks.last_end(goodbye.rank) == goodbye.last_bubble:
             return False
         return bubbles_endpoint(self.config.endpoints.events, goodbye.rank) in self._following
 
     def _goodbye(self, goodbye: p.Goodbye) -> None:
         self._goodbyes.pop(goodbye.rank, None)
-        self._last_end.pop(goodbye.rank, None)
         self.ranks.goodbye(goodbye.rank, goodbye.dropped)
         self.refresh_following()
 

@@ -59,6 +59,8 @@ class _Rank:
     """Training steps this rank finished."""
     leaving: bool = False
     """It said goodbye; the manager waits a moment for its last bubble end (its exit is no loss)."""
+    last_end: tuple[int, int] | None = None
+    """(step, index) of the last bubble end received from it."""
 
 
 @dataclass(slots=True, eq=False)
@@ -227,9 +229,16 @@ class Ranks:
                 old.trainer = None
                 self._listener.device_lost(old.name)
         info.stage, info.rank, info.trainer = ev.stage, ev.rank, trainer
-        if isinstance(ev, p.BubbleStarted) and ev.spare_memory >= 0:
+        if isinstance(ev, p.BubbleEnded):
+            trainer.last_end = (ev.step, ev.index)
+        elif ev.spare_memory >= 0:
             info.spare_memory = ev.spare_memory
         return info
+
+    def last_end(self, rank: int) -> tuple[int, int] | None:
+        """(step, index) of the last bubble end received from ``rank`` (None: none, or the rank is not known)."""
+        trainer = self._ranks.get(rank)
+        return trainer.last_end if trainer is not None else None
 
     def step_finished(self, rank: int, *, duration_ns: int = 0, bubble_ns: int = 0) -> None:
         """A training step ended: what it lasted and how much of it was bubbles teach placement."""
