@@ -9,11 +9,13 @@ bounded timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -301,6 +303,19 @@ async def test_the_peer_uid_check_is_consulted_on_ipc(runtime_dir: Path) -> None
 # -- (a') what clients connect to ---------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _trap(path: Path) -> Iterator[zmq.Socket[bytes]]:
+    """A socket bound at ``path`` as a planter would bind it, to see whether a client talks to it."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    trap = ctx.socket(zmq.ROUTER)
+    trap.bind(f"ipc://{path}")
+    try:
+        yield trap
+    finally:
+        trap.close(0)
+        ctx.term()
+
+
 _CLIENT_COMMANDS = [
     pytest.param(["submit", "--imperative", "--", "true"], id="submit"),
     pytest.param(["status"], id="status"),
@@ -314,20 +329,14 @@ _CLIENT_COMMANDS = [
 def test_a_client_tells_a_socket_planted_in_another_users_dir_nothing(runtime_dir: Path, command: list[str]) -> None:
     planted = runtime_dir / "planted"
     planted.mkdir(mode=0o700)
-    ctx = zmq.Context()
-    trap = ctx.socket(zmq.ROUTER)
-    trap.bind(f"ipc://{planted}/control")
-    os.chown(planted, NOBODY, NOBODY)
-    try:
+    with _trap(planted / "control") as trap:
+        os.chown(planted, NOBODY, NOBODY)
         env = {**os.environ, "SECRET_FOR_THE_TRAP": "s3cr3t"}
         cmd = freeride_cmd(command[0], "--runtime-dir", str(planted), *command[1:])
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
         assert done.returncode == 2, done
         assert f"is owned by uid {NOBODY}, not you" in done.stderr, done.stderr
         assert not trap.poll(500), "the planted socket received a request"
-    finally:
-        trap.close(0)
-        ctx.term()
 
 
 @as_root
@@ -338,19 +347,13 @@ def test_a_client_tells_a_socket_another_user_planted_in_its_own_dir_nothing(
     # the directory is ours and private; the socket in it was bound (or chowned) by someone else
     ours = runtime_dir / "ours"
     ours.mkdir(mode=0o700)
-    ctx = zmq.Context()
-    trap = ctx.socket(zmq.ROUTER)
-    trap.bind(f"ipc://{ours}/control")
-    os.chown(ours / "control", NOBODY, NOBODY)
-    try:
+    with _trap(ours / "control") as trap:
+        os.chown(ours / "control", NOBODY, NOBODY)
         cmd = freeride_cmd(command[0], "--runtime-dir", str(ours), *command[1:])
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         assert done.returncode == 2, done
         assert f"socket {ours / 'control'} is owned by uid {NOBODY}, not you" in done.stderr, done.stderr
         assert not trap.poll(500), "the planted socket received a request"
-    finally:
-        trap.close(0)
-        ctx.term()
 
 
 def test_a_runtime_dir_whose_parent_others_may_write_is_refused(runtime_dir: Path) -> None:

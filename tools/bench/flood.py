@@ -320,7 +320,8 @@ async def harvest_rounds(args: argparse.Namespace) -> dict[str, Any]:
     rounds: list[dict[str, Any]] = []
     for k in range(args.rounds):
         runs: dict[str, Any] = {}
-        for name in HARVEST_RUNS[k % 4 :] + HARVEST_RUNS[: k % 4]:
+        turn = k % len(HARVEST_RUNS)
+        for name in HARVEST_RUNS[turn:] + HARVEST_RUNS[:turn]:
             rate = args.harvest_rate if name in ("flood", "sink") else 0
             runs[name] = await harvest(rate, args.harvest_s, elsewhere=name == "sink")
             print(f"round {k + 1}/{args.rounds} {name}: {runs[name]['harvested']:.1%}", file=sys.stderr, flush=True)
