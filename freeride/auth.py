@@ -43,6 +43,7 @@ __all__ = [
     "default_keys_dir",
     "ensure_private_dir",
     "is_loopback_endpoint",
+    "shared_dir_problem",
     "load_client_keys",
     "load_server_keys",
 ]
@@ -186,6 +187,42 @@ def check_ipc_socket(path: Path) -> None:
         raise UnsafeDirectory(
             f"socket {path} is owned by uid {owner}, not you (uid {os.getuid()}); someone else may have planted it"
         )
+
+
+def shared_dir_problem(path: Path, *, what: str = "checkpoint_dir") -> str:
+    """Why the existing directory ``path`` is unsafe to write a task's files into, or an empty string.
+
+    A directory on shared storage may be open to others, as ``/tmp`` is: it is
+    accepted when it is ours or root's and, if others may write it, has the
+    sticky bit (no one else can rename, remove or replace the files we put
+    there). Without the sticky bit, or owned by another user, anyone able to
+    write it could swap a checkpoint for their own between a save and a load.
+    """
+    uid = os.getuid()
+    try:
+        link = os.lstat(path)
+        st = os.stat(path)
+    except OSError as exc:
+        return f"{what} {path} cannot be read: {exc.strerror}"
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (uid, 0):
+        return (
+            f"{what} {path} is a symlink owned by uid {link.st_uid}, not you (uid {uid}) or root;"
+            " use the directory itself"
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{what} {path} is not a directory"
+    if st.st_uid not in (uid, 0):
+        return (
+            f"{what} {path} is owned by uid {st.st_uid}, not you (uid {uid}) or root, who could replace its files;"
+            " use a directory of your own"
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022 and not mode & stat.S_ISVTX:
+        return (
+            f"{what} {path} is writable by others without the sticky bit (mode {mode:04o}), who could replace "
+            f"its files; run `chmod +t {path}` (as /tmp is) or `chmod go-w {path}`, or use a directory of your own"
+        )
+    return ""
 
 
 # --------------------------------------------------------------------------

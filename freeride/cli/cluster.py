@@ -20,6 +20,7 @@ from pathlib import Path
 import msgspec
 
 from freeride import protocol as p
+from freeride.auth import shared_dir_problem
 from freeride.cli import common
 from freeride.cli.common import Subparsers
 from freeride.cluster import messages as m
@@ -64,6 +65,8 @@ def _job_specs(args: argparse.Namespace) -> list[p.TaskSpec]:
             f"freeride: --checkpoint-dir {args.checkpoint_dir} is not a directory; create it on storage every node"
             " mounts at the same path"
         )
+    if args.checkpoint_dir and (problem := shared_dir_problem(Path(args.checkpoint_dir), what="--checkpoint-dir")):
+        raise SystemExit(f"freeride: {problem}")
     try:
         target = resolve(args.target)
     except ValueError as exc:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+from pathlib import Path
 
 from freeride import protocol as p
+from freeride.auth import shared_dir_problem
 from freeride.tasks.programs import program_env, spec_problem
 
 __all__ = ["check_spec"]
@@ -24,7 +26,7 @@ def _checkpoint_dir_problem(checkpoint_dir: str) -> str:
         return f"checkpoint_dir must be an absolute path, got {checkpoint_dir!r}"
     if not os.path.isdir(checkpoint_dir):
         return f"checkpoint_dir {checkpoint_dir!r} is not a directory here (create it; shared storage must be mounted)"
-    return ""
+    return shared_dir_problem(Path(checkpoint_dir))
 
 
 def check_spec(spec: p.TaskSpec) -> str:

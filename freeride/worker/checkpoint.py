@@ -5,11 +5,13 @@ could run anything its writer wanted, as the manager's user. Checkpoints are
 therefore loaded with ``weights_only=True``: torch rebuilds only tensors,
 containers and plain values, plus the types declared here (numpy arrays,
 dtypes and scalars, and with them numpy's RNG states). A file with any other
-type is refused with :class:`UnsafeCheckpoint`; the task fails alone.
+type is refused with :class:`UnsafeCheckpoint`, and so is a file another user
+owns (planted in a shared checkpoint directory); the task fails alone.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -38,25 +40,40 @@ def safe_types() -> list[Any]:
     return [reconstruct, scalar, np.ndarray, np.dtype, *dtype_classes]
 
 
+def _check_owner(path: Path, owner: int) -> None:
+    """Refuse a checkpoint (or a link to one) that another user put where ours would be."""
+    uid = os.getuid()
+    link_owner = os.lstat(path).st_uid
+    for who in (link_owner, owner):
+        if who not in (uid, 0):
+            raise UnsafeCheckpoint(
+                f"checkpoint {path} is owned by uid {who}, not you (uid {uid}); it was not loaded: "
+                "someone else may have planted it in a shared directory; remove it"
+            )
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """The saved ``{"steps": int, "state": dict}`` in ``path``, rebuilt from safe types only.
 
     Raises:
-        UnsafeCheckpoint: the file asks for another type (a planted or foreign
-            pickle) or is not a checkpoint of a worker.
+        UnsafeCheckpoint: the file (or a link to it) is another user's, asks
+            for another type (a planted or foreign pickle) or is not a
+            checkpoint of a worker.
     """
     import torch
 
-    try:
-        with torch.serialization.safe_globals(safe_types()):
-            saved = torch.load(path, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        # torch's message is a page of advice; the first line of its cause names the type
-        detail = next((line.strip() for line in str(exc).splitlines() if "got <" in line or "GLOBAL" in line), "")
-        raise UnsafeCheckpoint(
-            f"checkpoint {path} holds types a checkpoint may not ({detail or 'see the log'}); it was not loaded: "
-            "remove it if FreeRide did not write it, or declare the type in freeride.worker.checkpoint.safe_types"
-        ) from None
+    with open(path, "rb") as f:
+        _check_owner(path, os.fstat(f.fileno()).st_uid)
+        try:
+            with torch.serialization.safe_globals(safe_types()):
+                saved = torch.load(f, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            # torch's message is a page of advice; the first line of its cause names the type
+            detail = next((line.strip() for line in str(exc).splitlines() if "got <" in line or "GLOBAL" in line), "")
+            raise UnsafeCheckpoint(
+                f"checkpoint {path} holds types a checkpoint may not ({detail or 'see the log'}); it was not loaded: "
+                "remove it if FreeRide did not write it, or declare the type in freeride.worker.checkpoint.safe_types"
+            ) from None
     if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict) and isinstance(saved.get("steps"), int)):
         raise UnsafeCheckpoint(f"checkpoint {path} is not a FreeRide worker checkpoint; remove it")
     return saved

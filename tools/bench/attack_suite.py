@@ -55,6 +55,7 @@ _LIVE_U = "tests/unit/test_liveness_rules.py::"
 _PROGS = "tests/ipc/test_liveness_programs.py::"
 _LEDGER = "tests/unit/test_cluster_ledger.py::"
 _RAY = "tests/ipc/test_cluster_ray.py::"
+_SHARED = "tests/unit/test_shared_checkpoints.py::"
 
 ATTACKS: tuple[Attack, ...] = (
     Attack(
@@ -317,6 +318,20 @@ ATTACKS: tuple[Attack, ...] = (
         "a link planted in a shared checkpoint dir makes a save write through it",
         "saves go to a fresh O_EXCL temporary file renamed over the old one",
         ("tests/unit/test_atomic_files.py::test_a_link_planted_at_the_old_temporary_name_is_not_written_through",),
+    ),
+    Attack(
+        "30.3",
+        "another user swaps or plants a checkpoint in a shared checkpoint dir",
+        "a checkpoint_dir must be ours or root's, sticky if others may write it; another user's file is not loaded",
+        (
+            _SHARED + "test_a_dir_others_may_write_without_the_sticky_bit_is_refused_at_submit",
+            _SHARED + "test_cluster_submit_refuses_such_a_dir_before_any_queue_is_reached",
+            _SHARED + "test_a_dir_another_user_owns_is_refused_even_if_private",
+            _SHARED + "test_a_link_another_user_planted_in_place_of_the_dir_is_refused",
+            _SHARED + "test_a_checkpoint_another_user_planted_in_a_sticky_dir_is_not_loaded",
+            _SHARED + "test_a_link_another_user_planted_to_a_checkpoint_of_ours_is_not_loaded",
+        ),
+        needs="root (a second uid), for four",
     ),
     Attack(
         "30.4",
