@@ -175,7 +175,8 @@ def cmd_cluster_join(args: argparse.Namespace) -> int:
         allow_programs=args.allow_programs,
     )
     stop = threading.Event()
-    with ClusterQueue(_address(args), create=True, timeout_s=args.timeout) as queue, common.control(args) as control:
+    # the manager's socket first: a runtime dir another user planted is refused before Ray is touched
+    with common.control(args) as control, ClusterQueue(_address(args), create=True, timeout_s=args.timeout) as queue:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         print(f"freeride: node {config.node} joined the cluster queue", flush=True)

@@ -9,11 +9,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 
 import zmq
 
 from freeride import protocol as p
-from freeride.auth import CurveClientKeys, KeysMissing, Refused
+from freeride.auth import CurveClientKeys, KeysMissing, Refused, check_private_dir
 from freeride.transport.endpoints import nobody_listens
 from freeride.transport.frames import BUBBLE_END, BUBBLE_START, encoder
 from freeride.transport.guard import guard_client
@@ -26,6 +27,8 @@ _BACKOFF_AFTER = 8
 """Failed sends in a row after which the emitter only tries now and then."""
 _BACKOFF_MIN_NS = 1_000_000
 """First pause between tries; it doubles with every further failure, up to 128 ms."""
+_LOOK_AGAIN_NS = 100_000_000
+"""How often an emitter whose runtime directory does not exist yet looks for it."""
 
 
 class EventEmitter:
@@ -51,13 +54,38 @@ class EventEmitter:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)
         self._sock: zmq.Socket[bytes] | None = sock
+        self._curve = curve
+        self._connect_at_ns = 0
+        """While the ipc endpoint's directory does not exist yet: when to look for it again (else 0)."""
+        if endpoint.startswith("ipc://") and not os.path.isdir(os.path.dirname(endpoint[6:])):
+            # libzmq would connect by itself once a socket appears there, unchecked: whoever made the
+            # directory first would hear us; connect only once it exists and is checked
+            self._connect_at_ns = time.monotonic_ns()
+            return
+        self._connect()
+
+    def _connect(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        self._connect_at_ns = 0
         try:
-            guard_client(sock, endpoint, curve)
+            guard_client(sock, self.endpoint, self._curve)
         except (KeysMissing, Refused) as exc:  # never raise into the training job: go silent, say why once
-            logger.error("[emit] cannot safely connect to %s, events are dropped: %s", endpoint, exc)
+            logger.error("[emit] cannot safely connect to %s, events are dropped: %s", self.endpoint, exc)
             self.close()
             return
-        sock.connect(endpoint)
+        sock.connect(self.endpoint)
+
+    def _connect_when_there(self) -> bool:
+        """Connect once the endpoint's directory exists and passes the checks; whether connected."""
+        now = time.monotonic_ns()
+        if now < self._connect_at_ns:
+            return False
+        if not os.path.isdir(os.path.dirname(self.endpoint[6:])):
+            self._connect_at_ns = now + _LOOK_AGAIN_NS
+            return False
+        self._connect()
+        return self._sock is not None
 
     def wait_connected(self, timeout_ms: int) -> bool:
         """Wait at most ``timeout_ms`` for the connection to the manager; whether it is up.
@@ -68,6 +96,8 @@ class EventEmitter:
         """
         sock = self._sock
         if sock is None or os.getpid() != self._pid:
+            return False
+        if self._connect_at_ns and not self._connect_when_there():
             return False
         if nobody_listens(self.endpoint):
             return False
@@ -85,6 +115,9 @@ class EventEmitter:
             return False
         if self._failures >= _BACKOFF_AFTER and time.monotonic_ns() < self._retry_at_ns:
             self.dropped += 1  # nobody has listened lately: don't pay for a failed send each time
+            return False
+        if self._connect_at_ns and not self._connect_when_there():
+            self.dropped += 1
             return False
         try:
             sock.send(encoder.encode(event), zmq.NOBLOCK)
@@ -150,8 +183,10 @@ class BubblePublisher:
         sock.setsockopt(zmq.LINGER, 0)
         self._sock: zmq.Socket[bytes] | None = sock
         try:
+            if endpoint.startswith("ipc://"):  # a directory another user can enter would let them listen
+                check_private_dir(Path(endpoint[6:]).parent)
             sock.bind(endpoint)
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, OSError, Refused) as exc:
             logger.debug("[emit] cannot publish bubbles on %s: %s", endpoint, exc)
             self.close()
 

@@ -27,9 +27,11 @@ from freeride import protocol as p
 from freeride.auth import create_keys, load_client_keys
 from freeride.serve.config import ServeConfig
 from freeride.transport import (
+    BubblePublisher,
     ControlClient,
     ControlServer,
     Endpoints,
+    EventEmitter,
     ManagerUnreachable,
     ZapHandler,
     curve_keypair,
@@ -304,10 +306,10 @@ async def test_the_peer_uid_check_is_consulted_on_ipc(runtime_dir: Path) -> None
 
 
 @contextlib.contextmanager
-def _trap(path: Path) -> Iterator[zmq.Socket[bytes]]:
+def _trap(path: Path, kind: int = zmq.ROUTER) -> Iterator[zmq.Socket[bytes]]:
     """A socket bound at ``path`` as a planter would bind it, to see whether a client talks to it."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    trap = ctx.socket(zmq.ROUTER)
+    trap = ctx.socket(kind)
     trap.bind(f"ipc://{path}")
     try:
         yield trap
@@ -386,3 +388,49 @@ def test_launch_beside_a_planted_runtime_dir_trains_without_freeride(runtime_dir
     assert done.stdout.strip() == "trained []"  # no hooks pointed at the planted dir
     assert "freeride: no manager:" in done.stderr and "training runs without FreeRide" in done.stderr
     assert not (planted / "serve.lock").exists()
+
+
+@as_root
+def test_cluster_join_tells_a_socket_planted_in_another_users_dir_nothing(runtime_dir: Path) -> None:
+    planted = runtime_dir / "planted"
+    planted.mkdir(mode=0o700)
+    with _trap(planted / "control") as trap:
+        os.chown(planted, NOBODY, NOBODY)
+        cmd = freeride_cmd("cluster", "join", "--address", "127.0.0.1:1", "--runtime-dir", str(planted))
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done
+        assert f"is owned by uid {NOBODY}, not you" in done.stderr, done.stderr
+        assert not trap.poll(500), "the planted socket received a request"
+
+
+@as_root
+def test_a_ranks_emitter_tells_a_dir_planted_after_it_started_nothing(runtime_dir: Path) -> None:
+    """The rank starts before any manager (no runtime dir yet); another user then makes the dir and listens."""
+    planted = runtime_dir / "later"
+    emitter = EventEmitter(f"ipc://{planted}/events")
+    hello = p.Hello(protocol_version=p.PROTOCOL_VERSION, rank=0, stage=0, num_stages=2, device="cpu:0",
+                    framework="sim", pid=os.getpid())  # fmt: skip
+    try:
+        assert not emitter.emit(hello)
+        planted.mkdir(mode=0o700)
+        with _trap(planted / "events", zmq.PULL) as trap:
+            os.chown(planted, NOBODY, NOBODY)
+            # libzmq retries a refused ipc connect every 100 ms: give it many chances to reach the trap
+            for _ in range(30):
+                emitter.emit(hello)
+                if trap.poll(50):
+                    break
+            assert not trap.poll(200), "the planted socket received the rank's events"
+    finally:
+        emitter.close()
+
+
+@as_root
+def test_a_rank_publishes_no_bubbles_in_a_dir_another_user_owns(runtime_dir: Path) -> None:
+    planted = runtime_dir / "planted"
+    planted.mkdir(mode=0o700)
+    os.chown(planted, NOBODY, NOBODY)
+    publisher = BubblePublisher(f"ipc://{planted}/bubbles-0")
+    assert not publisher.bound
+    assert not (planted / "bubbles-0").exists()
+    publisher.close()

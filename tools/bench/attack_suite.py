@@ -299,6 +299,18 @@ ATTACKS: tuple[Attack, ...] = (
     ),
     Attack(
         "30.1",
+        "a rank's emitter, its bubble publisher or `cluster join` talks to a runtime dir another user made",
+        "emitters connect only once the dir exists and is checked; publishers bind only in a private dir of ours;"
+        " join checks the manager's socket before Ray",
+        (
+            _SEC_I + "test_a_ranks_emitter_tells_a_dir_planted_after_it_started_nothing",
+            _SEC_I + "test_a_rank_publishes_no_bubbles_in_a_dir_another_user_owns",
+            _SEC_I + "test_cluster_join_tells_a_socket_planted_in_another_users_dir_nothing",
+        ),
+        needs="root (a second uid)",
+    ),
+    Attack(
+        "30.1",
         "others may write the runtime dir's parent: rename and recreate it",
         "a runtime dir whose parent others may write (no sticky bit) is refused",
         (_SEC_I + "test_a_runtime_dir_whose_parent_others_may_write_is_refused",),
