@@ -122,6 +122,8 @@ class DeviceScheduler(LedgerView):
         self._granted_in_bubble = False
         self._left_out = False
         """The current bubble is too short for the guard: no grant in it."""
+        self._counted_only = False
+        """The current (or last) bubble came with no side work here: counted, nothing decided."""
         self._withheld: Withheld = ""
         """Why the current bubble goes to no side task for its job's cost ("" it may go to one)."""
         self._rank = -1
@@ -185,7 +187,18 @@ class DeviceScheduler(LedgerView):
 
     # -- events ---------------------------------------------------------------
 
+    @property
+    def _idle(self) -> bool:
+        """No side work is here, nor any of its grants or frozen steps: a bubble needs counting only."""
+        return not self.tasks and not self._grants and not self.slow.active
+
     def on_bubble_started(self, ev: p.BubbleStarted) -> None:
+        if self._idle:
+            # No side work here: the bubble is counted and nothing decided, as for a device
+            # the manager does not follow (D50); a task placed before its end opens it then.
+            self.ledger.bubble_started(ev)
+            self._bubble, self._rank, self._counted_only = ev, ev.rank, True
+            return
         if self._bubble is not None:  # the end of the previous one was lost
             self._revoke_current()
             for grant_id, state in list(self._grants.items()):
@@ -194,6 +207,11 @@ class DeviceScheduler(LedgerView):
                     del self._grants[grant_id]
         self.ledger.bubble_started(ev)
         self._bubble = ev
+        self._open(ev)
+
+    def _open(self, ev: p.BubbleStarted) -> None:
+        """Decide what the bubble ``ev``, counted already, goes to: a grant, an armed task, or nothing."""
+        self._counted_only = False
         self.slow.bubble_started()
         expected = self.guard.expected_ns(ev.expected_ns)
         self._deadline_ns = min(p.I64_MAX, ev.t_ns + expected)
@@ -214,6 +232,11 @@ class DeviceScheduler(LedgerView):
             self._grant_next(fresh=True)
 
     def on_bubble_ended(self, ev: p.BubbleEnded) -> None:
+        if self._idle:  # no side work here: the bubble is counted, and the guard has not seen it
+            self.ledger.bubble_ended(ev, 0, ())
+            self._bubble, self._counted_only = None, False
+            self.guard.unseen()
+            return
         # Bubble time stays what the rank measured (as the trace shows it); the stage's wait for
         # its core at the end is charged as interference to the step that held it, not as used.
         waited = min(ev.waited_runnable_ns, ev.duration_ns) if self._charge_stage_waits else 0
@@ -260,6 +283,8 @@ class DeviceScheduler(LedgerView):
             return
         if task not in self.tasks:
             self.tasks.append(task)
+            if self._counted_only and self._bubble is not None:
+                self._open(self._bubble)  # the first task here, placed in a bubble: it may have the rest
         if task.runnable and self._holder is None and self._bubble is not None:
             self._grant_next(fresh=False)
         self._arm_next()

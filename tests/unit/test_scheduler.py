@@ -346,3 +346,21 @@ def test_a_program_is_granted_and_revoked_through_the_same_interface() -> None:
     assert program.resumed_at is None  # frozen
     assert h.sched.used_ns == 8 * MS and t.busy_ns == 8 * MS and t.steps == 1
     assert h.sched.overruns == 0 and h.latency.count == 1 and h.latency.summary()[0] == 0
+
+
+def test_bubbles_with_no_side_work_here_are_counted_and_not_judged() -> None:
+    """As for a device the manager does not follow: the ledger counts them, the guard sees none."""
+    h = Harness()
+    for step in range(3):
+        h.ended(h.started(20 * MS, step=step), 20 * MS)
+        h.clock.advance(80 * MS)
+    assert (h.sched.bubbles, h.sched.ledger.bubble_ns) == (3, 60 * MS)
+    assert h.sched.guard.reason.startswith("learning: 0 of")
+    start = h.started(20 * MS, step=3)
+    h.clock.advance(5 * MS)
+    t = h.task(1, 1 * MS)  # the first task, placed mid-bubble: the rest of it is granted
+    ((_, grant),) = h.grants()
+    assert grant.deadline_ns == start.t_ns + 20 * MS
+    h.report(t, done(t, grant, busy=1 * MS, end=start.t_ns + 7 * MS))
+    h.ended(start, 20 * MS)
+    assert h.sched.guard.reason.startswith("learning: 1 of")
