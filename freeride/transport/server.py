@@ -52,8 +52,8 @@ class _DescriptorReader(AsyncOwner[_M]):
                 loop.remove_reader(fd)
         super().close()
 
-    async def _frames(self, limit: int) -> list[list[bytes]]:
-        batch = self._drain(limit)
+    async def _frames(self, limit: int) -> list[bytes]:
+        batch = self._drain_frames(limit)
         while not batch:
             if self._reading is None:
                 plain = self._plain
@@ -64,20 +64,33 @@ class _DescriptorReader(AsyncOwner[_M]):
                 self._reading = (loop, fd)
             self._ready.clear()
             # the descriptor signals a change, not a level: look again after clearing, then wait
-            batch = self._drain(limit)
+            batch = self._drain_frames(limit)
             if not batch:
                 await self._ready.wait()
-                batch = self._drain(limit)
+                batch = self._drain_frames(limit)
         return batch
+
+    def _drain_frames(self, limit: int) -> list[bytes]:
+        """Up to ``limit`` frames already queued, without waiting.
+
+        Every message here is one frame: each frame is read, and judged, on its
+        own (a message of several is read as that many). Asking whether more
+        frames follow would cost another call into libzmq per event.
+        """
+        out: list[bytes] = []
+        while len(out) < limit:
+            frame = self._frame_nowait()
+            if frame is None:
+                break
+            out.append(frame)
+        return out
 
     async def recv_batch(self, limit: int) -> list[_M | BadFrame]:
         """The next message, and up to ``limit - 1`` more that are already queued."""
-        return [self._event(frames) for frames in await self._frames(limit)]
+        return [self._event(frame) for frame in await self._frames(limit)]
 
-    def _event(self, frames: list[bytes]) -> _M | BadFrame:
-        if len(frames) != 1:
-            return BadFrame(reason=f"expected 1 frame, got {len(frames)}", size=sum(map(len, frames)))
-        return decode(self._decoder, frames[0][self._topic_bytes :])
+    def _event(self, frame: bytes) -> _M | BadFrame:
+        return decode(self._decoder, frame[self._topic_bytes :])
 
 
 class EventReceiver(_DescriptorReader[p.BackendEvent]):
