@@ -31,6 +31,7 @@ __all__ = [
     "ENV_EVENTS",
     "ENV_JOB",
     "HELLO_EVERY_NS",
+    "HELLO_RETRY_NS",
     "REPORTS_EVERY_NS",
     "BackendConfig",
     "BackendSession",
@@ -75,6 +76,8 @@ def manager_reachable(sent: int, endpoint: str) -> bool:
 
 HELLO_EVERY_NS = 5_000_000_000
 """How often a rank repeats its Hello (a manager may start after the job)."""
+HELLO_RETRY_NS = 250_000_000
+"""How often a rank that publishes its bubbles repeats its Hello until the manager acknowledges it."""
 REPORTS_EVERY_NS = 1_000_000_000
 """While a rank publishes its bubbles, how often its step reports go to the manager, together (decision D50)."""
 _REPORTS_QUEUED = 256
@@ -237,10 +240,20 @@ class BackendSession:
 
     def _maybe_hello(self, now: int) -> None:
         # With nothing queued for absent peers, a Hello sent before the connection
-        # is up is dropped: retry until one goes out, then repeat now and then so
-        # a manager started (or restarted) after the training job learns who we are.
-        due = self._hello_sent_ns == 0 or now - self._hello_sent_ns > HELLO_EVERY_NS
-        if due and self._emitter.emit(self._hello):
+        # is up is dropped: retry until one goes out. A manager that took it
+        # subscribes to the rank's publisher (HELLO_ACK); until then the Hello goes
+        # again every HELLO_RETRY_NS, after that every HELLO_EVERY_NS, so that a
+        # manager started (or restarted) after the training job learns who we are.
+        # A rank without a publisher cannot be answered: every HELLO_EVERY_NS.
+        sent = self._hello_sent_ns
+        if sent and now - sent <= HELLO_RETRY_NS:
+            return
+        publisher = self._publisher
+        if sent and now - sent <= HELLO_EVERY_NS and (publisher is None or publisher.acknowledged()):
+            return
+        if publisher is not None:
+            publisher.acknowledged(look=True)  # a manager that went away is looked for again at the fast pace
+        if self._emitter.emit(self._hello):
             self._hello_sent_ns = now
             if self._publish_to:
                 self._start_publishing()
@@ -256,6 +269,11 @@ class BackendSession:
         self._hello = msgspec.structs.replace(self._hello, bubbles_endpoint=endpoint)
         if self._emitter.emit(self._hello):
             self._hello_sent_ns = time.monotonic_ns()
+
+    @property
+    def hello_acknowledged(self) -> bool:
+        """Whether a manager has said it knows this rank (a rank without a bubble publisher is never told)."""
+        return self._publisher is not None and self._publisher.acknowledged()
 
     @property
     def dropped(self) -> int:

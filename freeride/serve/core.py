@@ -61,6 +61,8 @@ class ManagerCore:
         """Each job's measured cost and slowdown budget: what the schedulers may grant."""
         self._following: set[str] = set()
         """The ranks' bubble publishers the core asked to follow (see :meth:`follow_bubbles`)."""
+        self._answered: set[str] = set()
+        """The ranks' bubble publishers the core asked to answer (see :meth:`answer_hellos`)."""
         self._goodbyes: dict[int, tuple[p.Goodbye, int]] = {}
         """Goodbyes waiting for their rank's last bubble end, with the time they are taken regardless."""
         self.supervisor = Supervisor(
@@ -177,7 +179,14 @@ class ManagerCore:
         }
 
     def refresh_following(self) -> None:
-        """Follow exactly :meth:`bubbles_wanted` (called as ranks, tasks and bubbles come and go, and each second)."""
+        """Follow exactly :meth:`bubbles_wanted` (called as ranks, tasks and bubbles come and go, and each second).
+
+        Every rank that publishes its bubbles is answered, followed or not (:meth:`answer_hellos`).
+        """
+        known = {s.bubbles_endpoint for s in self.schedulers.values() if s.bubbles_endpoint}
+        if known != self._answered:
+            self._answered = known
+            self.answer_hellos(known)
         wanted = self.bubbles_wanted()
         if wanted == self._following:
             return
@@ -189,6 +198,9 @@ class ManagerCore:
 
     def follow_bubbles(self, endpoints: set[str]) -> None:
         """Follow the ranks publishing on ``endpoints``, and no other (the manager's SUB; nothing here)."""
+
+    def answer_hellos(self, endpoints: set[str]) -> None:
+        """Tell the ranks publishing on ``endpoints``, and no other, that their Hello was taken (nothing here)."""
 
     # -- what the ranks tell (RankListener) -----------------------------------
 

@@ -38,6 +38,7 @@ from freeride.transport import (
     BubbleFollower,
     ControlServer,
     EventReceiver,
+    HelloAcks,
     WorkerHub,
     ZapHandler,
     new_async_context,
@@ -65,6 +66,7 @@ class Manager(ManagerCore):
         self._ctx = new_async_context()
         self._receiver: EventReceiver | None = None
         self._follower: BubbleFollower | None = None
+        self._acks: HelloAcks | None = None
         self._control: ControlServer | None = None
         self._closed = False
         self._lock: ServeLock | None = None
@@ -105,6 +107,7 @@ class Manager(ManagerCore):
             self._zap = ZapHandler(self._ctx, curve_clients=curve.clients if curve else frozenset())
             self._receiver = EventReceiver(self._ctx, self.config.endpoints.events, curve=curve)
             self._follower = BubbleFollower(self._ctx)
+            self._acks = HelloAcks(self._ctx)
             self._hub = WorkerHub(self._ctx, self.config.endpoints.workers)
             self._control = ControlServer(self._ctx, self.config.endpoints.control, curve=curve)
             if self.config.trace is not None:
@@ -164,7 +167,7 @@ class Manager(ManagerCore):
             await self._mps.quit()
         if self._nvml is not None:
             self._nvml.close()
-        for owner in (self._receiver, self._follower, self._hub, self._control, self._zap):
+        for owner in (self._receiver, self._follower, self._acks, self._hub, self._control, self._zap):
             if owner is not None:
                 owner.close()
         self._ctx.term()
@@ -225,6 +228,10 @@ class Manager(ManagerCore):
         for endpoint in endpoints - follower.followed:
             follower.follow(endpoint)
         logger.debug("[events] following the bubbles of %d ranks", len(endpoints))
+
+    def answer_hellos(self, endpoints: set[str]) -> None:
+        if self._acks is not None:
+            self._acks.answer_exactly(endpoints)
 
     async def _watchdog(self) -> None:
         while True:

@@ -7,7 +7,8 @@ frames:
 * :class:`EventEmitter`: synchronous PUSH in a training rank. Never blocks and
   never raises into the training step; what it cannot send it counts.
 * :class:`EventReceiver`: the manager's PULL for backend events.
-* :class:`BubblePublisher` / :class:`BubbleListener` / :class:`BubbleFollower`: a
+* :class:`BubblePublisher` / :class:`BubbleListener` / :class:`BubbleFollower` (and
+  :class:`HelloAcks`): a
   rank's PUB of its bubble events, an armed worker's SUB to its starts (one hop
   from bubble start to step) and the manager's SUB to its starts and ends while
   side work may run on its device; ipc only, in the manager's private runtime
@@ -40,7 +41,14 @@ from freeride.transport.endpoints import MAX_IPC_PATH, Endpoints, bubbles_endpoi
 from freeride.transport.frames import BadFrame
 from freeride.transport.guard import ZapHandler, curve_keypair, zap_verdict
 from freeride.transport.owner import new_async_context
-from freeride.transport.server import BubbleEvent, BubbleFollower, ControlServer, EventReceiver, WorkerHub
+from freeride.transport.server import (
+    BubbleEvent,
+    BubbleFollower,
+    ControlServer,
+    EventReceiver,
+    HelloAcks,
+    WorkerHub,
+)
 from freeride.transport.worker import BubbleListener, WorkerLink, wait_readable, worker_identity
 
 __all__ = [
@@ -55,6 +63,7 @@ __all__ = [
     "Endpoints",
     "EventEmitter",
     "EventReceiver",
+    "HelloAcks",
     "ManagerUnreachable",
     "WorkerHub",
     "WorkerLink",

@@ -16,7 +16,7 @@ import zmq
 from freeride import protocol as p
 from freeride.auth import CurveClientKeys, KeysMissing, Refused, check_private_dir
 from freeride.transport.endpoints import nobody_listens
-from freeride.transport.frames import BUBBLE_END, BUBBLE_START, encoder
+from freeride.transport.frames import BUBBLE_END, BUBBLE_START, HELLO_ACK, encoder
 from freeride.transport.guard import guard_client
 
 __all__ = ["BubblePublisher", "EventEmitter"]
@@ -170,6 +170,9 @@ class BubblePublisher:
     :class:`EventEmitter` it never blocks and never raises: a PUB drops what a
     slow subscriber cannot take, and one without subscribers drops at once, in
     the caller's thread, waking nobody.
+
+    It is an XPUB: the subscriptions it receives are how the manager answers the
+    rank's ``Hello`` (:meth:`acknowledged`).
     """
 
     def __init__(self, endpoint: str, *, sndhwm: int = 16) -> None:
@@ -178,7 +181,8 @@ class BubblePublisher:
         self.dropped = 0
         self._pid = os.getpid()
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = zmq.Context(io_threads=1)
-        sock = self._ctx.socket(zmq.PUB)
+        self._acked = False
+        sock = self._ctx.socket(zmq.XPUB)
         sock.setsockopt(zmq.SNDHWM, sndhwm)
         sock.setsockopt(zmq.LINGER, 0)
         self._sock: zmq.Socket[bytes] | None = sock
@@ -193,6 +197,30 @@ class BubblePublisher:
     @property
     def bound(self) -> bool:
         return self._sock is not None
+
+    def acknowledged(self, *, look: bool = False) -> bool:
+        """Whether a manager subscribes to :data:`HELLO_ACK` here: it knows this rank.
+
+        Until it does, and with ``look``, this reads the subscriptions queued
+        since (a few bytes each, only topics new or left: a handful in a rank's
+        life); a manager that went away has left the topic. Never blocks or
+        raises.
+        """
+        sock = self._sock
+        if sock is None or os.getpid() != self._pid:
+            return False
+        if self._acked and not look:
+            return True
+        try:
+            while True:
+                frame = sock.recv(zmq.NOBLOCK)
+                if frame[1:] == HELLO_ACK:
+                    self._acked = frame[:1] == b"\x01"
+        except zmq.Again:
+            pass
+        except Exception:  # the training step must never see our errors
+            logger.debug("[emit] reading subscriptions failed", exc_info=True)
+        return self._acked
 
     def publish(self, event: p.BubbleStarted | p.BubbleEnded) -> None:
         """Offer ``event`` to whoever subscribes to its kind; never blocks or raises."""

@@ -7,7 +7,7 @@ from typing import TypeVar
 
 import msgspec
 
-__all__ = ["BUBBLE_END", "BUBBLE_START", "BadFrame", "decode", "encoder"]
+__all__ = ["BUBBLE_END", "BUBBLE_START", "HELLO_ACK", "BadFrame", "decode", "encoder"]
 
 _M = TypeVar("_M")
 
@@ -36,3 +36,6 @@ BUBBLE_START = b"S"
 """The first byte of a bubble start on a rank's bubble publisher (armed workers subscribe to these only)."""
 BUBBLE_END = b"E"
 """The first byte of a bubble end there (only the manager follows those)."""
+HELLO_ACK = b"H"
+"""A topic nothing is published on: the manager subscribes to it on every rank it has heard say hello, and
+the rank's publisher takes that subscription as the acknowledgement of its ``Hello``."""

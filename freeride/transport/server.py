@@ -12,11 +12,11 @@ import zmq.asyncio
 
 from freeride import protocol as p
 from freeride.auth import CurveServerKeys
-from freeride.transport.frames import BUBBLE_END, BUBBLE_START, BadFrame, decode, encoder
+from freeride.transport.frames import BUBBLE_END, BUBBLE_START, HELLO_ACK, BadFrame, decode, encoder
 from freeride.transport.guard import guard_server
 from freeride.transport.owner import AsyncOwner
 
-__all__ = ["BubbleEvent", "BubbleFollower", "ControlServer", "EventReceiver", "WorkerHub"]
+__all__ = ["BubbleEvent", "BubbleFollower", "ControlServer", "EventReceiver", "HelloAcks", "WorkerHub"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +112,48 @@ class EventReceiver(_DescriptorReader[p.BackendEvent]):
 
 BubbleEvent = p.BubbleStarted | p.BubbleEnded
 """What a rank's bubble publisher sends."""
+
+
+class HelloAcks:
+    """The manager's answer to the ranks' ``Hello``: a SUB to the bubble publisher of every rank it knows.
+
+    It subscribes to :data:`HELLO_ACK`, on which nothing is published: it never
+    receives, and costs a rank nothing per bubble. The subscription reaching a
+    rank's publisher tells the rank its ``Hello`` was taken, so it stops
+    repeating it at the fast pace. Like :class:`BubbleFollower` it connects only
+    to endpoints the manager derived itself, inside its private runtime directory.
+    """
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.RCVHWM, 1)  # nothing is published on the topic: nothing to keep
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 500)
+        sock.setsockopt(zmq.SUBSCRIBE, HELLO_ACK)
+        self._sock: zmq.asyncio.Socket | None = sock
+        self.connected: set[str] = set()
+        """The endpoints connected now."""
+
+    def answer_exactly(self, endpoints: set[str]) -> None:
+        """Be connected to the publishers on ``endpoints`` (ipc only), and to no other."""
+        sock = self._sock
+        if sock is None:
+            return
+        for endpoint in self.connected - endpoints:
+            self.connected.discard(endpoint)
+            try:
+                sock.disconnect(endpoint)
+            except zmq.ZMQError as exc:
+                logger.debug("[events] disconnecting %s: %s", endpoint, exc)
+        for endpoint in endpoints - self.connected:
+            if endpoint.startswith("ipc://"):
+                sock.connect(endpoint)
+                self.connected.add(endpoint)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
 
 
 class BubbleFollower(_DescriptorReader[BubbleEvent]):

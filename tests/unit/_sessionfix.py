@@ -24,6 +24,9 @@ class Recorder:
     def publish(self, event: p.BubbleStarted | p.BubbleEnded) -> None:
         self.events.append(event)
 
+    def acknowledged(self, *, look: bool = False) -> bool:
+        return True
+
     def close(self, goodbye: p.Goodbye | None = None, *, linger_ms: int = 200) -> None:
         if goodbye is not None:
             self.events.append(goodbye)

@@ -151,17 +151,18 @@ def stop_serve(serve: subprocess.Popen[bytes]) -> None:
             serve.wait()
 
 
-def _freeride_cpu_ns(serve_pid: int) -> int:
-    """CPU time so far of the manager and every process under it (its side tasks' workers and programs)."""
+def _freeride_cpu_ns(serve_pid: int) -> tuple[int, int]:
+    """CPU time so far of the manager, and of every process under it (its side tasks' workers and programs)."""
     pids = [int(e.name) for e in os.scandir("/proc") if e.name.isdigit()]
-    return sum(max(0, process_cpu_ns(pid)) for pid in pids if descends_from(pid, serve_pid))
+    under = sum(max(0, process_cpu_ns(pid)) for pid in pids if pid != serve_pid and descends_from(pid, serve_pid))
+    return max(0, process_cpu_ns(serve_pid)), under
 
 
 def _one_run(
     job: Job, planned: PlannedRun, steps: int, runtime: Path, endpoints: Endpoints, holdback_every: int, serve_pid: int
 ) -> RunResult:
     before = manager_status(endpoints) if planned.kind == "with" else None
-    cpu_before = _freeride_cpu_ns(serve_pid) if planned.kind == "with" else 0
+    cpu_before = _freeride_cpu_ns(serve_pid) if planned.kind == "with" else (0, 0)
     match planned.kind:
         case "alone":
             cmd = job.cmd(steps)
@@ -179,7 +180,9 @@ def _one_run(
     result.trained_ns = figures.trained_ns
     result.held_step_ms = figures.held_step_ms
     if before is not None:
-        result.freeride_cpu_ns = _freeride_cpu_ns(serve_pid) - cpu_before
+        manager, under = _freeride_cpu_ns(serve_pid)
+        result.manager_cpu_ns = manager - cpu_before[0]
+        result.freeride_cpu_ns = result.manager_cpu_ns + under - cpu_before[1]
         result.steps = steps
         with_figures(result, before, manager_status(endpoints))
     return result

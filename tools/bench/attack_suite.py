@@ -409,6 +409,16 @@ ATTACKS: tuple[Attack, ...] = (
     ),
     Attack(
         "30.8",
+        "a Hello the manager did not take (over its cap, busy) leaves it ignorant of the rank for 5 s",
+        "the manager answers every rank it knows (a subscription on the rank's publisher); unanswered, a rank"
+        " repeats its Hello every 250 ms",
+        (
+            "tests/ipc/test_hello_ack.py::test_a_hello_nobody_took_is_repeated_at_once_until_acknowledged",
+            "tests/ipc/test_hello_ack.py::test_a_manager_answers_every_rank_it_knows_followed_or_not",
+        ),
+    ),
+    Attack(
+        "30.8",
         "status says nothing of why a rank in its first step announced no bubble",
         "status says the first step is warm-up",
         ("tests/unit/test_guard_options.py::test_status_says_why_a_rank_in_its_first_step_has_announced_no_bubble",),
