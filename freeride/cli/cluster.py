@@ -19,11 +19,13 @@ from pathlib import Path
 
 import msgspec
 
+from freeride import auth
 from freeride import protocol as p
 from freeride.auth import shared_dir_problem
 from freeride.cli import common
 from freeride.cli.common import Subparsers
 from freeride.cluster import messages as m
+from freeride.cluster import signing
 from freeride.cluster.offer import OfferPolicy
 from freeride.cluster.queue import ClusterQueue, QueueUnreachable, RayMissing
 from freeride.units import parse_bytes, parse_duration_ns, parse_share
@@ -95,12 +97,20 @@ def _job_specs(args: argparse.Namespace) -> list[p.TaskSpec]:
 @_queue_call
 def cmd_cluster_submit(args: argparse.Namespace) -> int:
     specs = _job_specs(args)
+    secret = signing.load_secret(common.keys_dir(args))
+    signatures = [signing.sign(spec, secret) for spec in specs] if secret is not None else []
     with ClusterQueue(_address(args), create=True, timeout_s=args.timeout) as queue:
-        reply = queue.request(m.SubmitJobs(specs=specs, max_attempts=args.max_attempts))
+        reply = queue.request(m.SubmitJobs(specs=specs, max_attempts=args.max_attempts, signatures=signatures))
     match reply:
         case m.Submitted(job_ids=ids):
             shown = f"{ids[0]}..{ids[-1]}" if len(ids) > 1 else str(ids[0])
             print(f"{len(ids)} job(s) queued: {shown}; `freeride cluster status` follows them")
+            if secret is None:
+                print(
+                    f"freeride: the jobs are unsigned (no {signing.SECRET_FILE} in {common.keys_dir(args)}):"
+                    " nodes that hold the cluster's secret will not run them",
+                    file=sys.stderr,
+                )
             return 0
         case m.Refused(reason=reason):
             print(f"freeride: rejected: {reason}", file=sys.stderr)
@@ -167,7 +177,10 @@ def cmd_cluster_stop(args: argparse.Namespace) -> int:
 def cmd_cluster_join(args: argparse.Namespace) -> int:
     from freeride.cluster.agent import Agent, AgentConfig
 
+    keys_dir = common.keys_dir(args)
+    secret = signing.load_secret(keys_dir)
     config = AgentConfig(
+        secret=secret,
         node=args.node or socket.gethostname(),
         lease_s=parse_duration_ns(args.lease) / 1e9,
         poll_s=parse_duration_ns(args.poll) / 1e9,
@@ -180,6 +193,14 @@ def cmd_cluster_join(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         print(f"freeride: node {config.node} joined the cluster queue", flush=True)
+        if secret is None:
+            print(
+                f"freeride: node {config.node} runs jobs any Ray driver queues (no {signing.SECRET_FILE}"
+                f" in {keys_dir}); `freeride keys --cluster` makes one: copy it to every node and submitter"
+                " (docs/cluster.md)",
+                file=sys.stderr,
+                flush=True,
+            )
         Agent(config, queue, control).run(stop)
     return 0
 
@@ -215,6 +236,12 @@ def add_parsers(subs: Subparsers) -> None:
     s.add_argument("--max-restarts", type=int, default=3, help="restarts from checkpoint on one node after a crash")
     s.add_argument("--max-attempts", type=int, default=3, help="failed attempts (on any node) before a job fails")
     s.add_argument("--fill", action="store_true", help="fill the ends of bubbles (see `freeride submit --fill`)")
+    s.add_argument(
+        "--keys-dir",
+        metavar="DIR",
+        help=f"where the cluster's {signing.SECRET_FILE} is, to sign the jobs with (default ${auth.KEYS_ENV} or"
+        f" {auth.default_keys_dir()}); see `freeride keys --cluster`",
+    )
     s.set_defaults(fn=cmd_cluster_submit)
 
     s = commands.add_parser("status", help="jobs by state, every node's leases and bubbles, each job")

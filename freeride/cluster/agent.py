@@ -23,6 +23,7 @@ from freeride import protocol as p
 from freeride.cluster import messages as m
 from freeride.cluster.offer import OfferPolicy, offer, summarize
 from freeride.cluster.queue import ClusterQueue, QueueUnreachable
+from freeride.cluster.signing import SECRET_FILE, verify
 from freeride.transport import ControlClient, ManagerUnreachable
 
 __all__ = ["Agent", "AgentConfig"]
@@ -44,6 +45,8 @@ class AgentConfig:
     """How many jobs each device takes."""
     allow_programs: bool = False
     """Run imperative jobs (a command line, run as this agent's manager's user) from the queue too."""
+    secret: bytes | None = field(default=None, repr=False)
+    """The cluster's shared secret (``freeride.cluster.signing``): only jobs signed with it run here (``None``: any)."""
 
     @property
     def kinds(self) -> list[p.TaskKind]:
@@ -257,6 +260,15 @@ class Agent:
     def _start(self, lease: m.Leased) -> None:
         node = self.config.node
         spec = lease.spec
+        if self.config.secret is not None and not verify(spec, lease.signature, self.config.secret):
+            how = "unsigned" if not lease.signature else "not signed with this cluster's secret (or changed since)"
+            self._fail(
+                lease,
+                f"{node} runs only jobs signed with the cluster's secret, and this one is {how}: queue it with"
+                f" `freeride cluster submit` where {SECRET_FILE} is",
+                final=True,
+            )
+            return
         if spec.kind not in self.config.kinds:
             self._give_back(
                 lease, f"{node} runs no programs from the queue (its agent was started without --allow-programs)"

@@ -100,11 +100,14 @@ class Ledger:
         if taken:
             shown = ", ".join(taken[:5]) + (" ..." if len(taken) > 5 else "")
             return m.Refused(reason=f"job names already in the queue or given twice: {shown}; pick another --name")
+        if request.signatures and len(request.signatures) != len(names):
+            return m.Refused(reason=f"{len(request.signatures)} signatures for {len(names)} jobs")
         if len(self._jobs) + len(names) > MAX_JOBS:
             return m.Refused(reason=f"the queue holds at most {MAX_JOBS} jobs; {len(self._jobs)} are in it")
         ids = []
-        for spec in request.specs:
-            job = m.JobRecord(job_id=self._next_id, spec=spec, max_attempts=request.max_attempts)
+        signatures = request.signatures or [""] * len(names)
+        for spec, signature in zip(request.specs, signatures, strict=True):
+            job = m.JobRecord(job_id=self._next_id, spec=spec, max_attempts=request.max_attempts, signature=signature)
             self._jobs[job.job_id] = job
             self._names.add(spec.name)
             ids.append(job.job_id)
@@ -168,6 +171,7 @@ class Ledger:
                     spec=job.spec,
                     checkpointed_steps=job.checkpointed_steps,
                     token=leased.lease_token,
+                    signature=job.signature,
                 )
             )
         return m.Leases(leases=leases)

@@ -56,6 +56,7 @@ MAX_SUBMIT = 10_000
 """Jobs one submission may queue."""
 
 _Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+_Signature = Annotated[str, msgspec.Meta(max_length=64)]
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True):
@@ -103,6 +104,8 @@ class JobRecord(_Msg, frozen=True, tag="job"):
     queue never shows it in a status)."""
     cancel_requested: bool = False
     """A user cancelled the job while a node held it: the node stops it at its next renewal."""
+    signature: str = ""
+    """The spec's signature as submitted ("" unsigned); a node with the cluster's secret checks it."""
 
 
 class Slot(_Msg, frozen=True, tag="slot"):
@@ -154,6 +157,9 @@ class NodeRecord(_Msg, frozen=True, tag="node"):
 class SubmitJobs(_Msg, frozen=True, tag="submit_jobs"):
     specs: Annotated[list[p.TaskSpec], msgspec.Meta(max_length=MAX_SUBMIT)]
     max_attempts: int = 3
+    signatures: Annotated[list[_Signature], msgspec.Meta(max_length=MAX_SUBMIT)] = []
+    """One per spec (``freeride.cluster.signing``), or none: nodes that hold the cluster's secret run only
+    signed jobs."""
 
 
 class CancelJob(_Msg, frozen=True, tag="cancel_job"):
@@ -231,6 +237,8 @@ class Leased(_Msg, frozen=True, tag="leased"):
     checkpointed_steps: int = -1
     token: str = ""
     """The lease's secret: the node sends it with every renewal and with the attempt's outcome."""
+    signature: str = ""
+    """The spec's signature as submitted ("" unsigned)."""
 
 
 class Leases(_Msg, frozen=True, tag="leases"):

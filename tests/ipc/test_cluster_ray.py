@@ -65,8 +65,8 @@ def _process(args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
 
 
 @contextlib.contextmanager
-def _node(name: str, base: Path, address: str) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """One FreeRide node: manager, simulated pipeline and agent (reaped when the block ends)."""
+def _node(name: str, base: Path, address: str, *join: str) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """One FreeRide node: manager, simulated pipeline and agent (``join``: more of its options), reaped at the end."""
     runtime = base / name
     runtime.mkdir(mode=0o700)
     with contextlib.ExitStack() as stack:
@@ -88,7 +88,7 @@ def _node(name: str, base: Path, address: str) -> Iterator[list[subprocess.Popen
             _process(
                 freeride_cmd(
                     "cluster", "join", "--address", address, "--node", name, "--runtime-dir", str(runtime),
-                    "--lease", "3s", "--poll", "0.5s",
+                    "--lease", "3s", "--poll", "0.5s", *join,
                 ),
                 base / f"{name}-agent.log",
             )
@@ -209,30 +209,42 @@ def test_a_queue_of_shards_survives_the_loss_of_a_node() -> None:
 
 
 def test_cancel_forged_reports_and_programs_on_a_real_ray_cluster() -> None:
-    """One node with two devices: three long shards (two leased, one queued) and one program.
+    """One node with two devices: three long shards (two leased, one queued), one program, one unsigned job.
 
     Another Ray driver's forged FinishJob (the node's name and the attempt, without the lease's token) is
     refused; the program is never leased (the agent does not allow programs); a cancel ends the queued
-    job at once and the leased one through its node; the remaining job runs on.
+    job at once and the leased one through its node; the remaining job runs on. The node holds the
+    cluster's secret: the job another driver queued without it fails there, unrun, once it is leased.
     """
     from freeride import protocol as p
     from freeride.cluster.queue import ClusterQueue
+    from freeride.cluster.signing import create_secret
 
     base = Path(tempfile.mkdtemp(prefix="frc-", dir="/tmp"))
+    keys = base / "keys"
+    create_secret(keys)
     cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={**_RAY_NODE, "include_dashboard": False})
     try:
         address = cluster.address
-        with ClusterQueue(address, create=True, timeout_s=60) as queue, _node("a", base, address):
+        with (
+            ClusterQueue(address, create=True, timeout_s=60) as queue,
+            _node("a", base, address, "--keys-dir", str(keys)),
+        ):
             submit = subprocess.run(
                 freeride_cmd(
                     "cluster", "submit", "sweep-shard", "--address", address, "--name", "long", "--shards", "3",
-                    "--opt", f"size={100 * SIZE}", "--opt", f"chunk={CHUNK}",
+                    "--opt", f"size={100 * SIZE}", "--opt", f"chunk={CHUNK}", "--keys-dir", str(keys),
                 ),
                 capture_output=True, text=True, timeout=120, check=False,
             )  # fmt: skip
             assert submit.returncode == 0, submit.stderr
             program = p.TaskSpec(kind="imperative", argv=["id"], name="a-program")
             assert isinstance(queue.request(m.SubmitJobs(specs=[program])), m.Submitted)
+            unsigned = p.TaskSpec(
+                kind="iterative", target="freeride.sidetasks.sweep:SweepShard", name="unsigned",
+                options={"size": SIZE, "chunk": CHUNK, "out": str(base / "unsigned")},
+            )  # fmt: skip
+            assert isinstance(queue.request(m.SubmitJobs(specs=[unsigned])), m.Submitted)
             bad = subprocess.run(
                 freeride_cmd("cluster", "submit", "sweep-shard", "--address", address, "--name", "x", "--opt", "no=1"),
                 capture_output=True, text=True, timeout=120, check=False,
@@ -244,7 +256,7 @@ def test_cancel_forged_reports_and_programs_on_a_real_ray_cluster() -> None:
 
             poll(lambda: sum(j.state == "leased" for j in jobs().values()) == 2, 90, "both devices to lease a job")
             leased = sorted(j.job_id for j in jobs().values() if j.state == "leased")
-            [queued] = [j.job_id for j in jobs().values() if j.state == "queued" and j.spec.kind == "iterative"]
+            [queued] = [j.job_id for j in jobs().values() if j.state == "queued" and j.spec.name.startswith("long")]
             forged = queue.request(m.FinishJob(node="a", job_id=leased[0], attempt=1, steps=1))
             assert isinstance(forged, m.Refused) and "holds no lease" in forged.reason, forged
 
@@ -265,6 +277,11 @@ def test_cancel_forged_reports_and_programs_on_a_real_ray_cluster() -> None:
                 capture_output=True, text=True, timeout=120, check=False,
             ).stdout  # fmt: skip
             assert "lease held, renewed by a" in text and "cancelled" in text, text
+            # the slot the cancel freed goes to the unsigned job, which the node fails unrun
+            poll(lambda: jobs()["unsigned"].state == "failed", 60, "the node to refuse the unsigned job")
+            refused = jobs()["unsigned"]
+            assert "runs only jobs signed with the cluster's secret, and this one is unsigned" in refused.error
+            assert [h.outcome for h in refused.history] == ["failed"] and not (base / "unsigned").exists()
     except BaseException:
         _show_logs(base)
         raise

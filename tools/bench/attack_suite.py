@@ -357,6 +357,18 @@ ATTACKS: tuple[Attack, ...] = (
     ),
     Attack(
         "30.4",
+        "any Ray driver queues a job (or changes one in the queue) and a node runs it",
+        "nodes holding the cluster's secret run only jobs signed with it (HMAC of the whole spec); the rest fail unrun",
+        (
+            "tests/unit/test_cluster_signing.py::test_a_signed_spec_verifies_and_any_change_to_it_does_not",
+            "tests/unit/test_cluster_signing.py::test_the_queue_carries_each_jobs_signature_to_its_lease",
+            "tests/unit/test_cluster_signing.py::test_a_secret_others_may_read_or_that_holds_nothing_is_refused",
+            _RAY + "test_cancel_forged_reports_and_programs_on_a_real_ray_cluster",
+        ),
+        needs="Ray, for the last",
+    ),
+    Attack(
+        "30.4",
         "a Ray driver forges a running job's end, and its node cancels it",
         "a secret token per lease; forged reports are refused",
         (
