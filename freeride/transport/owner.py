@@ -81,10 +81,3 @@ class AsyncOwner(Generic[_M]):
                 break
             out.append(frames)
         return out
-
-    async def _recv_frames_batch(self, limit: int) -> list[list[bytes]]:
-        # Awaiting a socket with messages queued returns at once without giving the
-        # event loop a turn: a flooded socket read one message per await starves every
-        # other task. The caller handles a batch, then yields.
-        first = await self._live().recv_multipart()
-        return [first, *self._drain(limit - 1)]

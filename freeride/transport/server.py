@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import TypeVar, cast
 
 import msgspec
@@ -23,20 +24,21 @@ logger = logging.getLogger(__name__)
 _M = TypeVar("_M")
 
 
-class _DescriptorReader(AsyncOwner[_M]):
-    """Reads its socket by waiting on the socket's descriptor itself (a reader on the event loop).
+_T = TypeVar("_T")
 
-    It reads with non-blocking receives, never through pyzmq's asyncio receive:
-    events mostly come one at a time, each a wake-up of the manager, and
-    pyzmq's Future per receive makes each wake-up cost more CPU, which on a
-    machine without spare cores is taken from training (docs/benchmarks.md,
-    "Where the simulated pipeline's slowdown goes"). Only this object reads
-    the socket, so the descriptor's edge-triggered signal is never taken by
-    another reader.
+
+class _DescriptorOwner(AsyncOwner[_M]):
+    """Waits for its socket by watching the socket's descriptor itself (a reader on the event loop).
+
+    It reads and sends with non-blocking calls on the plain socket, never
+    through pyzmq's asyncio ones: messages mostly come and go one at a time,
+    each a wake-up of the manager, and pyzmq's Future per call makes each cost
+    more CPU, which on a machine without spare cores is taken from training
+    (docs/benchmarks.md, "Where the simulated pipeline's slowdown goes"). Only
+    this object uses the socket, so the descriptor's edge-triggered signal is
+    never taken by anyone else; a send, which may take it, looks whether
+    messages came meanwhile (:meth:`_sent`).
     """
-
-    _topic_bytes = 0
-    """Bytes before the message in each frame (a publisher's topic), skipped when decoding."""
 
     def __init__(self, sock: zmq.asyncio.Socket, decoder: msgspec.msgpack.Decoder[_M]) -> None:
         super().__init__(sock, decoder)
@@ -52,8 +54,9 @@ class _DescriptorReader(AsyncOwner[_M]):
                 loop.remove_reader(fd)
         super().close()
 
-    async def _frames(self, limit: int) -> list[bytes]:
-        batch = self._drain_frames(limit)
+    async def _batch(self, drain: Callable[[int], list[_T]], limit: int) -> list[_T]:
+        """What ``drain`` reads (up to ``limit`` items), waiting until it reads something."""
+        batch = drain(limit)
         while not batch:
             if self._reading is None:
                 plain = self._plain
@@ -64,11 +67,27 @@ class _DescriptorReader(AsyncOwner[_M]):
                 self._reading = (loop, fd)
             self._ready.clear()
             # the descriptor signals a change, not a level: look again after clearing, then wait
-            batch = self._drain_frames(limit)
+            batch = drain(limit)
             if not batch:
                 await self._ready.wait()
-                batch = self._drain_frames(limit)
+                batch = drain(limit)
         return batch
+
+    def _sent(self) -> None:
+        """After a send: the send may have taken the descriptor's signal of a message come meanwhile."""
+        plain = self._plain
+        if plain is not None and cast(int, plain.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            self._ready.set()
+
+
+class _DescriptorReader(_DescriptorOwner[_M]):
+    """Reads one-frame messages (a PULL, a SUB) through :class:`_DescriptorOwner`."""
+
+    _topic_bytes = 0
+    """Bytes before the message in each frame (a publisher's topic), skipped when decoding."""
+
+    async def _frames(self, limit: int) -> list[bytes]:
+        return await self._batch(self._drain_frames, limit)
 
     def _drain_frames(self, limit: int) -> list[bytes]:
         """Up to ``limit`` frames already queued, without waiting.
@@ -201,13 +220,13 @@ class BubbleFollower(_DescriptorReader[BubbleEvent]):
             logger.debug("[events] disconnecting %s: %s", endpoint, exc)
 
 
-class _RouterOwner(AsyncOwner[_M]):
+class _RouterOwner(_DescriptorOwner[_M]):
     async def recv(self) -> tuple[bytes, _M | BadFrame]:
-        return self._message(await self._live().recv_multipart())
+        return self._message((await self._batch(self._drain, 1))[0])
 
     async def recv_batch(self, limit: int) -> list[tuple[bytes, _M | BadFrame]]:
         """The next message, and up to ``limit - 1`` more that are already queued."""
-        return [self._message(frames) for frames in await self._recv_frames_batch(limit)]
+        return [self._message(frames) for frames in await self._batch(self._drain, limit)]
 
     def _message(self, frames: list[bytes]) -> tuple[bytes, _M | BadFrame]:
         if len(frames) != 2:
@@ -216,13 +235,16 @@ class _RouterOwner(AsyncOwner[_M]):
         return frames[0], decode(self._decoder, frames[1])
 
     def _send_nowait(self, ident: bytes, msg: msgspec.Struct) -> bool:
-        # pyzmq's asyncio socket reports a failed NOBLOCK send through the returned
-        # future, not by raising: peer gone (ROUTER_MANDATORY) or its queue full
-        fut = self._live().send_multipart([ident, encoder.encode(msg)], zmq.NOBLOCK)
-        exc = fut.exception() if isinstance(fut, asyncio.Future) and fut.done() else None
-        if exc is not None:
+        plain = self._plain
+        if plain is None:
+            raise RuntimeError("socket already closed")
+        try:
+            plain.send_multipart([ident, encoder.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or its queue full
             logger.warning("[send] to %r failed: %s", ident, exc)
             return False
+        finally:
+            self._sent()
         return True
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -10,7 +11,7 @@ import msgspec
 import zmq
 
 from freeride import protocol as p
-from freeride.transport import BadFrame, EventEmitter, EventReceiver, new_async_context
+from freeride.transport import BadFrame, ControlServer, EventEmitter, EventReceiver, ZapHandler, new_async_context
 
 
 def beat(rank: int) -> p.Heartbeat:
@@ -132,3 +133,39 @@ def test_without_a_manager_socket_nothing_is_waited_for(runtime_dir: Path) -> No
         assert time.monotonic() - start < 0.5
     finally:
         emitter.close()
+
+
+async def test_a_router_waiting_to_read_misses_no_message_while_it_sends(runtime_dir: Path) -> None:
+    """The manager's ROUTERs send on the plain socket, which may take the descriptor's signal of a message
+    that came meanwhile: the owner looks again after each send, so a read waiting on the descriptor wakes."""
+    endpoint = f"ipc://{runtime_dir}/control"
+    ctx = new_async_context()
+    zap = ZapHandler(ctx, uid=os.getuid())
+    server = ControlServer(ctx, endpoint)
+    raw_ctx = zmq.Context()
+    client = raw_ctx.socket(zmq.DEALER)
+    client.connect(endpoint)
+    request = msgspec.msgpack.encode(p.StatusRequest())
+    try:
+        async with asyncio.TaskGroup() as tg:
+            served = tg.create_task(zap.serve(), name="test-zap")
+            client.send(request)
+            ident, _ = await asyncio.wait_for(server.recv(), 10)
+            for i in range(300):
+                reading = asyncio.ensure_future(server.recv_batch(8))
+                await asyncio.sleep(0)  # the read is now parked on the descriptor
+                client.send(request)
+                for _ in range(40):  # replies sent while the request comes in: a send may take its signal
+                    assert server.reply_nowait(ident, p.Rejected(reason=str(i)))
+                    time.sleep(0.00002)
+                got = await asyncio.wait_for(reading, 5)
+                assert [type(m) for _, m in got] == [p.StatusRequest], got
+                while client.poll(0):
+                    client.recv()
+            served.cancel()
+    finally:
+        client.close(0)
+        raw_ctx.term()
+        server.close()
+        zap.close()
+        ctx.term()
