@@ -45,10 +45,27 @@ class DeviceArming:
 
     def __init__(self, ledger: DeviceLedger) -> None:
         self._ledger = ledger
-        self.endpoint = ""
-        """Where the rank training here publishes its bubble starts ("" none: no arming)."""
+        self._endpoint = ""
         self.armed: Armed | None = None
         self._last_start_ns = 0
+        self._following: set[tuple[int, int]] = set()
+        """(task id, worker pid) of the workers that took an armed grant from this rank's own event."""
+
+    @property
+    def endpoint(self) -> str:
+        """Where the rank training here publishes its bubble starts ("" none: no arming)."""
+        return self._endpoint
+
+    @endpoint.setter
+    def endpoint(self, endpoint: str) -> None:
+        if endpoint != self._endpoint:
+            self._following.clear()  # another rank: each worker shows again that it hears it
+        self._endpoint = endpoint
+
+    def took_event(self, task: TaskRecord) -> None:
+        """``task``'s worker took an armed grant from the rank's own event: it hears the rank."""
+        if task.runner is not None:
+            self._following.add((task.task_id, task.runner.pid))
 
     def saw_start(self, t_ns: int) -> None:
         """A bubble started at ``t_ns``: an arm handed over later waits for a start after it."""
@@ -112,6 +129,7 @@ class DeviceArming:
         """Forget the arm ``task`` holds: its worker was killed and never answers for it."""
         if self.holds(task):
             self.armed = None
+        self._following = {k for k in self._following if k[0] != task.task_id}
 
     def hold_early(self, task: TaskRecord, done: p.GrantDone) -> bool:
         """Keep ``done`` if it is the armed grant's, back before its bubble's start was seen; whether it was."""
@@ -134,9 +152,13 @@ class DeviceArming:
         if armed is None or bubble is None or armed.task not in tasks or armed.task.runner is None:
             return None
         runner = armed.task.runner
-        if armed.early is None:
-            # the Grant a worker that missed the rank's event starts from (one that did not ignores it)
-            runner.grant(
+        sent = False
+        if armed.early is None and (armed.task.task_id, runner.pid) not in self._following:
+            # The Grant a worker that missed the rank's event starts from (one that did not ignores
+            # it). A worker that has taken armed grants from this rank's events gets none: it hears
+            # the rank, and the Grant would be one more message each way per bubble. Should it miss
+            # an event all the same, it gives the grant back unused at the bubble's Revoke.
+            sent = runner.grant(
                 p.Grant(
                     grant_id=armed.grant_id,
                     bubble_t_ns=bubble.t_ns,
@@ -148,7 +170,7 @@ class DeviceArming:
             task=armed.task,
             bubble_t_ns=bubble.t_ns,
             deadline_ns=deadline_ns,
-            cpu_at_grant=runner.cpu_at_grant(),
+            cpu_at_grant=runner.cpu_at_grant() if sent else -1,  # an armed report says when it started
             armed=True,
         )
         return armed, state

@@ -295,6 +295,8 @@ class DeviceScheduler(LedgerView):
             self._observers.grant_done(self.device, task.task_id, task.name, done)
         if done.first_step_delay_ns >= 0:
             self._latency.record(done.first_step_delay_ns)
+        if done.armed:
+            self._arming.took_event(task)
         if self._arming.hold_early(task, done):
             # The worker took its bubble and gave it back before the rank's event reached
             # this scheduler: the report waits for that event, where the grant is handed over.

@@ -269,17 +269,16 @@ def test_an_armed_task_does_not_keep_a_task_of_unknown_step_time_out_of_every_bu
     h.ended(b, 20 * MS)
     h.report(known, done(known, arm.grant_id, reason="revoked", busy=18 * MS))
     fresh = h.task(2, -1)  # (re)started: its step time is unknown
-    answered = {g.grant_id for _, g in h.grants()}
+    answered = {arm.grant_id}
+    served = []
     for _ in range(4):
         b = h.started(20 * MS)
-        for tid, g in h.grants():
-            if g.grant_id not in answered:
-                answered.add(g.grant_id)
-                t = fresh if tid == 2 else known
-                t.estimate_ns = t.estimate_ns if t.estimate_ns > 0 else 3 * MS  # what its first step tells
-                h.report(t, done(t, g.grant_id, reason="revoked", busy=18 * MS, armed=tid == 1))
+        for tid, grant_id, _ in _held(h, answered):
+            served.append(tid)
+            t = fresh if tid == 2 else known
+            t.estimate_ns = t.estimate_ns if t.estimate_ns > 0 else 3 * MS  # what its first step tells
+            h.report(t, done(t, grant_id, reason="revoked", busy=18 * MS, armed=tid == 1))
         h.ended(b, 20 * MS)
-    served = [t for t, _ in h.grants()]
     assert 2 in served, served
     # once its step time is known, the two take turns at being armed
     assert [t for t, _ in h.arms()][-2:] in ([1, 2], [2, 1])
@@ -288,14 +287,27 @@ def test_an_armed_task_does_not_keep_a_task_of_unknown_step_time_out_of_every_bu
 def test_a_task_due_for_a_probe_is_not_armed() -> None:
     h = Harness()
     t1 = h.task(1, 30 * MS)  # never fits a 20 ms bubble
-    answered = 0
+    answered: set[int] = set()
     for _ in range(PROBE_AFTER_BUBBLES + 2):
         b = h.started(20 * MS)
-        for _, g in h.grants()[answered:]:
-            h.report(t1, done(t1, g.grant_id, armed=not g.probe))
-        answered = len(h.grants())
+        for _, grant_id, probe in _held(h, answered):
+            h.report(t1, done(t1, grant_id, armed=not probe))
         h.ended(b, 20 * MS)
     assert any(g.probe for _, g in h.grants()), "a task that never fits is still probed now and then"
+
+
+def _held(h: Harness, answered: set[int]) -> list[tuple[int, int, bool]]:
+    """Grants and arms out not answered yet, as (task id, grant id, probe): what holds the bubble just started.
+
+    An arm out is honoured at a bubble's start; a worker known to hear the rank gets no Grant for it.
+    """
+    disarmed = {m.grant_id for _, m in h.sent if isinstance(m, p.Disarm)}
+    held = []
+    for tid, m in h.sent:
+        if isinstance(m, p.Grant | p.Arm) and m.grant_id not in answered and m.grant_id not in disarmed:
+            answered.add(m.grant_id)
+            held.append((tid, m.grant_id, isinstance(m, p.Grant) and m.probe))
+    return held
 
 
 def _info() -> DeviceInfo:
@@ -328,7 +340,9 @@ def test_bubbles_held_by_armed_grants_count_as_used_for_the_guard() -> None:
         ev = h.started(20 * MS)
         h.ended(ev, 20 * MS)
         h.report(t1, done(t1, arm.grant_id, reason="revoked", busy=15 * MS, end=ev.t_ns + 16 * MS))
-    assert [t for t, _ in h.grants()] == [1] * 60  # every bubble went by an arm
+    # every bubble went by an arm: a fallback Grant for the first only (then its reports say it hears the rank)
+    assert [t for t, _ in h.grants()] == [1]
+    assert h.sched.status(_info()).armed_grants == 60
     # with no interference the guard narrows, down to its floor (no margin here): only over granted bubbles
     assert h.sched.guard.reason.startswith("narrowest")
 
@@ -394,3 +408,48 @@ def test_an_arm_carries_the_jobs_held_back_steps_and_none_is_sent_while_the_budg
     b = h.started(20 * MS)  # the armed task's bubble is honoured (its worker may run), and no new arm follows
     h.ended(b, 20 * MS)
     assert not h.arms()
+
+
+def test_a_worker_that_hears_the_rank_gets_no_fallback_grant_until_the_rank_or_the_worker_changes() -> None:
+    h = Harness()
+    t1 = h.task(1, 2 * MS)
+    runner = t1.runner
+    assert isinstance(runner, ArmableRunner)
+
+    def bubble() -> list[tuple[int, p.Grant]]:
+        [*_, (_, arm)] = h.arms()
+        before = len(h.grants())
+        b = h.started(20 * MS)
+        h.clock.advance(20 * MS)
+        h.ended(b, 20 * MS)
+        h.report(t1, done(t1, arm.grant_id, reason="revoked", busy=10 * MS, end=b.t_ns + 12 * MS))
+        h.clock.advance(5 * MS)
+        return h.grants()[before:]
+
+    assert len(bubble()) == 1  # not known yet to hear the rank: the fallback goes
+    assert bubble() == []  # its armed report says it took the rank's event
+    assert h.sched.status(_info()).used_ns == 20 * MS  # both grants settled as the worker reported them
+    runner.pid = 4343  # a new worker for the task
+    assert len(bubble()) == 1
+    assert bubble() == []
+    h.sched.follow_rank("ipc:///run/fr/bubbles-1")  # another rank trains here now
+    assert len(bubble()) == 1
+
+
+def test_a_worker_that_missed_the_event_without_a_fallback_gives_the_grant_back_unused() -> None:
+    """What the worker sends then, a report with no step at the Revoke: tests/unit/test_gate_armed.py,
+    test_a_revoke_for_an_arm_whose_bubble_never_came_is_answered."""
+    h = Harness()
+    t1 = h.task(1, 2 * MS)
+    [(_, first)] = h.arms()
+    b = h.started(20 * MS)
+    h.ended(b, 20 * MS)
+    h.report(t1, done(t1, first.grant_id, reason="revoked", busy=10 * MS, end=b.t_ns + 12 * MS))
+    [_, (_, arm)] = h.arms()
+    b = h.started(20 * MS)
+    assert len(h.grants()) == 1  # none for this bubble
+    h.ended(b, 20 * MS)
+    assert h.of(p.Revoke)[-1] == (1, p.Revoke(grant_id=arm.grant_id))
+    h.report(t1, done(t1, arm.grant_id, reason="revoked", armed=False))  # unheld: nothing ran
+    [*_, (_, again)] = h.arms()
+    assert again.grant_id != arm.grant_id and h.sched.status(_info()).used_ns == 10 * MS
