@@ -284,6 +284,11 @@ class ServeLock:
             os.close(fd)  # drops the probe's shared lock, if it got one
         return False
 
+    @property
+    def holding(self) -> bool:
+        """Whether this object holds the lock now."""
+        return self._fd is not None
+
     def release(self) -> None:
         """Give the lock up (idempotent); the file stays, its content is stale from now on."""
         fd, self._fd = self._fd, None

@@ -171,7 +171,14 @@ class Manager(ManagerCore):
             if owner is not None:
                 owner.close()
         self._ctx.term()
-        if self._lock is not None:
+        if self._lock is not None and self._lock.holding:
+            # libzmq leaves the socket files; a client that found them would wait for a reply
+            # from nobody. They are ours to remove while we hold the lock (a manager refused
+            # the lock must not touch another's).
+            for addr in (self.config.endpoints.events, self.config.endpoints.control, self.config.endpoints.workers):
+                if addr.startswith("ipc://"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(addr[6:])
             self._lock.release()
         logger.info("[shutdown] manager: closed")
 

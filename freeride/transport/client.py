@@ -9,7 +9,7 @@ import zmq
 
 from freeride import protocol as p
 from freeride.auth import CurveClientKeys, KeysMissing, Refused, check_ipc_socket
-from freeride.transport.endpoints import nobody_listens
+from freeride.transport.endpoints import nobody_listens, refused_at
 from freeride.transport.frames import encoder
 from freeride.transport.guard import guard_client
 
@@ -60,6 +60,11 @@ class ControlClient:
             )
         if self.endpoint.startswith("ipc://"):
             check_ipc_socket(Path(self.endpoint[6:]))  # as it is now: a request may carry secrets
+            if refused_at(self.endpoint[6:]):
+                raise ManagerUnreachable(  # nothing to wait for either
+                    f"no FreeRide manager runs on {self.endpoint} (its socket is left from one that has gone); "
+                    "start one with `freeride serve` (same --runtime-dir) or pass --runtime-dir"
+                )
         self._sock.send(encoder.encode(req))
         if not self._sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
             raise ManagerUnreachable(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ __all__ = [
     "bubbles_endpoint",
     "default_runtime_dir",
     "nobody_listens",
+    "refused_at",
 ]
 
 MAX_IPC_PATH = 100
@@ -94,6 +96,23 @@ def nobody_listens(endpoint: str) -> bool:
     A tcp endpoint may always have a listener; only a reply can tell.
     """
     return endpoint.startswith("ipc://") and not os.path.exists(endpoint[6:])
+
+
+def refused_at(path: str) -> bool:
+    """Whether the unix socket file ``path`` refuses a connection: nothing listens there any more.
+
+    What a manager that has gone (killed, say) leaves behind. A knock only: the
+    connection is closed before anything is said on it.
+    """
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as knock:
+        knock.settimeout(1.0)
+        try:
+            knock.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return True
+        except OSError:  # a full backlog, or no right to it: something may be there
+            return False
+    return False
 
 
 def default_runtime_dir() -> Path:

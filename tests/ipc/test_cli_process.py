@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -114,6 +115,20 @@ def test_a_bad_task_file_is_one_line_without_traceback(source: str | None, said:
     done = _run("submit", "--runtime-dir", str(tmp_path), f"{path}:Mine")
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
     assert len(done.stderr.splitlines()) == 1 and said in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("command", [["status"], ["cancel", "3"]])
+def test_no_manager_is_said_at_once_where_a_gone_managers_socket_is_left(command: list[str], tmp_path: Path) -> None:
+    """A manager killed (SIGKILL, a crash) leaves its socket file: nothing listens on it, which a knock tells."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as gone:
+        gone.bind(str(tmp_path / "control"))  # bound, never listened on, closed: the file stays
+    env = {**os.environ, "FREERIDE_RUNTIME_DIR": str(tmp_path)}
+    done = subprocess.run([*FREERIDE, *command], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 3, done
+    assert done.stderr.splitlines() == [
+        f"freeride: no FreeRide manager runs on ipc://{tmp_path}/control (its socket is left from one that has"
+        " gone); start one with `freeride serve` (same --runtime-dir) or pass --runtime-dir"
+    ]
 
 
 @pytest.mark.parametrize("after_s", [1.5, 6.0], ids=["while-starting", "while-training"])

@@ -62,6 +62,8 @@ def test_serve_stops_cleanly_and_leaves_no_child(served: subprocess.Popen[bytes]
             poll(lambda pid=pid: not Path(f"/proc/{pid}").exists(), 10, f"worker {pid} gone")  # type: ignore[misc]
         logs = [log.read_text() for log in (runtime_dir / "state" / "logs").glob("task-*.log")]
         assert len(logs) == 2 and all("stopped (manager shutting down)" in text for text in logs), logs
+        # its sockets go with it: a client finds no file, and says so without waiting for a reply
+        assert not any((runtime_dir / name).exists() for name in ("events", "control", "workers"))
     finally:
         os.killpg(sim.pid, signal.SIGKILL)
         sim.wait()
