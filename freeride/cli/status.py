@@ -25,7 +25,9 @@ def _liveness_shown(t: p.TaskStatus) -> str:
     """Restarts, hung steps, checkpoint and memory cap of a task ("" when there is nothing to say)."""
     parts = []
     if t.restarts:
-        parts.append(f"restarts {t.restarts} (the last after {t.backoff_s:g}s)")
+        why = f": {printable(t.restart_reason)}" if t.restart_reason else ""
+        lost = f"; {t.lost_steps} steps done again" if t.lost_steps else ""
+        parts.append(f"restarts {t.restarts} (the last after {t.backoff_s:g}s{why}{lost})")
     if t.hangs:
         parts.append(f"hung steps {t.hangs}")
     if t.checkpointed_steps >= 0:

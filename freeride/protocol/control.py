@@ -119,6 +119,10 @@ class TaskStatus(Message, frozen=True, tag="task_status"):
     metrics: Metrics = {}
     error: str = ""
     pid: int = 0
+    restart_reason: Text = ""
+    """Why the task last restarted ("" never)."""
+    lost_steps: Count = 0
+    """Steps done after the checkpoint a restart resumed from: lost, and done again."""
     device_memory: int = -1
     """Device memory the task's process uses (NVML; -1 unknown)."""
     interference_ns: int = 0

@@ -80,6 +80,10 @@ class TaskRecord:
     steps: int = 0
     busy_ns: int = 0
     restarts: int = 0
+    restart_reason: str = ""
+    """Why the task last restarted (its error then)."""
+    lost_steps: int = 0
+    """Steps done after the checkpoint a restart resumed from: lost, and done again."""
     metrics: dict[str, float] = field(default_factory=dict)
     error: str = ""
     stopping: bool = False
@@ -159,6 +163,8 @@ class TaskRecord:
             steps=self.steps,
             busy_ns=self.busy_ns,
             restarts=self.restarts,
+            restart_reason=self.restart_reason,
+            lost_steps=self.lost_steps,
             metrics=dict(self.metrics),
             error=self.error,
             pid=self.pid,
@@ -202,10 +208,19 @@ class TaskRecord:
         self.runnable = False
 
     def ready(self, *, estimate_ns: int = -1, steps: int = 0, packs: bool = False) -> None:
-        """Set up and parked: grants may come (``packs``: the task fits smaller pieces into what is left)."""
+        """Set up and parked: grants may come (``packs``: the task fits smaller pieces into what is left).
+
+        An iterative task's worker says which step it resumes from (its checkpoint's): what was
+        done after that checkpoint, before a crash, is counted as lost and done again.
+        """
         self._go("running")
         self.runnable = True
-        self.estimate_ns, self.steps, self.packs = estimate_ns, max(self.steps, steps), packs
+        if self.spec.kind == "iterative":
+            self.lost_steps += max(0, self.steps - steps)
+            self.steps = steps
+        else:
+            self.steps = max(self.steps, steps)
+        self.estimate_ns, self.packs = estimate_ns, packs
 
     def park(self) -> None:
         """No more grants for now (the process is gone or going)."""
@@ -257,6 +272,8 @@ class TaskRecord:
             self.fail(self.error)
             return False
         self.restarts += 1
+        # why it restarts, not an error of the task that runs from now on (nor of its next exit)
+        self.restart_reason, self.error = self.error, ""
         self._go("starting")
         return True
 

@@ -84,7 +84,7 @@ async def test_a_hung_step_is_detected_and_restarted_while_a_healthy_task_keeps_
             await wait_until(marker.exists, 60, "the step that hangs")
             before = ok.steps
             await wait_until(lambda: h.hangs == 1, 10, "the hang to be detected")
-            assert "step hung" in h.error
+            assert "step hung" in (h.error or h.restart_reason)  # its restart may have begun
             # the healthy task had the bubbles to itself meanwhile (the hung one got no grant)
             assert ok.steps > before
             await wait_until(lambda: h.state == "running" and h.restarts == 1, 60, "the restart")

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from freeride import protocol as p
+from freeride.cli.status import _liveness_shown
 from freeride.serve.tasks import BadTransition, TaskRecord
 
 
@@ -31,9 +32,26 @@ def test_a_crash_restarts_until_the_restarts_are_spent() -> None:
     t.place("cpu:0")
     t.ready()
     assert t.exited(1) is True and t.state == "starting" and t.restarts == 1
-    assert t.error == "worker exited with code 1"
+    assert (t.error, t.restart_reason) == ("", "worker exited with code 1")  # a reason, not the running task's error
     assert t.exited(-9) is True and t.restarts == 2  # crashed again while setting up
+    assert t.restart_reason == "worker exited with code -9"  # this exit's, not the first's
     assert t.exited(1) is False and t.state == "failed" and t.done.is_set()
+    assert t.error == "worker exited with code 1"
+
+
+def test_a_restart_counts_the_steps_it_goes_back_over_and_shows_no_old_error() -> None:
+    """The worker resumes from its checkpoint: what was done after it is lost and done again."""
+    t = record()
+    t.place("cpu:0")
+    t.ready(steps=0)
+    t.steps = 150  # its progress; the last checkpoint was at step 100
+    t.error = "RuntimeError: out of memory"  # what its worker reported before it died
+    assert t.exited(1) is True
+    t.ready(steps=100)
+    status = t.status()
+    assert (status.steps, status.lost_steps, status.error) == (100, 50, "")
+    assert status.restart_reason == "RuntimeError: out of memory"
+    assert "restarts 1 (the last after 0s: RuntimeError: out of memory; 50 steps done again)" in _liveness_shown(status)
 
 
 def test_a_requested_stop_ends_cancelled_whatever_the_exit_code() -> None:
