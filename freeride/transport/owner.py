@@ -66,18 +66,3 @@ class AsyncOwner(Generic[_M]):
             return plain.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return None
-
-    def _drain(self, limit: int) -> list[list[bytes]]:
-        """Up to ``limit`` messages already queued, without waiting.
-
-        Receives until one would block: a receive that finds the socket empty
-        re-arms its descriptor, so the next message signals it (cheaper under a
-        flood than asking ``ZMQ_EVENTS`` before each receive).
-        """
-        out: list[list[bytes]] = []
-        while len(out) < limit:
-            frames = self._queued_nowait()
-            if frames is None:
-                break
-            out.append(frames)
-        return out

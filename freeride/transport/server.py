@@ -22,9 +22,23 @@ __all__ = ["BubbleEvent", "BubbleFollower", "ControlServer", "EventReceiver", "H
 logger = logging.getLogger(__name__)
 
 _M = TypeVar("_M")
-
-
 _T = TypeVar("_T")
+
+
+def _drain(read: Callable[[], _T | None], limit: int) -> list[_T]:
+    """Up to ``limit`` of what ``read`` (a non-blocking receive) finds already queued, without waiting.
+
+    Receives until one would block: a receive that finds the socket empty
+    re-arms its descriptor, so the next message signals it (cheaper under a
+    flood than asking ``ZMQ_EVENTS`` before each receive).
+    """
+    out: list[_T] = []
+    while len(out) < limit:
+        item = read()
+        if item is None:
+            break
+        out.append(item)
+    return out
 
 
 class _DescriptorOwner(AsyncOwner[_M]):
@@ -54,9 +68,9 @@ class _DescriptorOwner(AsyncOwner[_M]):
                 loop.remove_reader(fd)
         super().close()
 
-    async def _batch(self, drain: Callable[[int], list[_T]], limit: int) -> list[_T]:
-        """What ``drain`` reads (up to ``limit`` items), waiting until it reads something."""
-        batch = drain(limit)
+    async def _batch(self, read: Callable[[], _T | None], limit: int) -> list[_T]:
+        """Up to ``limit`` of what ``read`` finds already queued, waiting until there is one."""
+        batch = _drain(read, limit)
         while not batch:
             if self._reading is None:
                 plain = self._plain
@@ -67,10 +81,10 @@ class _DescriptorOwner(AsyncOwner[_M]):
                 self._reading = (loop, fd)
             self._ready.clear()
             # the descriptor signals a change, not a level: look again after clearing, then wait
-            batch = drain(limit)
+            batch = _drain(read, limit)
             if not batch:
                 await self._ready.wait()
-                batch = drain(limit)
+                batch = _drain(read, limit)
         return batch
 
     def _sent(self) -> None:
@@ -81,28 +95,18 @@ class _DescriptorOwner(AsyncOwner[_M]):
 
 
 class _DescriptorReader(_DescriptorOwner[_M]):
-    """Reads one-frame messages (a PULL, a SUB) through :class:`_DescriptorOwner`."""
+    """Reads one-frame messages (a PULL, a SUB) through :class:`_DescriptorOwner`.
+
+    Each frame is read, and judged, on its own (a message of several is read as
+    that many): asking whether more frames follow would cost another call into
+    libzmq per event.
+    """
 
     _topic_bytes = 0
     """Bytes before the message in each frame (a publisher's topic), skipped when decoding."""
 
     async def _frames(self, limit: int) -> list[bytes]:
-        return await self._batch(self._drain_frames, limit)
-
-    def _drain_frames(self, limit: int) -> list[bytes]:
-        """Up to ``limit`` frames already queued, without waiting.
-
-        Every message here is one frame: each frame is read, and judged, on its
-        own (a message of several is read as that many). Asking whether more
-        frames follow would cost another call into libzmq per event.
-        """
-        out: list[bytes] = []
-        while len(out) < limit:
-            frame = self._frame_nowait()
-            if frame is None:
-                break
-            out.append(frame)
-        return out
+        return await self._batch(self._frame_nowait, limit)
 
     async def recv_batch(self, limit: int) -> list[_M | BadFrame]:
         """The next message, and up to ``limit - 1`` more that are already queued."""
@@ -222,11 +226,11 @@ class BubbleFollower(_DescriptorReader[BubbleEvent]):
 
 class _RouterOwner(_DescriptorOwner[_M]):
     async def recv(self) -> tuple[bytes, _M | BadFrame]:
-        return self._message((await self._batch(self._drain, 1))[0])
+        return self._message((await self._batch(self._queued_nowait, 1))[0])
 
     async def recv_batch(self, limit: int) -> list[tuple[bytes, _M | BadFrame]]:
         """The next message, and up to ``limit - 1`` more that are already queued."""
-        return [self._message(frames) for frames in await self._batch(self._drain, limit)]
+        return [self._message(frames) for frames in await self._batch(self._queued_nowait, limit)]
 
     def _message(self, frames: list[bytes]) -> tuple[bytes, _M | BadFrame]:
         if len(frames) != 2:
