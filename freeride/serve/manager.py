@@ -92,13 +92,17 @@ class Manager(ManagerCore):
         ensure_private_dir(self.config.state_dir, what="state dir", strict=False)
         for d in (self.config.log_dir, self.config.checkpoint_dir):
             d.mkdir(parents=True, exist_ok=True)
-        for addr in (self.config.endpoints.events, self.config.endpoints.control, self.config.endpoints.workers):
-            if addr.startswith("ipc://"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(addr[6:])  # stale socket file of a manager that died (we hold the lock)
+        self._remove_socket_files()  # stale ones of a manager that died (we hold the lock)
         if self.config.endpoints.tcp_endpoints() and self.config.keys_dir is not None:
             return load_server_keys(self.config.keys_dir)
         return None
+
+    def _remove_socket_files(self) -> None:
+        """Remove the files of this manager's ipc sockets, if there (only while it holds the serve lock)."""
+        for addr in (self.config.endpoints.events, self.config.endpoints.control, self.config.endpoints.workers):
+            if addr.startswith("ipc://"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(addr[6:])
 
     async def __aenter__(self) -> Manager:
         try:
@@ -173,12 +177,9 @@ class Manager(ManagerCore):
         self._ctx.term()
         if self._lock is not None and self._lock.holding:
             # libzmq leaves the socket files; a client that found them would wait for a reply
-            # from nobody. They are ours to remove while we hold the lock (a manager refused
-            # the lock must not touch another's).
-            for addr in (self.config.endpoints.events, self.config.endpoints.control, self.config.endpoints.workers):
-                if addr.startswith("ipc://"):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(addr[6:])
+            # from nobody. Ours to remove while we hold the lock (a manager refused the lock
+            # must not touch another's).
+            self._remove_socket_files()
             self._lock.release()
         logger.info("[shutdown] manager: closed")
 
