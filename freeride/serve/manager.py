@@ -231,10 +231,7 @@ class Manager(ManagerCore):
         follower = self._follower
         if follower is None:
             return
-        for endpoint in follower.followed - endpoints:
-            follower.unfollow(endpoint)
-        for endpoint in endpoints - follower.followed:
-            follower.follow(endpoint)
+        follower.follow_exactly(endpoints)
         logger.debug("[events] following the bubbles of %d ranks", len(endpoints))
 
     def answer_hellos(self, endpoints: set[str]) -> None:

@@ -137,6 +137,35 @@ BubbleEvent = p.BubbleStarted | p.BubbleEnded
 """What a rank's bubble publisher sends."""
 
 
+def _connect(sock: zmq.asyncio.Socket, connected: set[str], endpoint: str) -> None:
+    """Connect ``sock`` to the rank's publisher on ``endpoint`` (ipc only), unless ``connected`` has it."""
+    if endpoint in connected:
+        return
+    if not endpoint.startswith("ipc://"):
+        raise ValueError(f"bubble publishers are reached over ipc only, got {endpoint!r}")
+    sock.connect(endpoint)
+    connected.add(endpoint)
+
+
+def _disconnect(sock: zmq.asyncio.Socket, connected: set[str], endpoint: str) -> None:
+    """Disconnect ``sock`` from ``endpoint`` if ``connected`` has it."""
+    if endpoint not in connected:
+        return
+    connected.discard(endpoint)
+    try:
+        sock.disconnect(endpoint)
+    except zmq.ZMQError as exc:  # never connected as far as libzmq knows: nothing left to undo
+        logger.debug("[events] disconnecting %s: %s", endpoint, exc)
+
+
+def _connect_exactly(sock: zmq.asyncio.Socket, connected: set[str], endpoints: set[str]) -> None:
+    """Leave ``sock`` connected to ``endpoints`` and no other; ``connected`` is what it is connected to."""
+    for endpoint in connected - endpoints:
+        _disconnect(sock, connected, endpoint)
+    for endpoint in endpoints - connected:
+        _connect(sock, connected, endpoint)
+
+
 class HelloAcks:
     """The manager's answer to the ranks' ``Hello``: a SUB to the bubble publisher of every rank it knows.
 
@@ -159,19 +188,8 @@ class HelloAcks:
 
     def answer_exactly(self, endpoints: set[str]) -> None:
         """Be connected to the publishers on ``endpoints`` (ipc only), and to no other."""
-        sock = self._sock
-        if sock is None:
-            return
-        for endpoint in self.connected - endpoints:
-            self.connected.discard(endpoint)
-            try:
-                sock.disconnect(endpoint)
-            except zmq.ZMQError as exc:
-                logger.debug("[events] disconnecting %s: %s", endpoint, exc)
-        for endpoint in endpoints - self.connected:
-            if endpoint.startswith("ipc://"):
-                sock.connect(endpoint)
-                self.connected.add(endpoint)
+        if self._sock is not None:
+            _connect_exactly(self._sock, self.connected, endpoints)
 
     def close(self) -> None:
         if self._sock is not None:
@@ -206,22 +224,15 @@ class BubbleFollower(_DescriptorReader[BubbleEvent]):
 
     def follow(self, endpoint: str) -> None:
         """Connect to the publisher on ``endpoint`` (ipc only; nothing to do if already)."""
-        if endpoint in self.followed:
-            return
-        if not endpoint.startswith("ipc://"):
-            raise ValueError(f"bubble events are followed over ipc only, got {endpoint!r}")
-        self._live().connect(endpoint)
-        self.followed.add(endpoint)
+        _connect(self._live(), self.followed, endpoint)
 
     def unfollow(self, endpoint: str) -> None:
         """Disconnect from ``endpoint`` (nothing to do if not followed)."""
-        if endpoint not in self.followed:
-            return
-        self.followed.discard(endpoint)
-        try:
-            self._live().disconnect(endpoint)
-        except zmq.ZMQError as exc:  # never connected as far as libzmq knows: nothing left to undo
-            logger.debug("[events] disconnecting %s: %s", endpoint, exc)
+        _disconnect(self._live(), self.followed, endpoint)
+
+    def follow_exactly(self, endpoints: set[str]) -> None:
+        """Follow the publishers on ``endpoints`` (ipc only), and no other."""
+        _connect_exactly(self._live(), self.followed, endpoints)
 
 
 class _RouterOwner(_DescriptorOwner[_M]):
