@@ -97,7 +97,8 @@ def _job_specs(args: argparse.Namespace) -> list[p.TaskSpec]:
 @_queue_call
 def cmd_cluster_submit(args: argparse.Namespace) -> int:
     specs = _job_specs(args)
-    secret = signing.load_secret(common.keys_dir(args))
+    keys_dir = common.keys_dir(args)
+    secret = signing.load_secret(keys_dir)
     signatures = [signing.sign(spec, secret) for spec in specs] if secret is not None else []
     with ClusterQueue(_address(args), create=True, timeout_s=args.timeout) as queue:
         reply = queue.request(m.SubmitJobs(specs=specs, max_attempts=args.max_attempts, signatures=signatures))
@@ -107,7 +108,7 @@ def cmd_cluster_submit(args: argparse.Namespace) -> int:
             print(f"{len(ids)} job(s) queued: {shown}; `freeride cluster status` follows them")
             if secret is None:
                 print(
-                    f"freeride: the jobs are unsigned (no {signing.SECRET_FILE} in {common.keys_dir(args)}):"
+                    f"freeride: the jobs are unsigned (no {signing.SECRET_FILE} in {keys_dir}):"
                     " nodes that hold the cluster's secret will not run them",
                     file=sys.stderr,
                 )
