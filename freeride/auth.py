@@ -355,9 +355,18 @@ def _write_cert(path: Path, public: bytes, secret: bytes | None) -> None:
     ]
     if secret is not None:
         lines.append(f'    secret-key = "{secret.decode()}"')
+    write_private(path, "\n".join(lines) + "\n")
+
+
+def write_private(path: Path, text: str) -> None:
+    """Create ``path`` (mode 0600) holding ``text``; never through a link, never over a file already there.
+
+    Raises:
+        FileExistsError: ``path`` exists (a file or a link).
+    """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(text)
 
 
 def _read_cert(path: Path) -> dict[str, bytes]:

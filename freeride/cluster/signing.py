@@ -21,7 +21,7 @@ from pathlib import Path
 import msgspec
 
 from freeride import protocol as p
-from freeride.auth import KeysMissing, UnsafeDirectory, ensure_private_dir
+from freeride.auth import KeysMissing, UnsafeDirectory, ensure_private_dir, write_private
 
 __all__ = ["SECRET_FILE", "create_secret", "load_secret", "sign", "verify"]
 
@@ -44,9 +44,7 @@ def create_secret(keys_dir: Path, *, force: bool = False) -> Path:
     path = keys_dir / SECRET_FILE
     if force:
         path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
+    write_private(path, secrets.token_hex(32) + "\n")
     return path
 
 
@@ -62,6 +60,8 @@ def load_secret(keys_dir: Path) -> bytes | None:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
+    except OSError as exc:  # a link (followed by no one), or no right to read it
+        raise UnsafeDirectory(f"{path} cannot be read as a file of yours: {exc.strerror}; make it one") from None
     with os.fdopen(fd) as f:
         st = os.fstat(f.fileno())
         if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:

@@ -70,6 +70,10 @@ def test_a_secret_others_may_read_or_that_holds_nothing_is_refused(tmp_path: Pat
     path.write_text("not hex\n")
     with pytest.raises(KeysMissing, match="holds no secret"):
         load_secret(keys)
+    path.unlink()
+    path.symlink_to(tmp_path / "elsewhere")  # a link is followed by no one, and refused in one line
+    with pytest.raises(UnsafeDirectory, match="cannot be read as a file of yours"):
+        load_secret(keys)
 
 
 @as_root
