@@ -149,9 +149,10 @@ class Arm(Message, frozen=True, tag="arm"):
 
     The worker subscribes to ``endpoint`` and treats the first :class:`BubbleStarted`
     after ``after_ns`` as a Grant ``grant_id`` with deadline ``t_ns + expected_ns * prediction_factor``
-    (one hop instead of two). The manager sends that Grant too, as soon as it sees
-    the same event: a worker that missed the event starts from it, one that did not
-    ignores it.
+    (one hop instead of two), ended by the rank's next :class:`BubbleEnded` as by a
+    Revoke. Until the worker has shown it hears the rank, the manager sends that
+    Grant too, as soon as it sees the same event: a worker that missed the event
+    starts from it, one that did not ignores it.
     """
 
     grant_id: int

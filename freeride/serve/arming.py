@@ -1,12 +1,15 @@
 """The arm out on one device: a grant handed over before its bubble starts, honoured once it does.
 
-Armed grants shorten the path from a bubble's start to a step's: when a bubble
-ends, the task next in turn is armed for the next one (where the rank publishes
-its bubble starts), so its worker starts on the rank's own event instead of
-waiting for the scheduler's Grant. The scheduler still sees that event, counts
-the armed task as the bubble's holder (an arm, once out, is always honoured:
-the worker may already run) and sends the same Grant, which a worker that
-missed the event starts from.
+Armed grants shorten the path from a bubble's start to a step's: once a bubble
+is given back (or ends), the task next in turn is armed for the next one (where
+the rank publishes its bubble starts), so its worker starts on the rank's own
+event instead of waiting for the scheduler's Grant, and stops at the rank's own
+end. The scheduler still sees those events and counts the armed task as the
+bubble's holder (an arm, once out, is always honoured: the worker may already
+run); to a worker not yet shown to hear the rank it sends the same Grant, which
+a worker that missed the event starts from. With every bubble of a device an
+armed worker's that hears its rank, nothing the scheduler decides waits on the
+rank's events (:attr:`~freeride.serve.scheduler.DeviceScheduler.edge_due`).
 
 :class:`DeviceArming` holds the one arm out and the rule of which task may be
 armed; its scheduler (:class:`~freeride.serve.scheduler.DeviceScheduler`)
@@ -32,8 +35,15 @@ class Armed:
 
     task: TaskRecord
     grant_id: int
+    guard: tuple[int, float, int] = (0, 1.0, 0)
+    """The guard's margin, prediction factor and shortest bubble the arm carries."""
     early: p.GrantDone | None = None
     """The grant's report, if it came before its bubble's start did."""
+
+
+def _carried(guard: InterferenceGuard) -> tuple[int, float, int]:
+    """What of ``guard``'s an arm carries to its worker."""
+    return guard.margin_ns, guard.factor, guard.min_bubble_ns
 
 
 class DeviceArming:
@@ -107,9 +117,17 @@ class DeviceArming:
             )
             if not task.runner.arm(arm):
                 continue  # the worker's socket refused
-            self.armed = Armed(task=task, grant_id=grant_id)
+            self.armed = Armed(task=task, grant_id=grant_id, guard=_carried(guard))
             return k
         return None
+
+    def follows(self, task: TaskRecord) -> bool:
+        """Whether ``task``'s worker has shown it hears this rank (it took an armed grant from its event)."""
+        return task.runner is not None and (task.task_id, task.runner.pid) in self._following
+
+    def stale(self, guard: InterferenceGuard) -> bool:
+        """Whether the arm out carries other values of ``guard``'s than it has now."""
+        return self.armed is not None and self.armed.guard != _carried(guard)
 
     def disarm(self) -> None:
         """Withdraw the arm out, if any."""
@@ -153,7 +171,7 @@ class DeviceArming:
             return None
         runner = armed.task.runner
         sent = False
-        if armed.early is None and (armed.task.task_id, runner.pid) not in self._following:
+        if armed.early is None and not self.follows(armed.task):
             # The Grant a worker that missed the rank's event starts from (one that did not ignores
             # it). A worker that has taken armed grants from this rank's events gets none: it hears
             # the rank, and the Grant would be one more message each way per bubble. Should it miss

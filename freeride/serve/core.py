@@ -178,6 +178,19 @@ class ManagerCore:
             s.bubbles_endpoint for s in self.schedulers.values() if s.bubbles_endpoint and (every or s.wants_bubbles)
         }
 
+    def edges_due(self) -> bool:
+        """Whether the ranks' events must be read as they come: a decision waits on a bubble's start or end.
+
+        Where side work runs and no device has such a decision (every bubble
+        is an armed worker's that hears its rank: see
+        :attr:`~freeride.serve.scheduler.DeviceScheduler.edge_due`), the
+        manager reads them in batches, and is woken by its workers' reports
+        instead of by every bubble's start and end. With no side work placed
+        anywhere they are read as they come: few come (decision D50).
+        """
+        schedulers = self.schedulers.values()
+        return not any(s.in_use for s in schedulers) or any(s.edge_due for s in schedulers)
+
     def refresh_following(self) -> None:
         """Follow exactly :meth:`bubbles_wanted` (called as ranks, tasks and bubbles come and go, and each second).
 
@@ -234,6 +247,9 @@ class ManagerCore:
         self.rejected_frames += 1
         if sampled(self.rejected_frames):
             logger.warning("[events] refused an event (%d rejected so far): %s", self.rejected_frames, reason)
+
+    def read_queued_events(self) -> None:
+        """Handle the ranks' events received and not yet read (the manager's sockets; none here)."""
 
     def gpu_uuid(self, device: str) -> str:
         """The UUID of a device's GPU; "" where none is known (the manager asks NVML)."""

@@ -192,10 +192,14 @@ class DeviceLedger:
         self._last_event_ns = max(self._last_event_ns, ev.t_ns)
         self.bubbles += 1
 
-    def bubble_ended(self, ev: p.BubbleEnded, waited_ns: int, grants: Iterable[GrantState]) -> None:
+    def bubble_ended(
+        self, ev: p.BubbleEnded, waited_ns: int, grants: Iterable[GrantState], *, prompt: bool = True
+    ) -> None:
         """Count the bubble that ended, and mark its end on ``grants``: settled if back, else read their CPU.
 
         ``waited_ns`` is the stage's wait for its core at the end, charged to the step that held it.
+        A task's CPU clock read now stands for its clock at the end only where the end is handled
+        ``prompt``-ly; otherwise the wall times of its report stand in (see :meth:`settle`).
         """
         states = list(grants)
         if waited_ns > 0:
@@ -209,7 +213,7 @@ class DeviceLedger:
                 state.bubble_end_ns = ev.t_ns
                 if state.returned:
                     self.settle(state)
-                elif state.task.runner is not None:
+                elif prompt and state.task.runner is not None:
                     # What the task runs from here on is taken from training. Read before the
                     # scheduler's revoke, which freezes a program at once.
                     state.cpu_at_end = state.task.runner.cpu_ns()

@@ -8,7 +8,9 @@ Usage::
 Four sockets, each owned by one object and read by one task: backend events
 (PULL), the bubbles of the ranks where side work may run (SUB, see
 :meth:`~freeride.serve.core.ManagerCore.bubbles_wanted`), side-task workers
-(ROUTER) and control clients (ROUTER). What arrives
+(ROUTER) and control clients (ROUTER). While no decision waits on a bubble's
+edge, the first two are read in batches instead, every :data:`RELAXED_READ_S`
+and before what the other two bring (:meth:`Manager._catch_up`). What arrives
 is handed to the socket-free core (:class:`~freeride.serve.core.ManagerCore`:
 the ranks, one :class:`~freeride.serve.scheduler.DeviceScheduler` per device,
 called synchronously on each bubble event, and the supervisor). Everything runs
@@ -51,6 +53,13 @@ logger = logging.getLogger(__name__)
 _BATCH = 64
 """Messages one loop handles before the others get a turn (about half a millisecond of events)."""
 
+RELAXED_READ_S = 0.1
+"""How often the ranks' events are read while no decision waits on them (see :meth:`ManagerCore.edges_due`)."""
+
+_CATCH_UP = 1024
+"""Most events one catch-up reads from each socket before the other loops get a turn (a flood must not hold
+them up)."""
+
 
 class _Stop(Exception):
     """Raised inside the TaskGroup to end :meth:`Manager.run`."""
@@ -73,6 +82,12 @@ class Manager(ManagerCore):
         self._zap: ZapHandler | None = None
         self._nvml: NvmlMonitor | None = None
         self._mps: MpsDaemon | None = None
+        self._edges = asyncio.Event()
+        """Set once a decision waits on a bubble's edge: the events are read as they come again."""
+        self._batched = False
+        """The ranks' events are read in batches now (no decision waits on them)."""
+        self._batching = asyncio.Event()
+        """Set while the ranks' events are read in batches: wakes :meth:`_batches_loop`."""
         self._own = OwnCores()
         """Keeps the manager's own threads off the ranks' cores where some are spare (freeride.host.owncores)."""
 
@@ -193,6 +208,7 @@ class Manager(ManagerCore):
                     tg.create_task(self._zap.serve(), name="manager-zap")
                 tg.create_task(self._events_loop(), name="manager-events")
                 tg.create_task(self._bubbles_loop(), name="manager-bubbles")
+                tg.create_task(self._batches_loop(), name="manager-batches")
                 tg.create_task(self._workers_loop(), name="manager-workers")
                 tg.create_task(self._control_loop(), name="manager-control")
                 tg.create_task(self._watchdog(), name="manager-watchdog")
@@ -219,6 +235,7 @@ class Manager(ManagerCore):
             # A socket with messages queued answers an await at once, without yielding:
             # read one by one, a flood of events would keep control and workers waiting.
             await asyncio.sleep(0)
+            await self._unless_edges_due(self._receiver)
 
     async def _bubbles_loop(self) -> None:
         assert self._follower is not None
@@ -226,6 +243,69 @@ class Manager(ManagerCore):
             for event in await self._follower.recv_batch(_BATCH):
                 self.on_event(event)
             await asyncio.sleep(0)  # see _events_loop
+            await self._unless_edges_due(self._follower)
+
+    async def _unless_edges_due(self, owner: EventReceiver | BubbleFollower) -> None:
+        """While no decision waits on a bubble's edge, leave ``owner``'s events to :meth:`_batches_loop`."""
+        if self.edges_due():
+            return
+        owner.pause()
+        while not self.edges_due():
+            self._batched = True
+            self._batching.set()  # again on every wake: the batches' loop may have just left off
+            self._edges.clear()
+            await self._edges.wait()
+
+    async def _batches_loop(self) -> None:
+        """Reads the ranks' events every RELAXED_READ_S while no decision waits on them.
+
+        Read in batches, the bubbles of a rank whose side work is an armed
+        worker's (it starts and stops on the rank's own events, and reports)
+        wake the manager ten times a second, not at every start and end: on a
+        machine without spare cores each wake-up is taken from training. A
+        worker's report or a control request reads what is queued first
+        (:meth:`_catch_up`), so that everything is handled in order.
+        """
+        while True:
+            await self._batching.wait()
+            while not self.edges_due():
+                self._edges.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(RELAXED_READ_S):
+                        await self._edges.wait()
+                while self._catch_up():
+                    await asyncio.sleep(0)
+            self._batched = False
+            self._batching.clear()
+            self._edges.set()  # the events' loops read as they come again
+
+    def read_queued_events(self) -> None:
+        """Handle the ranks' events already received, read in batches or not (a rank's process exited).
+
+        One round of at most _CATCH_UP a socket: a flood must not hold the loop.
+        """
+        self._catch_up(always=True)
+
+    def _catch_up(self, *, always: bool = False) -> bool:
+        """Handle the ranks' events already queued, up to _CATCH_UP a socket; whether more may be queued.
+
+        Only while they are read in batches (or ``always``): otherwise their own loops read them as they come.
+        """
+        if not (self._batched or always):
+            return False
+        more = False
+        for owner in (self._receiver, self._follower):
+            if owner is not None:
+                events = owner.drain_nowait(_CATCH_UP)
+                for event in events:
+                    self.on_event(event)
+                more = more or len(events) == _CATCH_UP
+        return more
+
+    def _note_edges(self) -> None:
+        """Wake the event loops if a decision now waits on a bubble's edge."""
+        if self.edges_due():
+            self._edges.set()
 
     def follow_bubbles(self, endpoints: set[str]) -> None:
         follower = self._follower
@@ -245,6 +325,7 @@ class Manager(ManagerCore):
             self.ranks.check_silence()
             self.finish_goodbyes()
             self.refresh_following()  # tasks placed, finished or gone since
+            self._note_edges()
             if self.config.own_process:
                 self._own.update(frozenset(c for d in self.devices.values() if d.alive for c in d.cpu_affinity))
 
@@ -272,13 +353,16 @@ class Manager(ManagerCore):
     async def _workers_loop(self) -> None:
         assert self._hub is not None
         while True:
-            for ident, msg in await self._hub.recv_batch(_BATCH):
+            batch = await self._hub.recv_batch(_BATCH)
+            self._catch_up()  # a report after the bubble events before it
+            for ident, msg in batch:
                 if isinstance(msg, BadFrame):
                     self.rejected_frames += 1
                     if sampled(self.rejected_frames):
                         logger.warning("[workers] rejected a frame from %r: %s", ident, msg.reason)
                 else:
                     self.supervisor.on_worker(ident, msg)
+            self._note_edges()
             await asyncio.sleep(0)  # see _events_loop
 
     # -- control --------------------------------------------------------------
@@ -286,7 +370,9 @@ class Manager(ManagerCore):
     async def _control_loop(self) -> None:
         assert self._control is not None
         while True:
-            for ident, req in await self._control.recv_batch(_BATCH):
+            batch = await self._control.recv_batch(_BATCH)
+            self._catch_up()  # status counts every event come so far
+            for ident, req in batch:
                 reply = self.on_control(req)
                 try:
                     self._control.reply_nowait(ident, reply)
@@ -294,4 +380,5 @@ class Manager(ManagerCore):
                     # a value no check caught must cost this reply, not the manager
                     logger.exception("[control] cannot encode the reply to %s", type(req).__name__)
                     self._control.reply_nowait(ident, p.Rejected(reason="the manager could not encode its reply"))
+            self._note_edges()
             await asyncio.sleep(0)  # see _events_loop

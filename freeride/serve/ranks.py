@@ -132,6 +132,10 @@ class RankListener(Protocol):
         """A bubble event found no room for its rank or device and was dropped."""
         ...
 
+    def read_queued_events(self) -> None:
+        """Handle the ranks' events already received and not yet read (a goodbye may be among them)."""
+        ...
+
 
 class Ranks:
     """The ranks reporting to one manager, and their devices."""
@@ -397,6 +401,8 @@ class Ranks:
         trainer.pidfd = fd
 
         def exited() -> None:
+            # Its goodbye and last bubbles may be queued still, unread: they come first.
+            self._listener.read_queued_events()
             if trainer.alive and not trainer.leaving and self._ranks.get(trainer.rank) is trainer:
                 self._lose(trainer, "its process exited without saying goodbye")
             else:

@@ -48,6 +48,7 @@ from freeride.serve.tasks import TaskRecord
 
 __all__ = [
     "PACK_ROOM_NS",
+    "PROMPT_END_NS",
     "PROBE_AFTER_BUBBLES",
     "PROBE_BUBBLE_SHARE",
     "RECENT_BUBBLES",
@@ -57,6 +58,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+PROMPT_END_NS = 2_000_000
+"""A bubble's end handled later than this after it came is late: a task's CPU clock read then is not its clock at
+the end (the manager reads a rank's events in batches while no decision waits on them)."""
 
 PACK_ROOM_NS = 200_000
 """A packing task is granted what is left of a bubble down to this much, whatever its whole step needs."""
@@ -165,6 +170,26 @@ class DeviceScheduler(LedgerView):
         self._arm_next()
 
     @property
+    def edge_due(self) -> bool:
+        """Whether a decision here waits on a bubble's start or end: the manager must read this rank's events at once.
+
+        None does while the bubble, or the next one, is an armed worker's that
+        hears the rank (it starts on the rank's start and stops at its end by
+        itself, and its report wakes the manager), nor on a device with no side
+        work. A grant a program holds (frozen at the end), a task next in turn
+        that cannot be armed, or a step frozen as slow does.
+        """
+        if self._idle:
+            return False
+        if self.slow.active:
+            return True
+        if self._holder is not None:
+            state = self._grants.get(self._holder)
+            return state is None or not self._arming.follows(state.task)
+        armed = self._arming.armed
+        return armed is None or not self._arming.follows(armed.task)
+
+    @property
     def wants_bubbles(self) -> bool:
         """Whether the manager should follow this device's bubbles even with no side work placed here.
 
@@ -240,7 +265,8 @@ class DeviceScheduler(LedgerView):
         # Bubble time stays what the rank measured (as the trace shows it); the stage's wait for
         # its core at the end is charged as interference to the step that held it, not as used.
         waited = min(ev.waited_runnable_ns, ev.duration_ns) if self._charge_stage_waits else 0
-        self.ledger.bubble_ended(ev, waited, self._grants.values())
+        prompt = self._clock.now_ns() - ev.t_ns <= PROMPT_END_NS
+        self.ledger.bubble_ended(ev, waited, self._grants.values(), prompt=prompt)
         self._grants = {gid: s for gid, s in self._grants.items() if not s.returned}
         self.slow.bubble_ended()
         for state in self._grants.values():
@@ -253,12 +279,11 @@ class DeviceScheduler(LedgerView):
             self.ledger.withheld_ended(self._withheld, ev.duration_ns, granted=self._granted_in_bubble)
         self._withheld = ""
         if bubble is not None and same:
-            shortest = self.guard.min_bubble_ns
             self.guard.bubble_ended(
                 ev.t_ns, ev.duration_ns - waited, bubble.expected_ns, granted=self._granted_in_bubble
             )
-            if self.guard.min_bubble_ns != shortest:
-                self._arming.disarm()  # armed with the old shortest bubble: armed again with the new one
+            if self._arming.stale(self.guard):
+                self._arming.disarm()  # armed with the guard's old margin, factor or shortest bubble: again
         self._arm_next()
 
     def on_task_changed(self, task: TaskRecord) -> None:
@@ -396,7 +421,12 @@ class DeviceScheduler(LedgerView):
         }
 
     def _arm_next(self) -> None:
-        """Between bubbles, arm the task next in turn, unless one is armed.
+        """Arm the task next in turn for the next bubble, unless one is armed or the bubble is still held.
+
+        Arming as soon as a bubble is given back, rather than at its end, lets
+        the manager leave the end to the worker (it reads the rank's ends
+        itself): nothing of the manager's waits on the end, and the Arm reaches
+        the worker while its core is still in the bubble.
 
         A task next in turn that cannot be armed (its step time unknown, due for
         a probe, a program) leaves the next bubble unarmed: its start is granted
@@ -404,8 +434,10 @@ class DeviceScheduler(LedgerView):
         would hand that one every bubble's start, and the first none at all.
         """
         arming = self._arming
-        if arming.armed is not None or self._bubble is not None or not arming.endpoint or not self.tasks:
+        if arming.armed is not None or not arming.endpoint or not self.tasks:
             return
+        if self._bubble is not None and self._holder is not None:
+            return  # the bubble is still someone's; once given back and taken by no one, the next one is armed
         if self.slow.active:
             return
         costs, rank = self._costs, self._rank

@@ -61,11 +61,7 @@ class _DescriptorOwner(AsyncOwner[_M]):
         self._ready = asyncio.Event()
 
     def close(self) -> None:
-        if self._reading is not None:
-            loop, fd = self._reading
-            self._reading = None
-            if not loop.is_closed():
-                loop.remove_reader(fd)
+        self.pause()
         super().close()
 
     async def _batch(self, read: Callable[[], _T | None], limit: int) -> list[_T]:
@@ -86,6 +82,14 @@ class _DescriptorOwner(AsyncOwner[_M]):
                 await self._ready.wait()
                 batch = _drain(read, limit)
         return batch
+
+    def pause(self) -> None:
+        """Stop watching the socket's descriptor until the next wait: messages queue without waking anyone."""
+        if self._reading is not None:
+            loop, fd = self._reading
+            self._reading = None
+            if not loop.is_closed():
+                loop.remove_reader(fd)
 
     def _sent(self) -> None:
         """After a send: the send may have taken the descriptor's signal of a message come meanwhile."""
@@ -111,6 +115,10 @@ class _DescriptorReader(_DescriptorOwner[_M]):
     async def recv_batch(self, limit: int) -> list[_M | BadFrame]:
         """The next message, and up to ``limit - 1`` more that are already queued."""
         return [self._event(frame) for frame in await self._frames(limit)]
+
+    def drain_nowait(self, limit: int) -> list[_M | BadFrame]:
+        """Up to ``limit`` messages already queued, without waiting (none: an empty list)."""
+        return [self._event(frame) for frame in _drain(self._frame_nowait, limit)]
 
     def _event(self, frame: bytes) -> _M | BadFrame:
         return decode(self._decoder, frame[self._topic_bytes :])

@@ -1,4 +1,4 @@
-"""A side-task worker's sockets: its DEALER to the manager and its SUB to a rank's bubble starts."""
+"""A side-task worker's sockets: its DEALER to the manager and its SUBs to a rank's bubble starts and ends."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import zmq
 import zmq.asyncio
 
 from freeride import protocol as p
-from freeride.transport.frames import BUBBLE_START, BadFrame, decode, encoder
+from freeride.transport.frames import BUBBLE_END, BUBBLE_START, BadFrame, decode, encoder
 from freeride.transport.owner import AsyncOwner
 
 __all__ = ["BubbleListener", "WorkerLink", "wait_readable", "worker_identity"]
@@ -52,24 +52,52 @@ class WorkerLink(AsyncOwner[p.ManagerToWorker]):
             logger.warning("[send] to the manager failed: %s", exc)
 
 
-class BubbleListener(AsyncOwner[p.BubbleStarted]):
-    """An armed worker's SUB to its rank's :class:`BubblePublisher`.
+def _conflated_sub(ctx: zmq.asyncio.Context, endpoint: str, topic: bytes) -> zmq.asyncio.Socket:
+    """A SUB that keeps only the latest message of ``topic`` from the publisher on ``endpoint``."""
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.CONFLATE, 1)  # before connect
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_EVENT_FRAME)
+    sock.setsockopt(zmq.SUBSCRIBE, topic)  # one topic a socket: a conflated queue keeps one message of all
+    sock.connect(endpoint)
+    return sock
 
-    Conflated: only the latest bubble start is kept, so a worker that has not
-    read for a while finds the current bubble, not a queue of past ones.
+
+class _EndListener(AsyncOwner[p.BubbleEnded]):
+    """The SUB to a rank's bubble ends: read between steps only, never waited on."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+        super().__init__(_conflated_sub(ctx, endpoint, BUBBLE_END), msgspec.msgpack.Decoder(p.BubbleEnded))
+
+    def recv_nowait(self) -> p.BubbleEnded | BadFrame | None:
+        frame = self._frame_nowait()
+        if frame is None:
+            return None
+        event: p.BubbleEnded | BadFrame = decode(self._decoder, frame[len(BUBBLE_END) :])
+        return event
+
+
+class BubbleListener(AsyncOwner[p.BubbleStarted]):
+    """An armed worker's SUBs to its rank's :class:`BubblePublisher`: the bubbles' starts, and their ends.
+
+    Conflated: only the latest bubble start (and end) is kept, so a worker that
+    has not read for a while finds the current bubble, not a queue of past ones.
+    Only the starts' socket is waited on (:func:`wait_readable`): a worker
+    between bubbles is woken by a start, never by an end. The ends are read
+    between steps, so that a worker stops starting steps once its bubble ended,
+    whenever the manager's revoke reaches it.
     """
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
         if not endpoint.startswith("ipc://"):
             raise ValueError(f"bubble starts are followed over ipc only, got {endpoint!r}")
-        sock = ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.CONFLATE, 1)  # before connect
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_EVENT_FRAME)
-        sock.setsockopt(zmq.SUBSCRIBE, BUBBLE_START)  # starts only: a conflated queue must not keep an end
-        sock.connect(endpoint)
         self.endpoint = endpoint
-        super().__init__(sock, msgspec.msgpack.Decoder(p.BubbleStarted))
+        super().__init__(_conflated_sub(ctx, endpoint, BUBBLE_START), msgspec.msgpack.Decoder(p.BubbleStarted))
+        self._ends = _EndListener(ctx, endpoint)
+
+    def close(self) -> None:
+        self._ends.close()
+        super().close()
 
     def recv_nowait(self) -> p.BubbleStarted | BadFrame | None:
         """The latest bubble start not yet read, or ``None`` (see :meth:`WorkerLink.recv_nowait`)."""
@@ -78,6 +106,10 @@ class BubbleListener(AsyncOwner[p.BubbleStarted]):
             return None
         event: p.BubbleStarted | BadFrame = decode(self._decoder, frame[len(BUBBLE_START) :])
         return event
+
+    def recv_end_nowait(self) -> p.BubbleEnded | BadFrame | None:
+        """The latest bubble end not yet read, or ``None``."""
+        return self._ends.recv_nowait()
 
 
 async def wait_readable(*owners: WorkerLink | BubbleListener) -> None:

@@ -1,15 +1,18 @@
 """Armed grants on the worker's side: a step starts on the rank's own bubble start.
 
-The manager knows, at a bubble's end, which task gets the next bubble. It arms
-that task's worker (:class:`~freeride.protocol.Arm`); the worker follows its
-rank's bubble starts directly (:class:`~freeride.transport.BubbleListener`) and,
-when the next one arrives, takes it as the armed grant, with the deadline the
-rank announced: one socket hop from bubble start to step start instead of two.
+The manager knows, once a bubble is given back, which task gets the next one.
+It arms that task's worker (:class:`~freeride.protocol.Arm`); the worker follows
+its rank's bubble starts directly (:class:`~freeride.transport.BubbleListener`)
+and, when the next one arrives, takes it as the armed grant, with the deadline
+the rank announced: one socket hop from bubble start to step start instead of
+two. It reads the rank's bubble ends too, between steps: a grant whose bubble
+ended starts no more steps, whenever the manager's Revoke comes.
 
-The manager stays the authority: it sees the same event, counts the armed task
-as the bubble's holder, revokes it at the end and sends the Grant it would have
-sent anyway. That Grant starts a worker that missed the event, is ignored by
-one that took it, and corrects one that took the wrong bubble.
+The manager stays the authority: it sees the same events, counts the armed
+task as the bubble's holder and revokes a grant still out at the end. Until the
+worker has shown that it hears the rank (an armed report), the manager also
+sends the Grant it would have sent anyway, which starts a worker that missed
+the event and is ignored by one that took it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ class BubbleFeed(Protocol):
         """The latest bubble start not yet read, else ``None``."""
         ...
 
+    def recv_end_nowait(self) -> p.BubbleEnded | BadFrame | None:
+        """The latest bubble end not yet read, else ``None``."""
+        ...
+
     async def wait(self) -> None:
         """Return once the feed or the manager's link has something to read."""
         ...
@@ -62,6 +69,9 @@ class RankFeed:
     def recv_nowait(self) -> p.BubbleStarted | BadFrame | None:
         return self._listener.recv_nowait() if self._listener is not None else None
 
+    def recv_end_nowait(self) -> p.BubbleEnded | BadFrame | None:
+        return self._listener.recv_end_nowait() if self._listener is not None else None
+
     async def wait(self) -> None:
         if self._listener is None:
             await wait_readable(self._link)
@@ -82,6 +92,8 @@ class Arming:
         self._holdback: HoldbackSchedule | None = None
         """The held-back steps of the armed rank's job (the manager grants none of their bubbles)."""
         self._latest: p.BubbleStarted | None = None
+        self.ended_ns = 0
+        """When the rank's latest bubble end seen came (0: none): a grant of a bubble that started before it is over."""
         self._taken: p.Grant | None = None
         """The last armed grant taken from an event (kept after it is given back)."""
 
@@ -107,6 +119,13 @@ class Arming:
     def seen(self, event: p.BubbleStarted) -> None:
         if self._latest is None or event.t_ns > self._latest.t_ns:
             self._latest = event
+
+    def ended(self, event: p.BubbleEnded) -> None:
+        self.ended_ns = max(self.ended_ns, event.t_ns)
+
+    def over(self, grant: p.Grant) -> bool:
+        """Whether ``grant``'s bubble has ended, as the rank announced (one rank's bubbles never overlap)."""
+        return grant.bubble_t_ns < self.ended_ns
 
     def take(self) -> p.Grant | None:
         """The armed grant, if its bubble has started; the arm is spent then."""

@@ -231,7 +231,12 @@ class GrantGate:
             self._send(done)
 
     def _read_feed(self) -> None:
-        """Note the rank's latest bubble start."""
+        """Note the rank's latest bubble start and end; a grant whose bubble ended is over, as if revoked.
+
+        The rank's own end reaches the worker before the manager's Revoke
+        could, and whether the manager reads the rank's events at once or not
+        (it reads them in batches while no decision waits on them).
+        """
         feed = self._feed
         if feed is None:
             return
@@ -240,6 +245,14 @@ class GrantGate:
                 logger.warning("[worker] rejected a bubble event: %s", event.reason)
             else:
                 self._arming.seen(event)
+        while (end := feed.recv_end_nowait()) is not None:
+            if isinstance(end, BadFrame):
+                logger.warning("[worker] rejected a bubble event: %s", end.reason)
+            else:
+                self._arming.ended(end)
+        grant = self._ledger.grant
+        if grant is not None and self._arming.over(grant):
+            self._ledger.revoked = True
 
     def _take_armed(self) -> None:
         """Take the armed grant if its bubble has started."""

@@ -1,11 +1,12 @@
 """Armed grants end to end: a real rank session, a real manager and a real worker.
 
 The rank (a :class:`~freeride.backends.session.BackendSession` in this process, over the
-real event socket) also publishes its bubble starts; the manager arms the
-worker between bubbles, and the worker starts its steps on the rank's own
-event. The manager must still revoke each bubble at its end and account for
-it: the grants come back, the bubble time they used is counted, and the
-latency is measured from the rank's timestamp as for a Grant.
+real event socket) also publishes its bubble starts and ends; the manager arms
+the worker between bubbles, and the worker starts its steps on the rank's own
+event and stops at its end. Each bubble must still be accounted for, once the
+manager reads the rank's events in batches too: the grants come back, the
+bubble time they used is counted, and the latency is measured from the rank's
+timestamp as for a Grant.
 """
 
 from __future__ import annotations
@@ -129,6 +130,11 @@ async def test_a_worker_starts_on_the_ranks_own_bubble_start_and_is_still_revoke
                 break
         else:
             raise AssertionError(f"no armed grant in 60 bubbles: {reports.done[-5:]}")
+        # The worker hears the rank: nothing the manager decides waits on the rank's events, which it
+        # now reads in batches; a bubble is still used, stopped by its end and accounted.
+        await wait_until(lambda: not manager.edges_due(), 10, "the manager reading the rank's events in batches")
+        done = await _one_bubble(manager, session, reports, reply.task_id, step + 1)
+        assert (done.reason, done.armed) == ("revoked", True)
     finally:
         session.close()
 

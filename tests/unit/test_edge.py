@@ -233,6 +233,9 @@ class _Listener:
     def device_lost(self, name: str) -> None:
         pass
 
+    def read_queued_events(self) -> None:
+        pass
+
     def rank_ready(self, info: DeviceInfo) -> None:
         pass
 

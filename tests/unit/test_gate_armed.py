@@ -17,6 +17,7 @@ from freeride import protocol as p
 from freeride.clock import ManualClock
 from freeride.sidetask import IterativeTask
 from freeride.transport import BadFrame
+from freeride.worker.armed import Arming
 from freeride.worker.gate import GrantGate
 
 MS = 1_000_000
@@ -36,6 +37,7 @@ class Wires:
     def __init__(self) -> None:
         self.inbox: list[p.ManagerToWorker | BadFrame] = []
         self.events: list[p.BubbleStarted | BadFrame] = []
+        self.ends: list[p.BubbleEnded | BadFrame] = []
         self.sent: list[p.WorkerToManager] = []
         self.followed: list[str] = []
         self._kick = asyncio.Event()
@@ -49,6 +51,10 @@ class Wires:
     def publish(self, event: p.BubbleStarted) -> None:
         self.events.append(event)
         self._kick.set()
+
+    def publish_end(self, event: p.BubbleEnded) -> None:
+        """A bubble end: read between steps, never woken for (as the real listener's)."""
+        self.ends.append(event)
 
     async def parked(self) -> None:
         """Return once the gate waits for a message (the timeout only guards against a hang)."""
@@ -90,6 +96,9 @@ class Feed:
 
     def recv_nowait(self) -> p.BubbleStarted | BadFrame | None:
         return self.wires.events.pop(0) if self.wires.events else None
+
+    def recv_end_nowait(self) -> p.BubbleEnded | BadFrame | None:
+        return self.wires.ends.pop(0) if self.wires.ends else None
 
     async def wait(self) -> None:
         if not self.wires.inbox and not self.wires.events:
@@ -245,6 +254,35 @@ async def test_an_armed_step_that_does_not_fit_gives_the_bubble_back_at_once(tmp
     stepping.cancel()
     with pytest.raises(asyncio.CancelledError):
         await stepping
+
+
+async def test_a_worker_stops_at_its_ranks_bubble_end_without_the_managers_revoke(tmp_path: Path) -> None:
+    # The manager reads a rank's events in batches while no decision waits on them: its Revoke may come
+    # late. The rank's own end, read between steps, ends the grant: no step starts past it.
+    clock, wires = ManualClock(), Wires()
+    gate = make_gate(tmp_path, clock, wires)
+    wires.push(p.Arm(grant_id=5, endpoint=ENDPOINT, after_ns=0))
+    bubble = started(clock, 10 * STEP)  # predicted long enough for ten steps
+    wires.publish(bubble)
+    await run_one_step(gate, clock)
+    wires.publish_end(
+        p.BubbleEnded(rank=0, stage=0, device="cpu:0", step=1, index=0, t_ns=clock.now_ns(), duration_ns=STEP)
+    )
+    stepping = asyncio.create_task(run_one_step(gate, clock))
+    await wires.parked()
+    assert gate.steps == 1  # the second step did not start
+    assert [(d.grant_id, d.reason, d.steps) for d in wires.done()] == [(5, "revoked", 1)]
+    stepping.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stepping
+
+
+def test_an_end_of_an_earlier_bubble_does_not_end_the_grant() -> None:
+    arming = Arming()
+    arming.ended(p.BubbleEnded(rank=0, stage=0, device="cpu:0", step=1, index=0, t_ns=100, duration_ns=50))
+    assert arming.over(p.Grant(grant_id=1, bubble_t_ns=99, deadline_ns=200))
+    assert not arming.over(p.Grant(grant_id=1, bubble_t_ns=100, deadline_ns=200))
+    assert not arming.over(p.Grant(grant_id=1, bubble_t_ns=150, deadline_ns=300))
 
 
 async def test_a_disarmed_worker_ignores_the_next_bubble(tmp_path: Path) -> None:

@@ -28,6 +28,12 @@ class Listener:
     def rank_ready(self, info: DeviceInfo) -> None:
         self.ready.append(info.name)
 
+    def read_queued_events(self) -> None:
+        self.queued()
+
+    def queued(self) -> None:
+        """What the events read now bring (nothing, unless a test says)."""
+
 
 def make() -> tuple[Ranks, Listener, ManualClock]:
     listener, clock = Listener(), ManualClock()
@@ -114,6 +120,30 @@ async def test_a_rank_whose_process_exits_is_lost_through_its_pidfd() -> None:
             while not listener.lost:
                 await asyncio.sleep(0)  # the pidfd becomes readable on the loop
         assert not ranks.devices["cpu:0"].alive
+    finally:
+        child.kill()
+        child.wait()
+        ranks.close()
+
+
+async def test_a_rank_whose_goodbye_is_still_unread_when_its_process_exits_is_not_lost() -> None:
+    # The manager reads the ranks' events in batches while no decision waits on them: the exit's
+    # signal may come first. The events already received are read before the rank is judged lost.
+    import asyncio
+
+    ranks, listener, _ = make()
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        ranks.hello(hello(pid=child.pid))
+        listener.queued = lambda: ranks.goodbye(0, dropped=3)  # type: ignore[method-assign]
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(timeout=30)
+        async with asyncio.timeout(10):
+            while not listener.lost:
+                await asyncio.sleep(0)
+        assert listener.lost == ["cpu:0"]  # once,
+        assert ranks.devices["cpu:0"].dropped == 3  # by its goodbye
     finally:
         child.kill()
         child.wait()

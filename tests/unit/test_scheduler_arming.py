@@ -453,3 +453,50 @@ def test_a_worker_that_missed_the_event_without_a_fallback_gives_the_grant_back_
     h.report(t1, done(t1, arm.grant_id, reason="revoked", armed=False))  # unheld: nothing ran
     [*_, (_, again)] = h.arms()
     assert again.grant_id != arm.grant_id and h.sched.status(_info()).used_ns == 10 * MS
+
+
+def test_a_bubble_given_back_arms_the_next_at_once_and_no_decision_waits_on_its_end() -> None:
+    h = Harness()
+    t1 = h.task(1, 2 * MS)
+    assert h.sched.edge_due  # not known yet to hear the rank: the Grant at the start must reach it
+    [(_, first)] = h.arms()
+    b = h.started(20 * MS)
+    h.report(t1, done(t1, first.grant_id, busy=10 * MS, end=b.t_ns + 12 * MS))  # no_fit: given back early
+    [_, (_, arm)] = h.arms()  # the next bubble is armed inside this one, not at its end
+    assert arm.after_ns == b.t_ns
+    assert not h.sched.edge_due  # the worker hears the rank: nothing waits on this bubble's end
+    h.ended(b, 20 * MS)
+    assert len(h.arms()) == 2 and h.of(p.Revoke) == []
+    b = h.started(20 * MS)
+    assert not h.sched.edge_due and len(h.grants()) == 1  # held by the armed worker: no fallback Grant
+    h.clock.advance(30 * MS)  # the manager reads the end late, in a batch
+    h.ended(b, 20 * MS)
+    assert h.of(p.Revoke) == [(1, p.Revoke(grant_id=arm.grant_id))]  # still out: it answers when it reads it
+    h.report(t1, done(t1, arm.grant_id, reason="revoked", busy=18 * MS, end=b.t_ns + 19 * MS))
+    assert h.sched.status(_info()).used_ns == 28 * MS
+
+
+def test_a_program_or_a_task_that_cannot_be_armed_keeps_the_edges_due() -> None:
+    h = Harness()
+    assert not h.sched.edge_due  # no side work here: bubbles are only counted
+    h.task(1, -1)  # its step time unknown: it probes at a bubble's start, on the scheduler's Grant
+    assert h.sched.edge_due and h.arms() == []
+    h2 = Harness()
+    h2.task(1, 2 * MS, program=True)
+    assert h2.sched.edge_due
+
+
+def test_an_end_handled_late_takes_wall_times_not_the_cpu_clock_read_then() -> None:
+    h = Harness()
+    t1 = h.task(1, 2 * MS)
+    runner = t1.runner
+    assert isinstance(runner, ArmableRunner)
+    runner.cpu = 0
+    [(_, arm)] = h.arms()
+    b = h.started(20 * MS)
+    h.clock.set(b.t_ns + 40 * MS)  # the end is handled 20 ms after it came
+    runner.cpu = 25 * MS  # read now, this would say the last step took nothing from training
+    h.ended(b, 20 * MS)
+    # the step ran 3 ms past the end: by wall times that is the interference
+    h.report(t1, done(t1, arm.grant_id, reason="revoked", busy=23 * MS, cpu_start=0, cpu=23 * MS, end=b.t_ns + 23 * MS))
+    assert h.sched.status(_info()).interference_ns == 3 * MS
