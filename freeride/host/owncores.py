@@ -20,6 +20,8 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from freeride.host.threads import pin
+
 __all__ = ["OwnCores", "Placement", "place_manager"]
 
 logger = logging.getLogger(__name__)
@@ -52,13 +54,6 @@ def place_manager(allowed: frozenset[int], training: frozenset[int]) -> Placemen
     )
 
 
-def _threads() -> list[int]:
-    try:
-        return [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        return [0]
-
-
 class OwnCores:
     """Applies :func:`place_manager` to this process as the training ranks come and go."""
 
@@ -72,11 +67,7 @@ class OwnCores:
         if target == self.placement:
             return
         if target.cores != self.placement.cores:
-            for tid in _threads():
-                try:
-                    os.sched_setaffinity(tid, target.cores)
-                except OSError as exc:  # a thread that ended meanwhile
-                    logger.debug("[cores] thread %d: %s", tid, exc)
+            pin(target.cores)
         self.placement = target
         if target.reason:
             logger.info("[cores] %s", target.reason)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import sys
@@ -23,6 +22,7 @@ from freeride import protocol as p
 from freeride.gpu.streams import step_end_sync, use_side_stream
 from freeride.host.files import replace_atomically
 from freeride.host.procs import bind_to_parent
+from freeride.host.threads import lower_priority, pin
 from freeride.sidetask import IterativeTask, TaskContext, TaskStopped
 from freeride.tasks.declared import declared, validate_options
 from freeride.tasks.estimates import EstimatesStore
@@ -89,8 +89,7 @@ def _lower_cpu_priority() -> None:
     would go further but lets any unrelated busy process starve a side task
     even inside its bubbles.)
     """
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, 0, 19)
+    lower_priority(19)  # every thread, as for the cores
 
 
 def _set_threads(n: int) -> None:
@@ -174,7 +173,7 @@ async def _run(endpoint: str, task_id: int) -> int:
 
 async def _serve(link: WorkerLink, assign: p.Assign, feed: RankFeed) -> int:
     if assign.cpu_affinity:
-        os.sched_setaffinity(0, assign.cpu_affinity)
+        pin(assign.cpu_affinity)  # every thread: libzmq's I/O thread takes each of the worker's messages
         _set_threads(len(assign.cpu_affinity))
     if assign.side_priority == "low":  # "same": the stage's own, so an overrun delays it as on a GPU
         _lower_cpu_priority()
