@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import cast
 
 import msgspec
 import zmq
@@ -31,14 +32,40 @@ class WorkerLink(AsyncOwner[p.ManagerToWorker]):
         sock.setsockopt(zmq.LINGER, 1000)
         sock.connect(endpoint)
         super().__init__(sock, msgspec.msgpack.Decoder(p.ManagerToWorker))
+        self._held: bytes | None = None
+        """A message a cancelled :meth:`recv` had already taken off the socket: the next read returns it."""
+
+    @property
+    def holds_message(self) -> bool:
+        """Whether a message taken off the socket by a cancelled :meth:`recv` waits to be read."""
+        return self._held is not None
 
     async def recv(self) -> p.ManagerToWorker | BadFrame:
-        frame = await self._live().recv()
+        """The next message; cancelling the wait never loses one.
+
+        A wait cancelled just as its message came (the task's own input
+        arrived at the same moment: :func:`~freeride.worker.waiting.race_link`)
+        has taken the message off the socket already; it is kept for the next
+        read. Lost, an Arm or a Revoke would leave the manager waiting for an
+        answer that never comes.
+        """
+        if self._held is not None:
+            frame, self._held = self._held, None
+            return decode(self._decoder, frame)
+        fut = cast("asyncio.Future[bytes]", self._live().recv())  # pyzmq's asyncio socket returns a Future
+        try:
+            frame = await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._held = fut.result()
+            raise
         return decode(self._decoder, frame)
 
     def recv_nowait(self) -> p.ManagerToWorker | BadFrame | None:
         """A message that has already arrived, or ``None`` (see ``_frame_nowait``)."""
-        frame = self._frame_nowait()
+        frame, self._held = self._held, None
+        if frame is None:
+            frame = self._frame_nowait()
         if frame is None:
             return None
         msg: p.ManagerToWorker | BadFrame = decode(self._decoder, frame)
@@ -118,6 +145,8 @@ async def wait_readable(*owners: WorkerLink | BubbleListener) -> None:
     Polls through pyzmq's asyncio poller, which keeps each socket's edge-triggered
     wake-ups consistent with its owner's own awaits.
     """
+    if any(isinstance(owner, WorkerLink) and owner.holds_message for owner in owners):
+        return
     poller = zmq.asyncio.Poller()
     for owner in owners:
         poller.register(owner._live(), zmq.POLLIN)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -168,4 +169,45 @@ async def test_a_router_waiting_to_read_misses_no_message_while_it_sends(runtime
         raw_ctx.term()
         server.close()
         zap.close()
+        ctx.term()
+
+
+async def test_a_worker_link_wait_cancelled_as_its_message_comes_keeps_the_message(runtime_dir: Path) -> None:
+    """A worker waiting for its own input and for the manager at once cancels one wait when the other ends
+    (``race_link``). Cancelled just as the manager's message came, the wait had taken it off the socket
+    already: lost, an Arm or a Revoke left the manager waiting for an answer that never came (the task was
+    then frozen as a hung step). The cancel is made to land exactly then: from the receive's own completion,
+    ahead of the waiting task's wake-up."""
+    from freeride.transport import WorkerHub, WorkerLink, wait_readable
+
+    ctx = new_async_context()
+    endpoint = f"ipc://{runtime_dir}/workers"
+    hub = WorkerHub(ctx, endpoint)
+    link = WorkerLink(ctx, endpoint, task_id=7)
+    try:
+        link.send_nowait(p.WorkerReady(protocol_version=p.PROTOCOL_VERSION, task_id=7, pid=os.getpid()))
+        ident, _ = await asyncio.wait_for(hub.recv(), 10)
+        sock = link._live()
+        plain_recv = sock.recv
+        waiting: list[asyncio.Task[object]] = []
+
+        def recv_cancelled_on_arrival(*args: object, **kwargs: object) -> object:
+            fut = plain_recv(*args, **kwargs)  # type: ignore[arg-type]
+            fut.add_done_callback(lambda _: waiting[0].cancel())  # type: ignore[union-attr]
+            return fut
+
+        sock.recv = recv_cancelled_on_arrival  # type: ignore[method-assign]
+        waiting.append(asyncio.ensure_future(link.recv()))
+        await asyncio.sleep(0.05)  # the receive is posted
+        assert hub.send_nowait(ident, p.Revoke(grant_id=5))
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(waiting[0], 10)
+        sock.recv = plain_recv  # type: ignore[method-assign]
+        assert link.holds_message
+        await asyncio.wait_for(wait_readable(link), 1)  # a poll says so at once
+        assert link.recv_nowait() == p.Revoke(grant_id=5)
+        assert not link.holds_message and link.recv_nowait() is None
+    finally:
+        link.close()
+        hub.close()
         ctx.term()
