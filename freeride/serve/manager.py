@@ -84,10 +84,8 @@ class Manager(ManagerCore):
         self._mps: MpsDaemon | None = None
         self._edges = asyncio.Event()
         """Set once a decision waits on a bubble's edge: the events are read as they come again."""
-        self._batched = False
-        """The ranks' events are read in batches now (no decision waits on them)."""
         self._batching = asyncio.Event()
-        """Set while the ranks' events are read in batches: wakes :meth:`_batches_loop`."""
+        """Set while the ranks' events are read in batches (no decision waits on them): wakes :meth:`_batches_loop`."""
         self._own = OwnCores()
         """Keeps the manager's own threads off the ranks' cores where some are spare (freeride.host.owncores)."""
 
@@ -251,7 +249,6 @@ class Manager(ManagerCore):
             return
         owner.pause()
         while not self.edges_due():
-            self._batched = True
             self._batching.set()  # again on every wake: the batches' loop may have just left off
             self._edges.clear()
             await self._edges.wait()
@@ -275,7 +272,6 @@ class Manager(ManagerCore):
                         await self._edges.wait()
                 while self._catch_up():
                     await asyncio.sleep(0)
-            self._batched = False
             self._batching.clear()
             self._edges.set()  # the events' loops read as they come again
 
@@ -291,7 +287,7 @@ class Manager(ManagerCore):
 
         Only while they are read in batches (or ``always``): otherwise their own loops read them as they come.
         """
-        if not (self._batched or always):
+        if not (always or self._batching.is_set()):
             return False
         more = False
         for owner in (self._receiver, self._follower):

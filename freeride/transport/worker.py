@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import cast
+from typing import TypeVar, cast
 
 import msgspec
 import zmq
@@ -17,6 +17,8 @@ from freeride.transport.owner import AsyncOwner
 __all__ = ["BubbleListener", "WorkerLink", "wait_readable", "worker_identity"]
 
 logger = logging.getLogger(__name__)
+
+_E = TypeVar("_E", p.BubbleStarted, p.BubbleEnded)
 
 
 def worker_identity(task_id: int) -> bytes:
@@ -79,32 +81,32 @@ class WorkerLink(AsyncOwner[p.ManagerToWorker]):
             logger.warning("[send] to the manager failed: %s", exc)
 
 
-def _conflated_sub(ctx: zmq.asyncio.Context, endpoint: str, topic: bytes) -> zmq.asyncio.Socket:
-    """A SUB that keeps only the latest message of ``topic`` from the publisher on ``endpoint``."""
-    sock = ctx.socket(zmq.SUB)
-    sock.setsockopt(zmq.CONFLATE, 1)  # before connect
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_EVENT_FRAME)
-    sock.setsockopt(zmq.SUBSCRIBE, topic)  # one topic a socket: a conflated queue keeps one message of all
-    sock.connect(endpoint)
-    return sock
+class _Latest(AsyncOwner[_E]):
+    """A SUB to one topic of a rank's :class:`BubblePublisher`, keeping only its latest message (conflated).
 
+    One topic a socket: a conflated queue keeps one message of all it receives.
+    """
 
-class _EndListener(AsyncOwner[p.BubbleEnded]):
-    """The SUB to a rank's bubble ends: read between steps only, never waited on."""
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, topic: bytes, kind: type[_E]) -> None:
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.CONFLATE, 1)  # before connect
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_EVENT_FRAME)
+        sock.setsockopt(zmq.SUBSCRIBE, topic)
+        sock.connect(endpoint)
+        self._topic_bytes = len(topic)
+        super().__init__(sock, msgspec.msgpack.Decoder(kind))
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
-        super().__init__(_conflated_sub(ctx, endpoint, BUBBLE_END), msgspec.msgpack.Decoder(p.BubbleEnded))
-
-    def recv_nowait(self) -> p.BubbleEnded | BadFrame | None:
+    def recv_nowait(self) -> _E | BadFrame | None:
+        """The latest message not yet read, or ``None`` (see :meth:`WorkerLink.recv_nowait`)."""
         frame = self._frame_nowait()
         if frame is None:
             return None
-        event: p.BubbleEnded | BadFrame = decode(self._decoder, frame[len(BUBBLE_END) :])
+        event: _E | BadFrame = decode(self._decoder, frame[self._topic_bytes :])
         return event
 
 
-class BubbleListener(AsyncOwner[p.BubbleStarted]):
+class BubbleListener(_Latest[p.BubbleStarted]):
     """An armed worker's SUBs to its rank's :class:`BubblePublisher`: the bubbles' starts, and their ends.
 
     Conflated: only the latest bubble start (and end) is kept, so a worker that
@@ -119,20 +121,12 @@ class BubbleListener(AsyncOwner[p.BubbleStarted]):
         if not endpoint.startswith("ipc://"):
             raise ValueError(f"bubble starts are followed over ipc only, got {endpoint!r}")
         self.endpoint = endpoint
-        super().__init__(_conflated_sub(ctx, endpoint, BUBBLE_START), msgspec.msgpack.Decoder(p.BubbleStarted))
-        self._ends = _EndListener(ctx, endpoint)
+        super().__init__(ctx, endpoint, BUBBLE_START, p.BubbleStarted)
+        self._ends = _Latest(ctx, endpoint, BUBBLE_END, p.BubbleEnded)
 
     def close(self) -> None:
         self._ends.close()
         super().close()
-
-    def recv_nowait(self) -> p.BubbleStarted | BadFrame | None:
-        """The latest bubble start not yet read, or ``None`` (see :meth:`WorkerLink.recv_nowait`)."""
-        frame = self._frame_nowait()
-        if frame is None:
-            return None
-        event: p.BubbleStarted | BadFrame = decode(self._decoder, frame[len(BUBBLE_START) :])
-        return event
 
     def recv_end_nowait(self) -> p.BubbleEnded | BadFrame | None:
         """The latest bubble end not yet read, or ``None``."""
