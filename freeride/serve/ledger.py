@@ -192,14 +192,10 @@ class DeviceLedger:
         self._last_event_ns = max(self._last_event_ns, ev.t_ns)
         self.bubbles += 1
 
-    def bubble_ended(
-        self, ev: p.BubbleEnded, waited_ns: int, grants: Iterable[GrantState], *, prompt: bool = True
-    ) -> None:
+    def bubble_ended(self, ev: p.BubbleEnded, waited_ns: int, grants: Iterable[GrantState]) -> None:
         """Count the bubble that ended, and mark its end on ``grants``: settled if back, else read their CPU.
 
         ``waited_ns`` is the stage's wait for its core at the end, charged to the step that held it.
-        A task's CPU clock read now stands for its clock at the end only where the end is handled
-        ``prompt``-ly; otherwise the wall times of its report stand in (see :meth:`settle`).
         """
         states = list(grants)
         if waited_ns > 0:
@@ -213,7 +209,7 @@ class DeviceLedger:
                 state.bubble_end_ns = ev.t_ns
                 if state.returned:
                     self.settle(state)
-                elif prompt and state.task.runner is not None:
+                elif state.task.runner is not None:
                     # What the task runs from here on is taken from training. Read before the
                     # scheduler's revoke, which freezes a program at once.
                     state.cpu_at_end = state.task.runner.cpu_ns()
@@ -270,7 +266,10 @@ class DeviceLedger:
             upto = state.cpu_done if state.cpu_at_end < 0 else min(state.cpu_done, state.cpu_at_end)
             used = min(max(0, upto - state.cpu_at_grant), inside_wall)
         self.used_ns = _sat(self.used_ns, used)
-        if state.cpu_done >= 0 and state.cpu_at_end >= 0:
+        # A clock read at the end's handling after the task's last step had ended (the end was read
+        # late, in a batch) is no reading at the end: wall times stand in, as for a report that came first.
+        read_at_end = state.cpu_at_end >= 0 and not (late > 0 and state.cpu_at_end >= state.cpu_done)
+        if state.cpu_done >= 0 and read_at_end:
             interference = max(0, state.cpu_done - state.cpu_at_end)
         elif late > 0 and state.cpu_done >= 0 and state.cpu_at_grant >= 0:
             interference = min(late, max(0, state.cpu_done - state.cpu_at_grant))

@@ -48,7 +48,6 @@ from freeride.serve.tasks import TaskRecord
 
 __all__ = [
     "PACK_ROOM_NS",
-    "PROMPT_END_NS",
     "PROBE_AFTER_BUBBLES",
     "PROBE_BUBBLE_SHARE",
     "RECENT_BUBBLES",
@@ -58,10 +57,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-PROMPT_END_NS = 2_000_000
-"""A bubble's end handled later than this after it came is late: a task's CPU clock read then is not its clock at
-the end (the manager reads a rank's events in batches while no decision waits on them)."""
 
 PACK_ROOM_NS = 200_000
 """A packing task is granted what is left of a bubble down to this much, whatever its whole step needs."""
@@ -265,8 +260,7 @@ class DeviceScheduler(LedgerView):
         # Bubble time stays what the rank measured (as the trace shows it); the stage's wait for
         # its core at the end is charged as interference to the step that held it, not as used.
         waited = min(ev.waited_runnable_ns, ev.duration_ns) if self._charge_stage_waits else 0
-        prompt = self._clock.now_ns() - ev.t_ns <= PROMPT_END_NS
-        self.ledger.bubble_ended(ev, waited, self._grants.values(), prompt=prompt)
+        self.ledger.bubble_ended(ev, waited, self._grants.values())
         self._grants = {gid: s for gid, s in self._grants.items() if not s.returned}
         self.slow.bubble_ended()
         for state in self._grants.values():
