@@ -16,7 +16,9 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-__all__ = ["UnsafeCheckpoint", "load_checkpoint", "safe_types", "state_bytes"]
+from freeride.host.files import replace_atomically
+
+__all__ = ["UnsafeCheckpoint", "load_checkpoint", "safe_types", "state_bytes", "write_checkpoint"]
 
 
 class UnsafeCheckpoint(RuntimeError):
@@ -77,6 +79,17 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict) and isinstance(saved.get("steps"), int)):
         raise UnsafeCheckpoint(f"checkpoint {path} is not a FreeRide worker checkpoint; remove it")
     return saved
+
+
+def write_checkpoint(state: object, path: Path, steps: int) -> None:
+    """Write ``{"steps": steps, "state": state}`` to ``path`` through a new file renamed into place.
+
+    A crash mid-write leaves the previous checkpoint; a link planted at
+    ``path`` is replaced, never written through.
+    """
+    import torch
+
+    replace_atomically(path, lambda f: torch.save({"steps": steps, "state": state}, f))
 
 
 def state_bytes(state: object) -> int:

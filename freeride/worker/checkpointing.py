@@ -2,9 +2,13 @@
 
 A checkpoint falls due every assigned period, and is forced where one more step
 would leave more unsaved than the assigned loss bound (steps or step time).
-The gate fits a due one into a grant on the last save's time, scaled by how the
-state grew; a forced one that fits no bubble runs at a grant's start. A failed
-save is reported and tried again later: it never ends the task.
+A state of :data:`STAGED_FROM_BYTES` or more is staged: copied to host memory a
+slice per grant (no step runs until the copy is whole) and written by a
+thread while the steps go on (:mod:`~freeride.worker.snapshot`); its size never
+holds a bubble past its end. A smaller state is saved at once: the gate fits
+it into a grant on the last save's time, scaled by how the state grew; a
+forced one that fits no bubble runs at a grant's start. A failed save is
+reported and tried again later: it never ends the task.
 """
 
 from __future__ import annotations
@@ -17,11 +21,21 @@ from pathlib import Path
 from freeride import protocol as p
 from freeride.clock import Clock
 from freeride.sidetask import IterativeTask
+from freeride.worker.checkpoint import write_checkpoint
+from freeride.worker.snapshot import StateCopy, StateWriter, WriteState
 
-__all__ = ["CheckpointDue", "Checkpointer", "SaveCheckpoint"]
+__all__ = ["STAGED_FROM_BYTES", "CheckpointDue", "Checkpointer", "SaveCheckpoint"]
 
 _RETRY_MAX_NS = 5_000_000_000
 """A failed checkpoint is tried again after the checkpoint period, or this, whichever is shorter."""
+
+STAGED_FROM_BYTES = 32 << 20
+"""A state this large (tensor and array bytes) is staged: written at once, it would take tens of ms."""
+
+_PROBE_BYTES = 1 << 20
+"""The first slice of a staged copy, before the copy's speed is known."""
+_MIN_SLICE_BYTES = 64 << 10
+"""A grant with room for less than this gives the copy nothing: the per-slice cost would dominate."""
 
 SaveCheckpoint = Callable[[IterativeTask, Path, int], int]
 """Saves a task's state with its step count to a path; returns the bytes of tensor data it held
@@ -36,6 +50,10 @@ class CheckpointDue:
     """Its expected time; -1 if none is wanted now (or its time is not known yet)."""
     bound: bool
     """The loss bound is reached: no step may run before the checkpoint."""
+    copying: bool = False
+    """A staged checkpoint's copy is due or under way: grants copy its slices, and no step runs."""
+    writing: bool = False
+    """A staged checkpoint is being written: none other starts, and none is forced meanwhile."""
 
 
 class Checkpointer:
@@ -50,6 +68,7 @@ class Checkpointer:
         clock: Where every time reading comes from.
         send: Sends a message to the manager.
         log: Where its records go (the gate's logger).
+        write: Writes a staged state's copy (see :data:`~freeride.worker.snapshot.WriteState`).
     """
 
     def __init__(
@@ -63,9 +82,11 @@ class Checkpointer:
         clock: Clock,
         send: Callable[[p.WorkerToManager], None],
         log: logging.Logger,
+        write: WriteState = write_checkpoint,
     ) -> None:
         self.assign = assign
         self.save = save
+        self.write_state = write
         self.state_bytes = state_bytes
         self._task = task
         self._clock = clock
@@ -83,6 +104,17 @@ class Checkpointer:
         """Step time since the last checkpoint: what a crash now would lose."""
         self._failed_ns = -1
         """When the last checkpoint failed (-1: it did not)."""
+        self._copy: StateCopy | None = None
+        """A staged checkpoint's copy under way (its step count and start beside it)."""
+        self._copy_steps = self._copy_began_ns = 0
+        self._writer: StateWriter | None = None
+        """A staged checkpoint being written."""
+        self._unsaved_at_copy_ns = 0
+        """Unsaved step time when the written copy was taken: what its write saves."""
+        self._ns_per_byte = -1.0
+        """What copying a byte took (-1: unknown); slices are sized on it."""
+        self._staging_failed = False
+        """A staged copy failed (its host memory could not be had): states are saved at once from then on."""
 
     def write(self, steps: int) -> bool:
         """Save the task's state at ``steps`` now; False if the write failed (reported, and retried later).
@@ -91,6 +123,7 @@ class Checkpointer:
         basic_ios::clear``) must not end the task: it keeps its previous
         checkpoint and tries again.
         """
+        self.settle()
         t0 = self._clock.now_ns()
         path = Path(self.assign.checkpoint_path)
         try:
@@ -111,10 +144,95 @@ class Checkpointer:
         self.saved_steps, self._unsaved_ns, self._failed_ns = steps, 0, -1
         return True
 
+    def first(self, steps: int) -> None:
+        """The checkpoint before any bubble: written now (it measures what one costs) unless the state is staged.
+
+        A staged state needs no measure (its slices are sized as they go), and
+        writing it now would take seconds beside the training.
+        """
+        if self._stages():
+            self._log.info(
+                "[worker] state of %.0f MB: checkpoints are staged (copied a slice per bubble, written in the "
+                "background)",
+                self._size_now() / 1e6,
+            )
+            return
+        self.write(steps)
+
+    def _stages(self) -> bool:
+        return not self._staging_failed and max(self._bytes, self._size_now()) >= STAGED_FROM_BYTES
+
+    def slice_bytes(self, room_ns: int) -> int:
+        """How much of a staged copy fits in ``room_ns``: 0 if too little."""
+        if self._ns_per_byte < 0:
+            return _PROBE_BYTES if room_ns > 0 else 0
+        n = int(room_ns / self._ns_per_byte)
+        return n if n >= _MIN_SLICE_BYTES else 0
+
+    def copy_slice(self, steps: int, max_bytes: int) -> None:
+        """Copy the next slice of a staged checkpoint (beginning it); its last slice starts its write."""
+        t0 = self._clock.now_ns()
+        try:
+            if self._copy is None:
+                self._copy = StateCopy(self._task.state_dict())
+                self._copy_steps, self._copy_began_ns = steps, t0
+            copied = self._copy.copy(max_bytes)
+        except Exception as exc:  # no host memory for the copy (a cap): save at once from now on
+            self._copy, self._staging_failed = None, True  # a save at once may follow now: no retry delay
+            error = f"staged copy failed, saving at once from now on: {type(exc).__name__}: {exc}"
+            self._log.warning("[worker] checkpoint at step %d: %s", steps, error)
+            self._send(p.CheckpointFailed(task_id=self.assign.task_id, steps=steps, error=error))
+            return
+        took = self._clock.now_ns() - t0
+        if copied >= _MIN_SLICE_BYTES and took > 0:
+            measured = took / copied  # learned upward at once, downward slowly: a slice must not overrun
+            old = self._ns_per_byte
+            self._ns_per_byte = measured if old < 0 else max(measured, 0.7 * old + 0.3 * measured)
+        if self._copy.done:
+            copied_state, self._copy = self._copy, None
+            if copied_state.total == 0 and not copied_state.state:
+                self._last_ns, self._sized = self._copy_began_ns, -1  # no state: nothing to save
+                return
+            self._bytes, self._sized = copied_state.total, -1
+            self._unsaved_at_copy_ns = self._unsaved_ns
+            self._writer = StateWriter(
+                self.write_state,
+                copied_state.result(),
+                Path(self.assign.checkpoint_path),
+                steps=self._copy_steps,
+                began_ns=self._copy_began_ns,
+            )
+
+    def poll(self) -> None:
+        """Take in a staged checkpoint's write once its thread is done: reported either way."""
+        writer = self._writer
+        if writer is None or not writer.done:
+            return
+        self._writer = None
+        if writer.error:
+            self._failed_ns = self._clock.now_ns()
+            self._log.warning(
+                "[worker] checkpoint at step %d to %s failed: %s", writer.steps, writer.path, writer.error
+            )
+            self._send(p.CheckpointFailed(task_id=self.assign.task_id, steps=writer.steps, error=writer.error))
+            return
+        self._send(p.Checkpointed(task_id=self.assign.task_id, steps=writer.steps, path=str(writer.path)))
+        self._last_ns = writer.began_ns  # the checkpoint holds the state as its copy began
+        self.saved_steps, self._failed_ns = writer.steps, -1
+        self._unsaved_ns = max(0, self._unsaved_ns - self._unsaved_at_copy_ns)
+
+    def settle(self) -> None:
+        """Drop a staged copy under way and wait for a staged write: a checkpoint written now comes after it."""
+        self._copy = None
+        if self._writer is not None:
+            self._writer.wait()
+            self.poll()
+
     def at_stop(self, steps: int) -> bool:
         """The checkpoint of a stopped task, if its state is consistent; else the last one is kept, and said so."""
         if self._task.can_checkpoint():
             return self.write(steps)
+        self.settle()  # a staged write under way is the newest consistent state: it must land
         note = (
             f"stopped between consistent points (can_checkpoint() is False): kept the checkpoint of step "
             f"{self.saved_steps}; {steps - self.saved_steps} later steps will run again"
@@ -176,7 +294,14 @@ class Checkpointer:
             steps: Steps done so far.
             step_ns: The pending step's estimate, read only where the time bound needs it.
         """
+        self.poll()
+        if self._copy is not None:
+            return CheckpointDue(need_ns=-1, bound=False, copying=True)
+        if self._writer is not None:  # steps go on while it writes, up to the loss bound
+            return CheckpointDue(need_ns=-1, bound=self._loss_bound_reached(steps, step_ns), writing=True)
         retry = self._task.can_checkpoint() and self._retry_allowed(now)
         periodic = retry and now - self._last_ns >= self.assign.checkpoint_every_ns
         bound = retry and self._loss_bound_reached(steps, step_ns)
+        if (periodic or bound) and self._stages():
+            return CheckpointDue(need_ns=-1, bound=bound, copying=True)
         return CheckpointDue(need_ns=self.estimate_ns() if periodic or bound else -1, bound=bound)

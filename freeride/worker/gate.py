@@ -32,11 +32,13 @@ from freeride.sidetask import IterativeTask, StepEstimates, TaskStopped
 from freeride.transport import BadFrame
 from freeride.worker.armed import Arming, BubbleFeed
 from freeride.worker.checkpoint import state_bytes as state_bytes_of
+from freeride.worker.checkpoint import write_checkpoint
 from freeride.worker.checkpointing import Checkpointer, SaveCheckpoint
 from freeride.worker.courtesy import Courtesy
 from freeride.worker.ledger import GrantLedger
 from freeride.worker.pending import PendingStep
 from freeride.worker.reports import PROGRESS_EVERY_NS, ProgressReports
+from freeride.worker.snapshot import WriteState
 from freeride.worker.waiting import race_link
 
 __all__ = ["GateLink", "GrantGate", "RunDelay", "SaveCheckpoint", "ThreadRunDelay"]
@@ -90,6 +92,8 @@ class GrantGate:
         task: The task whose steps pass through the gate.
         steps: Steps already done (restored from a checkpoint).
         save: Writes the task's checkpoint (see :data:`SaveCheckpoint`).
+        write: Writes a staged checkpoint's copy of the state, on a thread of its own
+            (see :mod:`~freeride.worker.checkpointing`).
         clock: Where every time reading comes from.
         cpu_clock: The process's CPU clock, all threads (reported with each grant
             so that the manager can tell the compute that ran after a bubble ended).
@@ -114,6 +118,7 @@ class GrantGate:
         steps: int,
         *,
         save: SaveCheckpoint,
+        write: WriteState = write_checkpoint,
         clock: Clock = MONOTONIC,
         cpu_clock: Callable[[], int] = _process_cpu_ns,
         run_delay: RunDelay | None = None,
@@ -142,7 +147,15 @@ class GrantGate:
         self._pending = PendingStep(task, estimates, self._ledger)
         self._stop: str | None = None
         self._checkpoints = Checkpointer(
-            assign, task, steps, save=save, state_bytes=state_bytes, clock=clock, send=self._send, log=logger
+            assign,
+            task,
+            steps,
+            save=save,
+            write=write,
+            state_bytes=state_bytes,
+            clock=clock,
+            send=self._send,
+            log=logger,
         )
         self._reports = ProgressReports(assign, task, estimates, self._send)
         self._resumed = False
@@ -327,6 +340,10 @@ class GrantGate:
         """
         return self._checkpoints.write(self._steps)
 
+    def checkpoint_first(self) -> None:
+        """The checkpoint before any bubble: it measures what one costs (none for a staged state)."""
+        self._checkpoints.first(self._steps)
+
     def checkpoint_estimate_ns(self) -> int:
         """What the next checkpoint is expected to take: the last one's time, scaled by how the state grew.
 
@@ -355,16 +372,19 @@ class GrantGate:
                     raise TaskStopped(self._stop)
                 return
             due = self._checkpoints.due(now, self._steps, lambda: pending.estimate_ns)
-            if due.need_ns >= 0 and ledger.fits(now, due.need_ns):
+            if due.copying:
+                if self._copy_slice(now):
+                    continue
+            elif due.need_ns >= 0 and ledger.fits(now, due.need_ns):
                 self._timed_checkpoint(due.need_ns)
                 continue
-            if due.bound and ledger.at_start(now):
+            elif due.bound and not due.writing and ledger.at_start(now):
                 # No bubble fits the checkpoint: take it at the start of one, overrunning
                 # its end once, rather than let a crash lose more than the bound.
                 logger.info("[worker] checkpoint forced at step %d (loss bound reached)", self._steps)
                 self._timed_checkpoint(due.need_ns)
                 continue
-            if not due.bound:
+            if not (due.bound or due.copying):
                 pending.pack(now)
                 if pending.fits(now):
                     return
@@ -377,6 +397,18 @@ class GrantGate:
                 await self._feed.wait()  # a Grant or the armed bubble's start, whichever comes first
             else:
                 self._handle(await self._link.recv())
+
+    def _copy_slice(self, now: int) -> bool:
+        """Copy the slice of a staged checkpoint that fits the open grant's room; False if none fits."""
+        grant = self._ledger.open
+        if grant is None:
+            return False
+        size = self._checkpoints.slice_bytes(self._ledger.room_ns(grant, now))
+        if size <= 0:
+            return False
+        self._checkpoints.copy_slice(self._steps, size)
+        self._ledger.checkpointed(now, self._clock.now_ns(), self._cpu_clock())
+        return True
 
     def _timed_checkpoint(self, expected: int) -> None:
         delay0 = self._run_delay.ns()

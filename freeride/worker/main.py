@@ -20,7 +20,6 @@ from pathlib import Path
 
 from freeride import protocol as p
 from freeride.gpu.streams import step_end_sync, use_side_stream
-from freeride.host.files import replace_atomically
 from freeride.host.procs import bind_to_parent
 from freeride.host.threads import lower_priority, pin
 from freeride.sidetask import IterativeTask, TaskContext, TaskStopped
@@ -28,7 +27,7 @@ from freeride.tasks.declared import declared, validate_options
 from freeride.tasks.estimates import EstimatesStore
 from freeride.transport import BubbleListener, WorkerLink, new_async_context
 from freeride.worker.armed import RankFeed
-from freeride.worker.checkpoint import load_checkpoint, state_bytes
+from freeride.worker.checkpoint import load_checkpoint, state_bytes, write_checkpoint
 from freeride.worker.courtesy import RankCourtesy
 from freeride.worker.gate import GrantGate
 from freeride.worker.warmup import warm_up
@@ -49,9 +48,7 @@ def _save_checkpoint(task: IterativeTask, path: Path, steps: int) -> int:
     state = task.state_dict()
     if not state:
         return -1
-    import torch  # only tasks with state pay for the import
-
-    replace_atomically(path, lambda f: torch.save({"steps": steps, "state": state}, f))
+    write_checkpoint(state, path, steps)  # only tasks with state pay for torch's import
     return state_bytes(state)
 
 
@@ -222,7 +219,7 @@ async def _serve(link: WorkerLink, assign: p.Assign, feed: RankFeed) -> int:
                 rehearsal.seed(gate.estimates)
         if task.state_dict():
             import torch  # noqa: F401 - load the serializer before timing a checkpoint
-        gate.checkpoint()  # before any bubble: measures what a checkpoint costs
+        gate.checkpoint_first()  # before any bubble: measures what a checkpoint costs
         link.send_nowait(
             p.WorkerReady(
                 protocol_version=p.PROTOCOL_VERSION,

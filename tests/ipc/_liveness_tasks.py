@@ -11,7 +11,7 @@ from _tasks import SpinSteps
 
 from freeride.sidetask import IterativeTask, TaskContext
 
-__all__ = ["AlwaysHang", "CrashInSetup", "HangOnce", "LateTorch", "SlowCheckpoint", "SlowOnce"]
+__all__ = ["AlwaysHang", "BigState", "CrashInSetup", "HangOnce", "LateTorch", "SlowCheckpoint", "SlowOnce"]
 
 
 class HangOnce(SpinSteps):
@@ -98,6 +98,35 @@ class SlowCheckpoint(SpinSteps):
         super().load_state_dict(state)
         if self.restored_file:
             Path(self.restored_file).write_text(str(self.count))
+
+
+class BigState(SpinSteps):
+    """A state of ``state_mb`` MB (a model with its optimizer's buffers); each step writes its count at both ends.
+
+    Restored from a checkpoint, it writes ``"<count> <consistent>"`` to ``restored_file``: consistent
+    when both ends hold the count it came back with (the state of one step, not a mix).
+    """
+
+    def __init__(self, *, state_mb: int = 500, restored_file: str = "", **kw: Any) -> None:
+        super().__init__(**kw)
+        import torch
+
+        self.w = torch.full((state_mb * 2**20 // 4,), 0.5)
+        self.restored_file = restored_file
+
+    def step(self) -> None:
+        super().step()
+        self.w[0] = self.w[-1] = float(self.count)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "w": self.w}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = int(state["count"])
+        self.w.copy_(state["w"])
+        consistent = float(self.w[0]) == float(self.w[-1]) == float(self.count)
+        if self.restored_file:
+            Path(self.restored_file).write_text(f"{self.count} {consistent}")
 
 
 class CrashInSetup(IterativeTask):

@@ -183,6 +183,43 @@ async def test_a_task_whose_checkpoint_fits_no_bubble_loses_at_most_the_bound_to
         assert 0 <= lost <= bound, lost
 
 
+async def test_a_500_mb_state_under_20_ms_bubbles_is_never_more_than_30_s_behind_and_sigkill_loses_no_more(
+    runtime_dir: Path, tmp_path: Path
+) -> None:
+    """Saved at once, the state would take seconds: its checkpoints are copied a slice per bubble and written
+    beside the steps. Each checkpoint's age is the time since the task first reached its step count."""
+    restored = tmp_path / "restored"
+    async with serving(runtime_dir, checkpoint_every_s=3.0, hang_after_s=5.0) as manager:
+        declare(manager, spare=4 << 30)
+        reply = submit(manager, "_liveness_tasks:BigState", options={"step_ms": 1.0, "restored_file": str(restored)})
+        task = manager.tasks[reply.task_id]
+        await wait_until(lambda: task.state == "running", 60, "setup")
+        config = SimConfig(endpoint=manager.config.endpoints.events, steps=100_000, forward_s=0.007, backward_s=0.013)
+        sim = SimPipeline(config).start()  # stage 0 waits 20 ms for stage 1's forward and backward
+        try:
+            reached: dict[int, float] = {}  # step count -> when the manager first saw it
+            ages: list[float] = []
+            start = time.monotonic()
+            while time.monotonic() - start < 24:
+                now = time.monotonic()
+                reached.setdefault(task.steps, now)
+                if task.checkpointed_steps > 0:
+                    ages.append(now - min(t for s, t in reached.items() if s >= task.checkpointed_steps))
+                await asyncio.sleep(0.1)
+            assert ages and task.checkpointed_steps > 0, "no checkpoint in 24 s of bubbles"
+            first = time.monotonic() - start - len(ages) * 0.1
+            saved = task.checkpointed_steps
+            os.kill(task.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            await wait_until(restored.exists, 60, "the restart from the checkpoint")
+        finally:
+            sim.terminate()
+    count, consistent = restored.read_text().split()
+    assert consistent == "True" and int(count) >= saved
+    behind = killed - min(t for s, t in reached.items() if s >= int(count))
+    assert first < 30 and max(ages) < 30 and behind < 30, (first, max(ages), behind)
+
+
 class _Restarts(Observer):
     def __init__(self) -> None:
         self.seen: list[tuple[int, float, float]] = []
