@@ -137,6 +137,8 @@ class Partitioned(IterativeTask):
         self.plan: Plan | None = None
         self.batches_done = 0
         self._ready = False
+        self._restoring = False
+        """Setup left planning to the checkpoint that follows it (its plan may be taken back)."""
         self._pending: dict[str, Any] | None = None
         self._drift = 1.0
         self._clock = time.perf_counter
@@ -194,12 +196,26 @@ class Partitioned(IterativeTask):
         return self._capture()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not state:
-            return
         if self._ready:
-            self._restore(state)
-        else:
+            if state:
+                self._restore(state)
+            return
+        if state:
             self._pending = dict(state)
+        if self._restoring:
+            self._restoring = False
+            self._plan(state.get("plan") if state else None)
+
+    def _planned(self, ctx: TaskContext) -> None:
+        """End setup: plan now, or leave it to the checkpoint's state that follows (``ctx.restoring``)."""
+        if ctx.restoring:
+            self._restoring = True
+        else:  # a state handed over before setup may hold a plan too
+            self._plan(self._pending.get("plan") if self._pending else None)
+
+    @abc.abstractmethod
+    def _plan(self, saved: object) -> None:
+        """Plan the steps, taking back the plan ``saved`` in a checkpoint where it still holds; then be ready."""
 
     def _apply_pending(self) -> None:
         self._ready = True

@@ -18,6 +18,7 @@ from torch import nn
 from freeride.partition._common import Batches, Partitioned, capture_rng, restore_rng, to_device
 from freeride.partition.graph import Executor
 from freeride.partition.plan import make_plan, timer
+from freeride.partition.saved import plan_state, reused_plan
 from freeride.sidetask import TaskContext
 
 __all__ = ["InferenceParts", "PartitionedInference"]
@@ -70,11 +71,14 @@ class PartitionedInference(Partitioned):
         parts = self.build()
         self.model = parts.model
         self.batches = Batches(parts.data)
+        self._planned(ctx)
+
+    def _plan(self, saved: object) -> None:
         x = self._input(to_device(self.batches.peek(), self.device))
         rng = capture_rng(self.device)
         self.model.eval()
         with torch.no_grad():
-            self.plan = make_plan(
+            self.plan = reused_plan(self.model, x, saved, target_s=self.target_s, training=False) or make_plan(
                 self.model, x, None, None, target_s=self.target_s, device=self.device, runs=self.profile_runs
             )
         restore_rng(rng, self.device)
@@ -119,6 +123,7 @@ class PartitionedInference(Partitioned):
             "position": self._batch_position if mid else self.batches.position,
             "batches": self.batches_done,
             "extra": self.extra_state(),
+            "plan": None if self.plan is None else plan_state(self.plan),
         }
 
     def _restore(self, state: dict[str, Any]) -> None:

@@ -86,6 +86,10 @@ class Plan:
     training: bool
     forward: list[Step]
     backward: list[Step]
+    opened: tuple[str, ...] = ()
+    """The modules fx traced into (qualified names): with them the graph is made again."""
+    exported: bool = False
+    """The graph is ``torch.export``'s, not fx's."""
     _kinds: dict[tuple[str, int, int], str] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -98,8 +102,10 @@ class Plan:
         *,
         target_s: float,
         training: bool,
+        opened: tuple[str, ...] = (),
+        exported: bool = False,
     ) -> Plan:
-        plan = cls(graph, atoms, forward_s, backward_s, target_s, training, [], [])
+        plan = cls(graph, atoms, forward_s, backward_s, target_s, training, [], [], opened, exported)
         plan.regroup(1.0)
         return plan
 
@@ -375,16 +381,26 @@ def make_plan(
         if not changed:
             total = sum(per_node.values())
             if any(cost > max(target_s, total / 2) and graph.where(i) in closed for i, cost in per_node.items()):
-                exported = _export_instead(model, x)
-                if exported is not None:
-                    graph, opened, slices = exported, set(), {}
+                instead = _export_instead(model, x)
+                if instead is not None:
+                    graph, opened, slices = instead, set(), {}
                     atoms = _node_atoms(graph, slices)
                     fwd, bwd = _profile(graph, atoms, x, target, loss_fn, device, runs)
             break
         graph = NodeGraph(model, trace(model, opened))
     _report_slow(graph, atoms, fwd, bwd, target_s, closed)
     merged, f_costs, b_costs = _merge(atoms, fwd, bwd, target_s)
-    plan = Plan.of(graph, merged, f_costs, b_costs, target_s=target_s, training=loss_fn is not None)
+    exported = graph.model is not model  # an exported graph names the module export made
+    plan = Plan.of(
+        graph,
+        merged,
+        f_costs,
+        b_costs,
+        target_s=target_s,
+        training=loss_fn is not None,
+        opened=() if exported else tuple(sorted(opened)),
+        exported=exported,
+    )
     logger.info(
         "[partition] %s: %d nodes in %d atoms, %d forward and %d backward steps (target %.1f ms; %d opened, %d split)",
         type(model).__name__,

@@ -55,6 +55,7 @@ from freeride.partition._common import EMA, Batches, Partitioned, capture_rng, r
 from freeride.partition.graph import Executor
 from freeride.partition.plan import Step, make_plan, timer
 from freeride.partition.recipe import Recipe
+from freeride.partition.saved import plan_state, reused_plan
 from freeride.partition.update import ChunkedUpdate
 from freeride.sidetask import TaskContext
 
@@ -119,6 +120,8 @@ class PartitionedTraining(Partitioned):
         self.chunks: list[tuple[int, int, float]] = []
         """The optimizer step's runs of pieces ``(lo, hi, planned seconds)``, one step each."""
         self._chunk_kinds: list[str] = []
+        self._update_s: list[float] = []
+        """Each parameter's measured update time (kept in checkpoints with the plan)."""
         """Each chunk's kind: the global rows it updates, ``u{first}-{end}``."""
 
     @abc.abstractmethod
@@ -137,15 +140,23 @@ class PartitionedTraining(Partitioned):
         self.batches = Batches(parts.data)
         self.update = ChunkedUpdate(self.optimizer)
         self.recipe.attach(parts.scheduler, self.optimizer)
+        self._planned(ctx)
+
+    def _plan(self, saved: object) -> None:
         x, y = self._split(to_device(self.batches.peek(), self.device))
         rng, buffers = capture_rng(self.device), self._buffers()
         self.model.train()
+        kept = saved if isinstance(saved, dict) else {}
         with self.recipe.forward(self.device):  # timed as it will run (backward too: for its time only)
-            self.plan = make_plan(
+            self.plan = reused_plan(self.model, x, saved, target_s=self.target_s, training=True) or make_plan(
                 self.model, x, y, self.loss_fn, target_s=self.target_s, device=self.device, runs=self.profile_runs
             )
         target_s = self.target_s
-        self.chunks = ChunkedUpdate.chunks(self.update.split(self.update.profile(self.device), target_s), target_s)
+        update_s = kept.get("update_s")
+        if not (isinstance(update_s, list) and len(update_s) == len(self.update.params)):
+            update_s = self.update.profile(self.device)
+        self._update_s = [float(c) for c in update_s]
+        self.chunks = ChunkedUpdate.chunks(self.update.split(self._update_s, target_s), target_s)
         pieces = self.update.pieces
         self._chunk_kinds = [f"u{pieces[lo].lo}-{pieces[hi - 1].hi}" for lo, hi, _ in self.chunks]
         # planning ran the model: undo what that changed
@@ -337,6 +348,7 @@ class PartitionedTraining(Partitioned):
             "mid_batch": mid,
             "recipe": self.recipe.state_dict(),
             "extra": self.extra_state(),
+            "plan": None if self.plan is None else {**plan_state(self.plan), "update_s": self._update_s},
         }
 
     def _restore(self, state: dict[str, Any]) -> None:

@@ -44,6 +44,9 @@ class TaskContext:
     memory_limit: int = -1
     """Bytes the task may use at its peak: its declared peak, or the manager's share of the spare memory
     (-1: no cap). What a task that sizes its own batches sizes them by."""
+    restoring: bool = False
+    """A checkpoint's state comes to :meth:`IterativeTask.load_state_dict` right after setup: what it
+    brings (a measured plan, say) need not be made in setup."""
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("freeride.task"))
 
 

@@ -17,6 +17,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 from freeride import protocol as p
 from freeride.gpu.streams import step_end_sync, use_side_stream
@@ -52,10 +53,17 @@ def _save_checkpoint(task: IterativeTask, path: Path, steps: int) -> int:
     return state_bytes(state)
 
 
-def _load_checkpoint(task: IterativeTask, path: Path) -> int:
+def _read_checkpoint(path: Path) -> dict[str, Any] | None:
+    """The saved ``{"steps", "state"}`` at ``path``; None where there is none."""
     if not path.is_file():
+        return None
+    return load_checkpoint(path)  # weights only: a planted pickle must not run code here
+
+
+def _restore(task: IterativeTask, saved: dict[str, Any] | None) -> int:
+    """Load ``saved`` into ``task`` (set up); the steps it holds."""
+    if saved is None:
         return 0
-    saved = load_checkpoint(path)  # weights only: a planted pickle must not run code here
     task.load_state_dict(saved["state"])
     return int(saved["steps"])
 
@@ -185,6 +193,7 @@ async def _serve(link: WorkerLink, assign: p.Assign, feed: RankFeed) -> int:
         cls = load_target(assign.spec.target)
         task = cls(**validate_options(declared(cls), assign.spec.options))
         workdir = Path(assign.workdir or ".")
+        saved = _read_checkpoint(Path(assign.checkpoint_path))
         tctx = TaskContext(
             task_id=assign.task_id,
             device=assign.device,
@@ -192,9 +201,10 @@ async def _serve(link: WorkerLink, assign: p.Assign, feed: RankFeed) -> int:
             workdir=workdir,
             bubble_ns=assign.bubble_ns,
             memory_limit=assign.memory_limit,
+            restoring=saved is not None,
         )
         await task.setup(tctx)  # first: the state a checkpoint restores needs the model it belongs to
-        steps = _load_checkpoint(task, Path(assign.checkpoint_path))
+        steps, saved = _restore(task, saved), None
         set_up = True
         store = _estimates_store(assign, cls)
         # also under the manager's cgroup cap (tighter): a huge allocation fails here as a MemoryError

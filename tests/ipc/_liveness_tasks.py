@@ -103,8 +103,9 @@ class SlowCheckpoint(SpinSteps):
 class BigState(SpinSteps):
     """A state of ``state_mb`` MB (a model with its optimizer's buffers); each step writes its count at both ends.
 
-    Restored from a checkpoint, it writes ``"<count> <consistent>"`` to ``restored_file``: consistent
-    when both ends hold the count it came back with (the state of one step, not a mix).
+    Restored from a checkpoint, it writes ``"<count> <consistent> <restoring>"`` to ``restored_file``:
+    consistent when both ends hold the count it came back with (the state of one step, not a mix);
+    restoring as its setup was told (a checkpoint follows).
     """
 
     def __init__(self, *, state_mb: int = 500, restored_file: str = "", **kw: Any) -> None:
@@ -126,7 +127,7 @@ class BigState(SpinSteps):
         self.w.copy_(state["w"])
         consistent = float(self.w[0]) == float(self.w[-1]) == float(self.count)
         if self.restored_file:
-            Path(self.restored_file).write_text(f"{self.count} {consistent}")
+            Path(self.restored_file).write_text(f"{self.count} {consistent} {self.ctx.restoring}")
 
 
 class CrashInSetup(IterativeTask):

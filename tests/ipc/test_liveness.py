@@ -214,8 +214,8 @@ async def test_a_500_mb_state_under_20_ms_bubbles_is_never_more_than_30_s_behind
             await wait_until(restored.exists, 60, "the restart from the checkpoint")
         finally:
             sim.terminate()
-    count, consistent = restored.read_text().split()
-    assert consistent == "True" and int(count) >= saved
+    count, consistent, restoring = restored.read_text().split()
+    assert consistent == "True" and restoring == "True" and int(count) >= saved
     behind = killed - min(t for s, t in reached.items() if s >= int(count))
     assert first < 30 and max(ages) < 30 and behind < 30, (first, max(ages), behind)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from freeride.host.files import replace_atomically
-from freeride.worker.main import _load_checkpoint, _save_checkpoint
+from freeride.worker.main import _read_checkpoint, _restore, _save_checkpoint
 
 
 class _Counter:
@@ -37,7 +37,7 @@ def test_a_link_planted_at_the_old_temporary_name_is_not_written_through(tmp_pat
     assert victim.read_bytes() == b"precious"
     assert not path.is_symlink()  # the link itself was replaced, not what it points to
     restored = _Counter(0)
-    assert _load_checkpoint(restored, path) == 7  # type: ignore[arg-type]
+    assert _restore(restored, _read_checkpoint(path)) == 7  # type: ignore[arg-type]
     assert restored.n == 41
     assert sorted(p.name for p in shared.iterdir()) == ["task.pt", "task.pt.tmp"]  # no temporary file left
 

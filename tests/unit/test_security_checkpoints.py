@@ -21,7 +21,7 @@ from freeride.sidetasks.imaging import ImageProcessing
 from freeride.sidetasks.pagerank import PageRank
 from freeride.sidetasks.vision import ResNet18Inference, ResNet18Training
 from freeride.worker.checkpoint import UnsafeCheckpoint, load_checkpoint
-from freeride.worker.main import _load_checkpoint, _save_checkpoint
+from freeride.worker.main import _read_checkpoint, _restore, _save_checkpoint
 
 TINY: dict[str, Any] = {"image_size": 16, "num_classes": 4, "batch_size": 4, "train_size": 64, "seed": 0}
 
@@ -59,7 +59,7 @@ def test_every_sample_tasks_checkpoint_loads_weights_only(name: str, tmp_path: P
     assert _save_checkpoint(task, path, steps=steps) >= 0  # saved (-1: no state)
     saved = load_checkpoint(path)
     assert saved["steps"] == steps and _equal(task.state_dict(), saved["state"])
-    assert _load_checkpoint(cls(**options), path) == steps
+    assert _restore(cls(**options), _read_checkpoint(path)) == steps
 
 
 class _NumpyState(IterativeTask):
@@ -95,7 +95,7 @@ def test_numpy_arrays_scalars_and_rng_states_round_trip(tmp_path: Path) -> None:
     assert _save_checkpoint(task, path, steps=9) >= 0
     other = _NumpyState()
     other.state = {}
-    assert _load_checkpoint(other, path) == 9
+    assert _restore(other, _read_checkpoint(path)) == 9
     assert _equal(task.state, other.state)
     restored = np.random.RandomState()
     restored.set_state(other.state["numpy_rng"])
