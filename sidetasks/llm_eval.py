@@ -4,9 +4,10 @@ What teams buy separate GPUs for: every checkpoint the job saves is scored
 on a held-out set while the job goes on. The task watches a directory; each
 new checkpoint (a directory saved with ``save_pretrained``, or a state-dict
 file, ``.pt``/``.pth``/``.bin`` read with ``torch.load(weights_only=True)`` or
-``.safetensors``, for the architecture ``model`` names) is loaded while the
-task holds no bubble, then evaluated one held-out batch per step, in the
-bubbles. Each result goes to a JSONL file as it is complete and to the task's
+``.safetensors``, for the architecture ``model`` names) is read from storage
+on a thread of its own while the checkpoint before it is evaluated (the first
+one while the task holds no bubble), loaded into the model in a step, then
+evaluated one held-out batch per step, in the bubbles. Each result goes to a JSONL file as it is complete and to the task's
 metrics (``freeride status``, Prometheus ``freeride_side_task_metric``).
 
 A checkpoint is taken once it has not changed for ``settle_s`` seconds, and
@@ -25,6 +26,7 @@ import math
 import os
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -179,8 +181,11 @@ class CheckpointEvaluation(IterativeTask):
                     yield path
             await asyncio.sleep(self.poll_s)
 
-    def load(self, path: Path) -> Any:
-        """The model of checkpoint ``path`` (off the event loop: the caller holds no bubble meanwhile)."""
+    def read(self, path: Path) -> Any:
+        """Checkpoint ``path`` read from storage: a model for a ``save_pretrained`` directory, else its state dict.
+
+        Runs on the reader thread, never in a bubble's step.
+        """
         if path.is_dir():
             model, _ = load_causal_lm(str(path), device=self.device, dtype=torch.float32)
             return model
@@ -192,27 +197,54 @@ class CheckpointEvaluation(IterativeTask):
             state = torch.load(path, map_location=self.device, weights_only=True)
         if isinstance(state, dict) and isinstance(state.get("model"), dict):
             state = state["model"]  # {"model": ..., "optimizer": ...}, as training loops often save
-        self._base.load_state_dict(state)
+        return state
+
+    def load(self, path: Path) -> Any:
+        """The model of checkpoint ``path``, read and loaded at once."""
+        return self._model_of(self.read(path))
+
+    def _model_of(self, read: Any) -> Any:
+        if isinstance(read, torch.nn.Module):
+            return read
+        self._base.load_state_dict(read)
         return self._base
 
+    def _after(self, path: Path) -> Path | None:
+        """The checkpoint to read next, while ``path`` is evaluated (None: none is there yet)."""
+        for later in checkpoints_in(self.watch, settle_s=self.settle_s):
+            if later != path and later.name not in self.done_names and later.name not in self.skipped:
+                return later
+        return None
+
     async def run(self, gate: StepGate) -> None:
-        async for path in gate.idle_until(self.arrivals()):
-            try:
-                model = await gate.wait_for(asyncio.to_thread(self.load, path))
-            except (OSError, RuntimeError, ValueError) as exc:  # not this architecture's, or unreadable
-                logger.warning("[eval] %s: cannot load it, left out: %s", path.name, exc)
-                self.skipped.add(path.name)
-                continue
-            total, count = 0.0, 0
-            for x, y in self._held_out:
-                async with gate.step("eval"):
-                    with torch.inference_mode():
-                        logits = model(x).logits
-                        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
-                        total += float(loss)
-                        count += y.numel()
-            self._record(path.name, total / count)
-            gate.report(**self.metrics())
+        ahead: tuple[Path, Future[Any]] | None = None
+        """The next checkpoint, read while the one before is evaluated."""
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="freeride-eval-read") as reader:
+            async for path in gate.idle_until(self.arrivals()):
+                read = ahead[1] if ahead is not None and ahead[0] == path else reader.submit(self.read, path)
+                try:
+                    # read ahead and ready: loaded in a step, with no bubble given back to wait for storage
+                    state = read.result() if read.done() else await gate.wait_for(asyncio.wrap_future(read))
+                    async with gate.step("load"):
+                        model = self._model_of(state)
+                except (OSError, RuntimeError, ValueError) as exc:  # not this architecture's, or unreadable
+                    logger.warning("[eval] %s: cannot load it, left out: %s", path.name, exc)
+                    self.skipped.add(path.name)
+                    ahead = None
+                    continue
+                following = self._after(path)
+                ahead = None if following is None else (following, reader.submit(self.read, following))
+                total, count = 0.0, 0
+                for x, y in self._held_out:
+                    async with gate.step("eval"):
+                        with torch.inference_mode():
+                            logits = model(x).logits
+                            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
+                            total += float(loss)
+                            count += y.numel()
+                self._record(path.name, total / count)
+                gate.report(**self.metrics())
+                del state, model
 
     def step(self) -> None:
         raise NotImplementedError("CheckpointEvaluation runs through run(): it waits for checkpoints")

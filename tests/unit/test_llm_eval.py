@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -69,7 +70,7 @@ async def test_each_new_checkpoint_is_scored_as_a_plain_evaluation_scores_it(tmp
     for record, seed in zip(_results(results), (1, 2), strict=True):
         assert record["loss"] == pytest.approx(_plain_loss(_model(seed), task), rel=1e-6)
         assert record["perplexity"] == pytest.approx(math.exp(float(record["loss"])))
-    assert gate.kinds == ["eval"] * 4, "one held-out batch a step"
+    assert gate.kinds == ["load", "eval", "eval"] * 2, "a load, then one held-out batch a step"
     assert gate.reported["evaluated"] == 2 and gate.reported["loss"] == _results(results)[-1]["loss"]
 
     # one saved by save_pretrained arrives later; a restart evaluates only it
@@ -81,6 +82,37 @@ async def test_each_new_checkpoint_is_scored_as_a_plain_evaluation_scores_it(tmp
     last = _results(results)[-1]
     assert last["checkpoint"] == "checkpoint-300"
     assert last["loss"] == pytest.approx(_plain_loss(_model(3), again), rel=1e-6)
+
+
+async def test_the_next_checkpoint_is_read_on_a_thread_while_the_one_before_is_evaluated(tmp_path: Path) -> None:
+    watch, work = tmp_path / "ckpt", tmp_path / "work"
+    watch.mkdir()
+    for k in range(3):
+        torch.save(_model(k).state_dict(), watch / f"step-{k}.pt")
+        os.utime(watch / f"step-{k}.pt", ns=(k + 1, k + 1))
+    task = CheckpointEvaluation(watch=str(watch), batches=2, batch_size=2, context=8, settle_s=0, poll_s=0.02)
+    await task.setup(_ctx(work))
+    seen: list[tuple[str, str]] = []
+    reading_ahead = threading.Event()
+    read, record = task.read, task._record
+
+    def reading(path: Path) -> object:
+        seen.append(("read", path.name))
+        assert threading.current_thread().name.startswith("freeride-eval-read")
+        if path.name == "step-1.pt":
+            reading_ahead.set()
+        return read(path)
+
+    def recording(name: str, loss: float) -> None:
+        if name == "step-0.pt":  # its scoring ends only once the next one is being read
+            assert reading_ahead.wait(10), "step-1.pt was not read while step-0.pt was evaluated"
+        seen.append(("scored", name))
+        record(name, loss)
+
+    task.read, task._record = reading, recording  # type: ignore[method-assign]
+    await _run_until(task, UnboundedGate(), work / "evaluations.jsonl", 3)
+    assert [name for what, name in seen if what == "read"] == ["step-0.pt", "step-1.pt", "step-2.pt"]  # each once
+    assert seen.index(("read", "step-2.pt")) < seen.index(("scored", "step-2.pt"))
 
 
 async def test_a_checkpoint_of_another_model_is_left_out_with_a_reason(
