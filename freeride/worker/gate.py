@@ -19,6 +19,7 @@ and progress reports (:mod:`~freeride.worker.reports`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
@@ -301,16 +302,28 @@ class GrantGate:
     async def wait_for(self, awaitable: Awaitable[_T]) -> _T:
         """Await the task's own I/O between steps, giving every grant back meanwhile.
 
+        What is there already (an item queued, a directory listed without
+        waiting) is taken in one pass of the event loop, with the grant kept:
+        only a real wait gives the bubble away.
+
         Raises:
             TaskStopped: The manager asked the task to stop while it waited.
         """
+        work: asyncio.Future[_T] = asyncio.ensure_future(awaitable)
+        try:
+            await asyncio.sleep(0)  # one pass: the awaitable runs up to its first real wait
+        except BaseException:
+            work.cancel()
+            raise
+        if work.done():
+            return work.result()
         while (msg := self._link.recv_nowait()) is not None:
             self._idle_message(msg)
         self._give_back("idle")
         self._reports.wait_started(self._clock.now_ns(), self._steps)
         try:
             return await race_link(
-                awaitable,
+                work,
                 self._link.recv,
                 self._idle_message,
                 tick=lambda: self._reports.send(self._clock.now_ns(), self._steps),

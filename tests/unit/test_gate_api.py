@@ -245,8 +245,26 @@ async def test_the_unbounded_gate_waits_directly_and_keeps_reported_metrics() ->
 async def test_a_task_that_waits_for_every_item_does_not_send_a_report_per_item(tmp_path: Path) -> None:
     rig = Rig(tmp_path)
     inbox: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(50):
-        inbox.put_nowait(i)
     for _ in range(50):  # virtual time stands still: all inside one report period
-        await rig.gate.wait_for(inbox.get())
+        waiting = asyncio.create_task(rig.gate.wait_for(inbox.get()))
+        await rig.link.parked()
+        inbox.put_nowait(1)
+        await waiting
     assert len(rig.progress()) == 1 and rig.progress()[0].waiting
+
+
+async def test_input_already_there_is_taken_with_the_grant_kept(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.link.push(rig.grant(1, 100 * STEP))
+    await rig.step()
+    inbox: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(3):
+        inbox.put_nowait(i)
+
+    async def listed() -> AsyncIterator[int]:  # a directory listed without waiting
+        yield 7
+
+    assert [await rig.gate.wait_for(inbox.get()) for _ in range(3)] == [0, 1, 2]
+    assert [i async for i in rig.gate.idle_until(listed())] == [7]
+    await rig.step()  # in the same grant
+    assert rig.link.done_brief() == [] and not rig.progress()
