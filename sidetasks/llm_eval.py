@@ -7,8 +7,8 @@ file, ``.pt``/``.pth``/``.bin`` read with ``torch.load(weights_only=True)`` or
 ``.safetensors``, for the architecture ``model`` names) is read from storage
 on a thread of its own while the checkpoint before it is evaluated (the first
 one while the task holds no bubble), loaded into the model in a step, then
-evaluated one held-out batch per step, in the bubbles. Each result goes to a JSONL file as it is complete and to the task's
-metrics (``freeride status``, Prometheus ``freeride_side_task_metric``).
+evaluated one held-out batch per step, in the bubbles. Each result goes to a
+JSONL file as it is complete and to the task's metrics (``freeride status``, Prometheus ``freeride_side_task_metric``).
 
 A checkpoint is taken once it has not changed for ``settle_s`` seconds, and
 never while its name starts with a dot or ends in ``.tmp`` or ``.partial``

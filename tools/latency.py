@@ -57,7 +57,7 @@ async def measure(bubbles: int, forward_ms: float, backward_ms: float, microbatc
         for stage in range(2):
             device = sim.device(stage)
             manager.declare_device(device, stage=stage, spare_memory=1 << 30, cpu_affinity=[sim.core(stage)])
-            manager.submit(p.TaskSpec(kind="iterative", target=TASK, device=device, options=TASK_OPTIONS))
+            manager.submit(p.IterativeSpec(target=TASK, device=device, options=TASK_OPTIONS))
         while any(t.state == "starting" for t in manager.tasks.values()):
             await asyncio.sleep(0.05)
         t0 = time.monotonic()

@@ -74,11 +74,10 @@ def _job_specs(args: argparse.Namespace) -> list[p.TaskSpec]:
     except ValueError as exc:
         raise SystemExit(f"freeride: {exc}") from None
     options = common.parse_opts(args.opt)
-    specs = []
+    specs: list[p.TaskSpec] = []
     for shard in range(args.shards):
         sharded = {**options, "shard": shard, "shards": args.shards} if args.shards > 1 else options
-        spec = p.TaskSpec(
-            kind="iterative",
+        spec = p.IterativeSpec(
             target=target,
             name=f"{args.name}-{shard}" if args.shards > 1 else args.name,
             options=sharded,

@@ -146,8 +146,7 @@ async def _demo_in(options: DemoOptions, runtime_dir: Path) -> DemoReport:
                 device, stage=stage, spare_memory=sim_config.spare_memory, cpu_affinity=[sim_config.core(stage)]
             )
             reply = manager.submit(
-                p.TaskSpec(
-                    kind="iterative",
+                p.IterativeSpec(
                     target=target,
                     device=device,
                     name=f"demo-{options.task}-stage{stage}",

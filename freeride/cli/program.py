@@ -62,7 +62,7 @@ def add_program_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def program_spec(args: argparse.Namespace) -> p.TaskSpec:
+def program_spec(args: argparse.Namespace) -> p.ProgramSpec:
     """The spec of ``freeride submit --imperative -- PROGRAM ARGS``.
 
     Raises:
@@ -82,8 +82,7 @@ def program_spec(args: argparse.Namespace) -> p.TaskSpec:
         env = {**({} if args.clean_env else dict(os.environ)), **parse_env(args.env)}
     except ValueError as exc:
         raise SystemExit(f"freeride: {exc}") from None
-    spec = p.TaskSpec(
-        kind="imperative",
+    spec = p.ProgramSpec(
         argv=argv,
         name=args.name or "",
         cwd=cwd,

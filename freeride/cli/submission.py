@@ -43,7 +43,7 @@ def absolute_paths(options: p.Options, cwd: str) -> p.Options:
     }
 
 
-def check_submission(spec: p.TaskSpec) -> p.TaskSpec:
+def check_submission(spec: p.IterativeSpec) -> p.IterativeSpec:
     """``spec`` with options converted to the declared types and the class's declarations filled in.
 
     A task that cannot be imported here (installed only where the manager

@@ -39,7 +39,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.imperative:
         if not args.command:
             raise SystemExit("freeride: give the program after --, e.g. freeride submit --imperative -- python x.py")
-        spec = program_spec(args)
+        if args.fill:
+            raise SystemExit("freeride: --fill applies to iterative tasks only, not to --imperative programs")
+        spec: p.TaskSpec = program_spec(args)
     else:
         given = [o for o in PROGRAM_OPTIONS if getattr(args, o.lstrip("-").replace("-", "_"))]
         if given:
@@ -50,21 +52,20 @@ def cmd_submit(args: argparse.Namespace) -> int:
             target = resolve(args.target)
         except ValueError as exc:
             raise SystemExit(f"freeride: {exc}") from None
-        spec = p.TaskSpec(
-            kind="iterative",
+        iterative = p.IterativeSpec(
             target=target,
             name=args.name or "",
             options=common.parse_opts(args.opt),
             step_time_ns=parse_duration_ns(args.step_time) if args.step_time else -1,
+            fill=args.fill,
         )
-        spec = check_submission(spec)
+        spec = check_submission(iterative)
     spec = msgspec.structs.replace(
         spec,
         peak_memory=parse_bytes(args.peak_memory) if args.peak_memory else spec.peak_memory,
         device=args.device or "",
         max_restarts=args.max_restarts,
         sm_share=_sm_share(args.sm_share),
-        fill=args.fill,
     )
     with common.control(args) as client:
         reply = client.request(p.Submit(spec=spec))

@@ -274,7 +274,7 @@ class Agent:
                 lease, f"{node} runs no programs from the queue (its agent was started without --allow-programs)"
             )
             return
-        if spec.checkpoint_dir:
+        if isinstance(spec, p.IterativeSpec) and spec.checkpoint_dir:
             try:
                 Path(spec.checkpoint_dir).mkdir(parents=True, exist_ok=True)
             except OSError as exc:

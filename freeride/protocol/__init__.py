@@ -51,7 +51,15 @@ from freeride.protocol.control import (
     TaskStatus,
     TrainingCost,
 )
-from freeride.protocol.spec import TERMINAL_STATES, SidePriority, TaskKind, TaskSpec, TaskState
+from freeride.protocol.spec import (
+    TERMINAL_STATES,
+    IterativeSpec,
+    ProgramSpec,
+    SidePriority,
+    TaskKind,
+    TaskSpec,
+    TaskState,
+)
 from freeride.protocol.worker import (
     Arm,
     Assign,
@@ -100,11 +108,13 @@ __all__ = [
     "Heartbeat",
     "Hello",
     "Holdback",
+    "IterativeSpec",
     "LatencySummary",
     "ManagerToWorker",
     "Metrics",
     "Options",
     "StepEstimatesSummary",
+    "ProgramSpec",
     "Progress",
     "Rejected",
     "Revoke",

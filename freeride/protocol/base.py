@@ -31,7 +31,7 @@ __all__ = [
     "Text",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped only when a peer of another version could misread a frame."""
 
 # --------------------------------------------------------------------------

@@ -146,7 +146,7 @@ class TaskStatus(Message, frozen=True, tag="task_status"):
     sm_share: int = -1
     """Percent of the GPU's SMs the task's process may occupy under MPS (-1: not capped)."""
     fill: bool = False
-    """The task fills the ends of bubbles its device's other tasks give back (``TaskSpec.fill``)."""
+    """The task fills the ends of bubbles its device's other tasks give back (``IterativeSpec.fill``)."""
     moves: int = 0
     """Times the task moved (checkpoint, then resume) to a device with more bubble time."""
     traceback: str = ""

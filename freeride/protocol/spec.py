@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
 
 from freeride.protocol.base import Bytes, DeviceKind, Message, Name, NanosOrUnknown, Options, Small, Text
 
-__all__ = ["TERMINAL_STATES", "SidePriority", "TaskKind", "TaskSpec", "TaskState"]
+__all__ = ["TERMINAL_STATES", "IterativeSpec", "ProgramSpec", "SidePriority", "TaskKind", "TaskSpec", "TaskState"]
 
 
 TaskKind = Literal["iterative", "imperative"]
@@ -24,43 +24,60 @@ TERMINAL_STATES: frozenset[TaskState] = frozenset({"finished", "failed", "cancel
 """States a task never leaves."""
 
 
-class TaskSpec(Message, frozen=True, tag="task_spec"):
-    """What a user submits: a side task and what it needs."""
+class _Spec(Message, frozen=True, kw_only=True):
+    """What every side task needs, whatever its kind."""
 
-    kind: TaskKind
-    target: Text = ""
-    """``module:Class`` of an iterative task."""
-    argv: Annotated[list[Text], msgspec.Meta(max_length=4096)] = []
-    """Command line of an imperative task."""
     name: Name = ""
-    options: Options = {}
     peak_memory: Bytes = -1
     """Peak device memory in bytes (declared or profiled), -1 if unknown."""
-    step_time_ns: NanosOrUnknown = -1
-    """Profiled step time of an iterative task, -1 if unknown."""
     device: Name = ""
     """Pin to this device; empty lets the manager place the task."""
     max_restarts: Small = 3
-    """How often a crashed task is restarted from its last checkpoint."""
+    """How often a crashed task is restarted (an iterative one from its last checkpoint)."""
     sm_share: Annotated[int, msgspec.Meta(ge=-1, le=100)] = -1
     """Percent of the GPU's SMs the task's process may occupy (MPS active thread
     percentage; 0 and -1: the manager's default, which leaves SMs for the trainer's NCCL kernels)."""
+    device_kind: DeviceKind = "any"
+    """The device the task needs (an iterative task's class's ``device_kind``): a ``gpu`` task waits for a
+    CUDA device."""
+
+
+class IterativeSpec(_Spec, frozen=True, kw_only=True, tag="iterative_spec"):
+    """An iterative task: a class against FreeRide's API, run step by step in a worker."""
+
+    kind: ClassVar[TaskKind] = "iterative"
+    target: Text
+    """``module:Class`` of the task."""
+    options: Options = {}
+    """Keyword arguments of the class."""
+    step_time_ns: NanosOrUnknown = -1
+    """Profiled step time, -1 if unknown."""
     fill: bool = False
     """A filler: it takes a bubble only once the device's other tasks have given it back, so that a task
     of short steps fills the ends of bubbles that a task of long steps leaves (a mix per device)."""
-    device_kind: DeviceKind = "any"
-    """The device the task needs (its class's ``device_kind``): a ``gpu`` task waits for a CUDA device."""
+    checkpoint_dir: Text = ""
+    """The task's checkpoint directory (absolute, existing); empty: the manager's own state dir. A
+    directory on storage every node mounts lets a task resume on another node (the cluster queue's jobs)."""
+
+
+class ProgramSpec(_Spec, frozen=True, kw_only=True, tag="program_spec"):
+    """An imperative task: an unmodified program, resumed and frozen by signals."""
+
+    kind: ClassVar[TaskKind] = "imperative"
+    argv: Annotated[list[Text], msgspec.Meta(min_length=1, max_length=4096)]
+    """The command line."""
     cwd: Text = ""
-    """An imperative task's working directory (absolute); empty: the task's own workdir under the state dir."""
+    """The working directory (absolute); empty: the task's own workdir under the state dir."""
     env: Annotated[dict[Name, Text], msgspec.Meta(max_length=4096)] = {}
-    """An imperative task's variables, laid over the manager's small base environment
-    (see :mod:`freeride.tasks.programs`); never shown in status."""
+    """Variables laid over the manager's small base environment (see :mod:`freeride.tasks.programs`);
+    never shown in status."""
     sync_every: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
     """A PyTorch program synchronizes CUDA every this many optimizer steps (0: never)."""
     progress_file: Text = ""
-    """A file an imperative program writes its step (a number) or metrics (a JSON object) to."""
+    """A file the program writes its step (a number) or metrics (a JSON object) to."""
     progress_pattern: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     """A regular expression with named groups matched against each line of the program's stdout."""
-    checkpoint_dir: Text = ""
-    """An iterative task's checkpoint directory (absolute, existing); empty: the manager's own state dir.
-    A directory on storage every node mounts lets a task resume on another node (the cluster queue's jobs)."""
+
+
+TaskSpec = IterativeSpec | ProgramSpec
+"""What a user submits: a side task of either kind and what it needs."""

@@ -19,7 +19,7 @@ from freeride.protocol.base import (
     StepEstimatesSummary,
     Text,
 )
-from freeride.protocol.spec import SidePriority, TaskSpec
+from freeride.protocol.spec import IterativeSpec, SidePriority
 
 __all__ = [
     "Arm",
@@ -50,7 +50,7 @@ class Assign(Message, frozen=True, tag="assign"):
     """Tells a freshly started worker what to run and where."""
 
     task_id: int
-    spec: TaskSpec
+    spec: IterativeSpec
     device: str
     checkpoint_path: str
     margin_ns: int

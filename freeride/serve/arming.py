@@ -102,7 +102,7 @@ class DeviceArming:
         for k, task in candidates:
             if not task.runnable or task.runner is None:
                 continue
-            if task.estimate_ns < 0 or task.spec.kind != "iterative":
+            if task.estimate_ns < 0 or not isinstance(task.spec, p.IterativeSpec):
                 return None  # a probe or a program: only a Grant at a bubble's start serves it
             if probe_due(task.task_id):
                 return None  # due for a probe, which only a Grant gives

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from freeride import protocol as p
 from freeride.clock import MONOTONIC, Clock
 from freeride.serve.nobubbles import job_without_bubbles
 from freeride.serve.placement import NEGLIGIBLE_SHARE, DeviceView, better_device
@@ -113,7 +114,7 @@ def plan_moves(
     planned: list[tuple[TaskRecord, str, str]] = []
     for task in tasks:
         if (
-            task.spec.kind != "iterative"
+            not isinstance(task.spec, p.IterativeSpec)
             or task.spec.device
             or task.state != "running"
             or task.stopping

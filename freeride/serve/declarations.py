@@ -22,7 +22,7 @@ TRACEBACK_LINES = 20
 """Lines of a failed task's traceback kept for ``freeride status`` (the whole one is in the manager's log)."""
 
 
-def with_declarations(spec: p.TaskSpec) -> p.TaskSpec | str:
+def with_declarations(spec: p.IterativeSpec) -> p.IterativeSpec | str:
     """``spec`` with its options converted to the declared types and the class's declarations filled in.
 
     Returns:

@@ -31,8 +31,8 @@ def _checkpoint_dir_problem(checkpoint_dir: str) -> str:
 
 def check_spec(spec: p.TaskSpec) -> str:
     """Why ``spec`` cannot run, or an empty string."""
-    if spec.kind == "iterative":
-        problem = spec_problem(spec) or _checkpoint_dir_problem(spec.checkpoint_dir)
+    if isinstance(spec, p.IterativeSpec):
+        problem = _checkpoint_dir_problem(spec.checkpoint_dir)
         if problem:
             return problem
         from freeride.tasks.targets import resolve
@@ -55,8 +55,6 @@ def check_spec(spec: p.TaskSpec) -> str:
     problem = spec_problem(spec)
     if problem:
         return problem
-    if not spec.argv:
-        return "an imperative task needs a command"
     if spec.cwd and not os.path.isdir(spec.cwd):
         return f"working directory {spec.cwd!r} is not a directory here"
     program = spec.argv[0]

@@ -195,6 +195,8 @@ class TaskProcesses:
         if group is not None and group.memory_by:
             task.memory_cap_by = group.memory_by
         spec = task.spec
+        if not isinstance(spec, p.ProgramSpec):
+            raise TypeError(f"task {task.task_id} is no program")
         cwd = Path(spec.cwd) if spec.cwd else self.workdir(task)
         program = ImperativeProcess(
             spec.argv,
@@ -220,7 +222,7 @@ class TaskProcesses:
         except OSError as exc:
             if group is not None:
                 group.remove()
-            task.error = f"cannot start {task.spec.argv[0]!r}: {exc}"
+            task.error = f"cannot start {spec.argv[0]!r}: {exc}"
             return 127
         if task.terminal:  # cancelled while the program was being started
             return (await program.terminate(timeout_s=self.config.stop_timeout_s)).returncode

@@ -11,7 +11,7 @@ Side tasks of a device take turns, as kernels of several processes would on
 one GPU. When a bubble starts, the scheduler grants it to the next task (round
 robin) whose estimated step fits in the bubble; a task that gives the grant
 back early (its next step no longer fits, or it finished) passes the rest of
-the bubble on to another task whose step does fit. Fillers (``TaskSpec.fill``)
+the bubble on to another task whose step does fit. Fillers (``IterativeSpec.fill``)
 come after every other task: they take what is left of a bubble once the
 others gave it back, so short steps fill the ends that long ones cannot. When
 the bubble ends the grant is revoked.
@@ -470,7 +470,7 @@ class DeviceScheduler(LedgerView):
     def _turns(self) -> list[int]:
         """Offsets from the task served last, in the order tasks get their turn: fillers after every other."""
         n = len(self.tasks)
-        return sorted(range(n), key=lambda k: self.tasks[(self._rr + k) % n].spec.fill)
+        return sorted(range(n), key=lambda k: self.tasks[(self._rr + k) % n].fill)
 
     def _grant_next(self, *, fresh: bool) -> None:
         if self._bubble is None or self._holder is not None or not self.tasks or self._left_out or self._withheld:

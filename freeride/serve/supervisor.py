@@ -180,6 +180,8 @@ class Supervisor:
 
     def _assignment(self, task: TaskRecord) -> p.Assign:
         workdir = self.processes.workdir(task)
+        if not isinstance(task.spec, p.IterativeSpec):
+            raise TypeError(f"task {task.task_id} is a program: it has no worker to assign")
         return p.Assign(
             task_id=task.task_id,
             spec=task.spec,
@@ -211,23 +213,24 @@ class Supervisor:
         problem = check_spec(spec)
         if problem:
             return p.Rejected(reason=problem)
-        if spec.kind == "iterative":  # one spelling per task: its name keys its checkpoint
+        checkpoint_dir, iterative = self.config.checkpoint_dir, isinstance(spec, p.IterativeSpec)
+        if isinstance(spec, p.IterativeSpec):  # one spelling per task: its name keys its checkpoint
             from freeride.tasks.targets import resolve
 
-            spec = msgspec.structs.replace(spec, target=resolve(spec.target))
-            checked = with_declarations(spec)
+            checked = with_declarations(msgspec.structs.replace(spec, target=resolve(spec.target)))
             if isinstance(checked, str):
                 return p.Rejected(reason=checked)
             spec = checked
+            if checked.checkpoint_dir:
+                checkpoint_dir = Path(checked.checkpoint_dir)
         name = self._free_name(task_name(spec))
         task = TaskRecord(
             task_id=self._next_task,
             spec=spec,
             name=name,
-            checkpoint_path=(Path(spec.checkpoint_dir) if spec.checkpoint_dir else self.config.checkpoint_dir)
-            / f"{name}.pt",
-            max_loss_ns=int(self.config.max_loss_s * 1e9) if spec.kind == "iterative" else 0,
-            max_loss_steps=self.config.max_loss_steps if spec.kind == "iterative" else 0,
+            checkpoint_path=checkpoint_dir / f"{name}.pt",
+            max_loss_ns=int(self.config.max_loss_s * 1e9) if iterative else 0,
+            max_loss_steps=self.config.max_loss_steps if iterative else 0,
         )
         where = self._placement(task)
         if isinstance(where, NoFit):
@@ -364,7 +367,7 @@ class Supervisor:
         while True:
             if task.terminal:  # cancelled before (or between) its starts
                 return
-            if task.spec.kind == "imperative":
+            if isinstance(task.spec, p.ProgramSpec):
                 code = await self.processes.run_program(
                     task, report=lambda done: self.report(task, done), notify=lambda: self._notify(task)
                 )

@@ -36,8 +36,12 @@ def task_name(spec: p.TaskSpec) -> str:
     if spec.name:
         base = spec.name
     else:
-        head = spec.target.rpartition(":")[2] if spec.kind == "iterative" else Path(spec.argv[0]).name
-        digest = hashlib.sha1(repr((spec.target, spec.argv, sorted(spec.options.items()))).encode()).hexdigest()
+        what: tuple[str, list[str], list[tuple[str, object]]]
+        if isinstance(spec, p.IterativeSpec):
+            head, what = spec.target.rpartition(":")[2], (spec.target, [], sorted(spec.options.items()))
+        else:
+            head, what = Path(spec.argv[0]).name, ("", spec.argv, [])
+        digest = hashlib.sha1(repr(what).encode()).hexdigest()
         base = f"{head}-{digest[:8]}"
     return re.sub(r"[^A-Za-z0-9_.-]", "_", base)[:80]
 
@@ -178,7 +182,7 @@ class TaskRecord:
             memory_cap=self.memory_cap,
             memory_cap_by=self.memory_cap_by,
             sm_share=self.sm_share,
-            fill=self.spec.fill,
+            fill=self.fill,
             moves=self.moves,
             traceback=self.traceback,
             estimates=dict(self.estimates),
@@ -207,6 +211,11 @@ class TaskRecord:
         self.moving_to, self.moved_ns = device, now_ns
         self.runnable = False
 
+    @property
+    def fill(self) -> bool:
+        """A filler: it takes a bubble only once the device's other tasks gave it back (iterative tasks only)."""
+        return isinstance(self.spec, p.IterativeSpec) and self.spec.fill
+
     def ready(self, *, estimate_ns: int = -1, steps: int = 0, packs: bool = False) -> None:
         """Set up and parked: grants may come (``packs``: the task fits smaller pieces into what is left).
 
@@ -215,7 +224,7 @@ class TaskRecord:
         """
         self._go("running")
         self.runnable = True
-        if self.spec.kind == "iterative":
+        if isinstance(self.spec, p.IterativeSpec):
             self.lost_steps += max(0, self.steps - steps)
             self.steps = steps
         else:
@@ -256,7 +265,7 @@ class TaskRecord:
         self.runnable = False
         if self.state in p.TERMINAL_STATES:
             return False
-        if code == 0 and self.spec.kind == "imperative" and not self.stopping:
+        if code == 0 and isinstance(self.spec, p.ProgramSpec) and not self.stopping:
             self.finish()
             return False
         if self.stopping:

@@ -8,7 +8,7 @@ The environment. A program does not inherit the manager's environment: the
 manager may run under another shell, with other credentials, long before the
 program is submitted. It gets a small base taken from the manager
 (:data:`BASE_ENV_KEYS`: ``PATH``, ``HOME``, the locale, ...), then the
-variables the submission carries (``TaskSpec.env``), then FreeRide's own
+variables the submission carries (``ProgramSpec.env``), then FreeRide's own
 (its device's GPU alone, thread counts, memory caps, ``sync_every``). The CLI sends the submitting
 shell's environment by default, as a program started from that shell would see
 it, with ``--env K=V`` over it; ``--clean-env`` sends only the ``--env``
@@ -95,18 +95,8 @@ def _env_problem(env: Mapping[str, str]) -> str:
     return ""
 
 
-def spec_problem(spec: p.TaskSpec) -> str:
+def spec_problem(spec: p.ProgramSpec) -> str:
     """Why an imperative task's options cannot work, or an empty string (no file system access)."""
-    if spec.kind != "imperative":
-        program_only = {
-            "cwd": spec.cwd,
-            "env": spec.env,
-            "sync_every": spec.sync_every,
-            "progress_file": spec.progress_file,
-            "progress_pattern": spec.progress_pattern,
-        }
-        given = [k for k, v in program_only.items() if v]
-        return f"{', '.join(given)} only apply to an imperative task" if given else ""
     if spec.cwd and not os.path.isabs(spec.cwd):
         return f"cwd must be an absolute path, got {spec.cwd!r} (the client resolves a relative one)"
     if "\0" in spec.cwd or "\0" in spec.progress_file:

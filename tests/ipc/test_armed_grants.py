@@ -100,9 +100,7 @@ async def test_a_worker_starts_on_the_ranks_own_bubble_start_and_is_still_revoke
     core = max(os.sched_getaffinity(0))
     manager.declare_device(DEVICE, stage=0, spare_memory=1 << 30, cpu_affinity=[core])
     reply = manager.submit(
-        p.TaskSpec(
-            kind="iterative", target="_tasks:SpinSteps", device=DEVICE, options={"step_ms": 1.0}, step_time_ns=MS
-        )
+        p.IterativeSpec(target="_tasks:SpinSteps", device=DEVICE, options={"step_ms": 1.0}, step_time_ns=MS)
     )
     assert isinstance(reply, p.Submitted)
     await wait_until(lambda: manager.tasks[reply.task_id].state == "running", 60, "the worker's setup")

@@ -39,8 +39,7 @@ async def test_side_task_steps_fit_inside_bubbles(manager: Manager, tmp_path: Pa
         manager.declare_device(device, stage=stage, spare_memory=1 << 30, cpu_affinity=[sim_config.core(stage)])
         logs[device] = tmp_path / f"steps-{stage}.json"
         reply = manager.submit(
-            p.TaskSpec(
-                kind="iterative",
+            p.IterativeSpec(
                 target="_tasks:SpinSteps",
                 device=device,
                 options={"step_ms": STEP_MS, "log": str(logs[device])},

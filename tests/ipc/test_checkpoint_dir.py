@@ -41,8 +41,8 @@ async def test_a_task_resumes_on_another_manager_from_its_shared_checkpoint(mana
     shared = tmp_path / "shared"
     shared.mkdir()
     config = _sim(manager)
-    spec = p.TaskSpec(
-        kind="iterative", target="_tasks:SpinSteps", device=config.device(0), name="moving",
+    spec = p.IterativeSpec(
+        target="_tasks:SpinSteps", device=config.device(0), name="moving",
         options={"step_ms": 1.0}, checkpoint_dir=str(shared),
     )  # fmt: skip
     first = manager.submit(spec)
@@ -69,7 +69,7 @@ async def test_a_task_resumes_on_another_manager_from_its_shared_checkpoint(mana
 
 
 async def test_a_checkpoint_dir_that_cannot_be_used_is_refused(manager: Manager, tmp_path: Path) -> None:
-    spec = p.TaskSpec(kind="iterative", target="_tasks:SpinSteps", name="x")
+    spec = p.IterativeSpec(target="_tasks:SpinSteps", name="x")
     for bad, why in (("relative/dir", "must be an absolute path"), (str(tmp_path / "absent"), "not a directory")):
         reply = manager.submit(msgspec.structs.replace(spec, checkpoint_dir=bad))
         assert isinstance(reply, p.Rejected) and why in reply.reason, reply

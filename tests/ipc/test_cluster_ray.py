@@ -238,10 +238,10 @@ def test_cancel_forged_reports_and_programs_on_a_real_ray_cluster() -> None:
                 capture_output=True, text=True, timeout=120, check=False,
             )  # fmt: skip
             assert submit.returncode == 0, submit.stderr
-            program = p.TaskSpec(kind="imperative", argv=["id"], name="a-program")
+            program = p.ProgramSpec(argv=["id"], name="a-program")
             assert isinstance(queue.request(m.SubmitJobs(specs=[program])), m.Submitted)
-            unsigned = p.TaskSpec(
-                kind="iterative", target="freeride.sidetasks.sweep:SweepShard", name="unsigned",
+            unsigned = p.IterativeSpec(
+                target="freeride.sidetasks.sweep:SweepShard", name="unsigned",
                 options={"size": SIZE, "chunk": CHUNK, "out": str(base / "unsigned")},
             )  # fmt: skip
             assert isinstance(queue.request(m.SubmitJobs(specs=[unsigned])), m.Submitted)

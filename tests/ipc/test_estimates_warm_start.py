@@ -36,9 +36,7 @@ async def test_a_task_run_again_knows_its_step_times_before_its_first_bubble(man
     config = SimConfig(endpoint=manager.config.endpoints.events, steps=40, forward_s=0.005, backward_s=0.010)
     device = config.device(0)
     manager.declare_device(device, stage=0, spare_memory=1 << 30, cpu_affinity=[0])
-    spec = p.TaskSpec(
-        kind="iterative", target="_kind_tasks:TwoKinds", device=device, name="warm", options={"step_ms": 1.0}
-    )
+    spec = p.IterativeSpec(target="_kind_tasks:TwoKinds", device=device, name="warm", options={"step_ms": 1.0})
     first = manager.submit(spec)
     assert isinstance(first, p.Submitted)
     task = manager.tasks[first.task_id]
@@ -114,7 +112,7 @@ async def test_serve_starts_a_task_with_what_profile_task_measured(manager: Mana
     assert await profiled.wait() == 0
     device = "cpu:0"
     manager.declare_device(device, stage=0, spare_memory=1 << 30, cpu_affinity=[0])
-    spec = p.TaskSpec(kind="iterative", target="_kind_tasks:TwoKinds", device=device, options={"step_ms": 0.5})
+    spec = p.IterativeSpec(target="_kind_tasks:TwoKinds", device=device, options={"step_ms": 0.5})
     reply = manager.submit(spec)
     assert isinstance(reply, p.Submitted)
     task = manager.tasks[reply.task_id]
@@ -157,7 +155,7 @@ async def test_serve_tells_a_task_the_typical_bubble_of_its_profiled_device(runt
     write_profile(Profile(stages=[stage]), path)
     config = ServeConfig(endpoints=Endpoints.ipc(runtime_dir), state_dir=runtime_dir / "state", profile=path)
     async with running_manager(config) as manager:
-        reply = manager.submit(p.TaskSpec(kind="iterative", target="_kind_tasks:TellsItsBubble", device="cpu:0"))
+        reply = manager.submit(p.IterativeSpec(target="_kind_tasks:TellsItsBubble", device="cpu:0"))
         assert isinstance(reply, p.Submitted)
         task = manager.tasks[reply.task_id]
         await wait_until(lambda: task.state == "running", 60, "setup")

@@ -76,7 +76,7 @@ async def test_bubbles_reach_the_manager_while_it_learns_them_and_while_a_task_i
         assert _device(manager).bubbles <= seen + 1, "bubbles published to nobody (one may have been in flight)"
         await rank.until(lambda: _device(manager).steps > steps, 10, "step reports, about once a second")
 
-        reply = manager.submit(p.TaskSpec(kind="iterative", target="_tasks:SpinSteps", device=DEVICE))
+        reply = manager.submit(p.IterativeSpec(target="_tasks:SpinSteps", device=DEVICE))
         assert isinstance(reply, p.Submitted), reply
         assert follower.followed, "followed again as the task is placed"
         seen = _device(manager).bubbles

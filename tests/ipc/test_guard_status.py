@@ -50,9 +50,7 @@ async def test_status_shows_the_guard_widening_a_margin_that_lets_side_work_spil
     core = max(os.sched_getaffinity(0))
     manager.declare_device(DEVICE, stage=0, spare_memory=1 << 30, cpu_affinity=[core])
     reply = manager.submit(
-        p.TaskSpec(
-            kind="iterative", target="_tasks:SpinSteps", device=DEVICE, options={"step_ms": 20}, step_time_ns=20 * MS
-        )
+        p.IterativeSpec(target="_tasks:SpinSteps", device=DEVICE, options={"step_ms": 20}, step_time_ns=20 * MS)
     )
     assert isinstance(reply, p.Submitted)
     task = manager.tasks[reply.task_id]

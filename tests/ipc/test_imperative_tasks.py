@@ -29,7 +29,7 @@ async def _train(manager: Manager, steps: int) -> list[int]:
 
 async def test_a_cpu_bound_program_runs_only_inside_bubbles(manager: Manager) -> None:
     manager.declare_device("cpu:0", stage=0, spare_memory=1 << 30, cpu_affinity=[0])
-    reply = manager.submit(p.TaskSpec(kind="imperative", argv=BUSY, device="cpu:0"))
+    reply = manager.submit(p.ProgramSpec(argv=BUSY, device="cpu:0"))
     assert isinstance(reply, p.Submitted)
     task = manager.tasks[reply.task_id]
     await wait_until(lambda: task.state == "running", 30, "the program to start (stopped)")
@@ -52,10 +52,8 @@ async def test_a_program_over_its_memory_cap_is_stopped_and_reported(manager: Ma
     hog = [sys.executable, "-c", "import time; x = bytearray(3 << 30); time.sleep(30)"]
     for stage in range(2):
         manager.declare_device(f"cpu:{stage}", stage=stage, spare_memory=2 << 30, cpu_affinity=[stage])
-    bad = manager.submit(p.TaskSpec(kind="imperative", argv=hog, device="cpu:0", peak_memory=64 << 20, max_restarts=0))
-    good = manager.submit(
-        p.TaskSpec(kind="iterative", target="_tasks:SpinSteps", device="cpu:1", options={"step_ms": 1.0})
-    )
+    bad = manager.submit(p.ProgramSpec(argv=hog, device="cpu:0", peak_memory=64 << 20, max_restarts=0))
+    good = manager.submit(p.IterativeSpec(target="_tasks:SpinSteps", device="cpu:1", options={"step_ms": 1.0}))
     assert isinstance(bad, p.Submitted) and isinstance(good, p.Submitted)
     await wait_until(lambda: manager.tasks[good.task_id].state == "running", 60, "the well-behaved task")
     assert await _train(manager, 30) == [30, 30]  # training is unaffected
@@ -70,8 +68,7 @@ async def test_a_program_over_its_memory_cap_is_stopped_and_reported(manager: Ma
 async def test_an_iterative_task_over_its_memory_cap_fails_alone(manager: Manager) -> None:
     manager.declare_device("cpu:0", stage=0, spare_memory=2 << 30, cpu_affinity=[0])
     reply = manager.submit(
-        p.TaskSpec(
-            kind="iterative",
+        p.IterativeSpec(
             target="_tasks:Hog",
             device="cpu:0",
             options={"mb": 800},

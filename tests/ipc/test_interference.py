@@ -50,8 +50,7 @@ async def _run(
     core = max(os.sched_getaffinity(0))
     manager.declare_device(DEVICE, stage=0, spare_memory=1 << 30, cpu_affinity=[core])
     reply = manager.submit(
-        p.TaskSpec(
-            kind="iterative",
+        p.IterativeSpec(
             target="_tasks:SpinSteps",
             device=DEVICE,
             options={"step_ms": step_ms, "log": str(log)},

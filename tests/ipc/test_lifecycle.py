@@ -83,8 +83,7 @@ async def test_a_crashed_task_restarts_from_its_checkpoint(manager: Manager, tmp
     manager.declare_device(device, stage=0, spare_memory=1 << 30, cpu_affinity=[0])
     log = tmp_path / "steps.json"
     reply = manager.submit(
-        p.TaskSpec(
-            kind="iterative",
+        p.IterativeSpec(
             target="_tasks:CrashOnce",
             device=device,
             options={"crash_at": 40, "marker": str(tmp_path / "crashed"), "step_ms": 1.0, "log": str(log)},
@@ -113,9 +112,7 @@ async def test_a_cancelled_task_resumes_when_submitted_again(manager: Manager) -
     config = SimConfig(endpoint=manager.config.endpoints.events, steps=30, forward_s=0.005, backward_s=0.010)
     device = config.device(0)
     manager.declare_device(device, stage=0, spare_memory=1 << 30, cpu_affinity=[0])
-    spec = p.TaskSpec(
-        kind="iterative", target="_tasks:SpinSteps", device=device, name="resumable", options={"step_ms": 1.0}
-    )
+    spec = p.IterativeSpec(target="_tasks:SpinSteps", device=device, name="resumable", options={"step_ms": 1.0})
     first = manager.submit(spec)
     assert isinstance(first, p.Submitted)
     await wait_until(lambda: manager.tasks[first.task_id].state == "running", 60, "setup")

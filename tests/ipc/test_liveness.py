@@ -54,7 +54,7 @@ def training(manager: Manager, steps: int = 2000) -> Iterator[SimConfig]:
 
 def submit(manager: Manager, target: str, device: str = "cpu:0", **kw: Any) -> p.Submitted:
     options = kw.pop("options", {})
-    reply = manager.submit(p.TaskSpec(kind="iterative", target=target, device=device, options=options, **kw))
+    reply = manager.submit(p.IterativeSpec(target=target, device=device, options=options, **kw))
     assert isinstance(reply, p.Submitted), reply
     return reply
 

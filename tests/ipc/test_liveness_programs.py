@@ -97,8 +97,7 @@ async def test_a_program_over_its_declared_peak_fails_near_it(runtime_dir: Path,
         try:
             manager.declare_device("cpu:0", stage=0, spare_memory=4 << 30, cpu_affinity=[0])
             reply = manager.submit(
-                p.TaskSpec(
-                    kind="imperative",
+                p.ProgramSpec(
                     argv=[sys.executable, "-c", grow],
                     device="cpu:0",
                     peak_memory=peak,

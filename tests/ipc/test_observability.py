@@ -64,8 +64,7 @@ async def run_job(manager: Manager) -> tuple[SimConfig, list[StageResult]]:
         device = sim_config.device(stage)
         manager.declare_device(device, stage=stage, spare_memory=1 << 30, cpu_affinity=[sim_config.core(stage)])
         reply = manager.submit(
-            p.TaskSpec(
-                kind="iterative",
+            p.IterativeSpec(
                 target="_tasks:SpinSteps",
                 name=f"spin-{stage}",
                 device=device,
@@ -180,7 +179,7 @@ async def test_metrics_endpoint_and_live_view(manager: Manager, runtime_dir: Pat
     exporter = MetricsExporter(port=0, status=manager.status)
     manager.observers.add(exporter)
     try:
-        waiting = manager.submit(p.TaskSpec(kind="iterative", target="_tasks:SpinSteps", device="cpu:99"))
+        waiting = manager.submit(p.IterativeSpec(target="_tasks:SpinSteps", device="cpu:99"))
         assert isinstance(waiting, p.Submitted) and waiting.device == ""
         await run_job(manager)
         status = manager.status()

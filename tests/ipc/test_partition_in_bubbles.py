@@ -73,7 +73,7 @@ async def test_transformer_lm_trains_in_pieces_inside_bubbles(manager: Manager) 
     device = devices[STAGE]
     seen = _Seen(device)
     manager.observers.add(seen)
-    spec = p.TaskSpec(kind="iterative", target=catalog()["transformer-lm"], device=device, options=OPTIONS)
+    spec = p.IterativeSpec(target=catalog()["transformer-lm"], device=device, options=OPTIONS)
     reply = manager.submit(spec)
     assert isinstance(reply, p.Submitted), reply
     await wait_until(lambda: all(t.state == "running" for t in manager.tasks.values()), 120, "transformer-lm set up")

@@ -96,9 +96,7 @@ async def test_a_task_submitted_before_training_lands_on_the_stage_with_the_bubb
 ) -> None:
     where = tmp_path / "where.jsonl"
     async with running_manager(_config(runtime_dir, settle_s=120)) as manager:
-        reply = manager.submit(
-            p.TaskSpec(kind="iterative", target="_placing_tasks:WhereAmI", options={"where": str(where)})
-        )
+        reply = manager.submit(p.IterativeSpec(target="_placing_tasks:WhereAmI", options={"where": str(where)}))
         assert isinstance(reply, p.Submitted) and reply.device == ""
         [task] = manager.status().tasks
         assert task.state == "pending" and "training rank" in task.pending_reason
@@ -129,9 +127,7 @@ async def test_a_task_moves_to_a_stage_with_more_bubbles_from_its_checkpoint(
     async with running_manager(_config(runtime_dir, settle_s=0, move_every_s=0)) as manager:
         await _hello(manager, emitter, 0)  # the only stage known: the task goes there
         reply = manager.submit(
-            p.TaskSpec(
-                kind="iterative", target="_placing_tasks:WhereAmI", options={"where": str(where), "step_ms": 2.0}
-            )
+            p.IterativeSpec(target="_placing_tasks:WhereAmI", options={"where": str(where), "step_ms": 2.0})
         )
         assert isinstance(reply, p.Submitted) and reply.device == "cpu:0"
         record = manager.tasks[reply.task_id]

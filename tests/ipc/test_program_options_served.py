@@ -132,9 +132,9 @@ async def test_a_program_runs_where_and_with_what_it_was_given_and_its_progress_
 
 
 async def test_the_manager_refuses_a_working_directory_it_does_not_have(manager: Manager, tmp_path: Path) -> None:
-    reply = manager.submit(p.TaskSpec(kind="imperative", argv=["true"], cwd=str(tmp_path / "gone")))
+    reply = manager.submit(p.ProgramSpec(argv=["true"], cwd=str(tmp_path / "gone")))
     assert isinstance(reply, p.Rejected) and "is not a directory here" in reply.reason
-    reply = manager.submit(p.TaskSpec(kind="imperative", argv=["true"], progress_pattern="(\\d+)"))
+    reply = manager.submit(p.ProgramSpec(argv=["true"], progress_pattern="(\\d+)"))
     assert isinstance(reply, p.Rejected) and "has no named group" in reply.reason
 
 

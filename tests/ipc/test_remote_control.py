@@ -75,7 +75,7 @@ async def test_refused_clients_get_nothing_and_the_manager_keeps_serving(runtime
         for wrong in (unknown, blind):
             with pytest.raises(ManagerUnreachable):
                 await asyncio.to_thread(_ask, endpoints.control, wrong, p.StatusRequest(), 1.0)
-        spec = p.TaskSpec(kind="iterative", target="_tasks:SpinSteps", device="cpu:9")
+        spec = p.IterativeSpec(target="_tasks:SpinSteps", device="cpu:9")
         with pytest.raises(ManagerUnreachable):
             await asyncio.to_thread(_ask, endpoints.control, unknown, p.Submit(spec=spec), 1.0)
         assert manager.tasks == {}  # nothing a refused client sent got through

@@ -65,11 +65,7 @@ async def test_a_backend_killed_mid_step_is_noticed_and_others_keep_being_served
     job_b = SimConfig(endpoint=events, device_prefix="b", rank_offset=10, steps=60, forward_s=0.005, backward_s=0.010)
     for stage in range(2):
         manager.declare_device(job_b.device(stage), stage=stage, spare_memory=1 << 30, cpu_affinity=[job_b.core(stage)])
-        manager.submit(
-            p.TaskSpec(
-                kind="iterative", target="_tasks:SpinSteps", device=job_b.device(stage), options={"step_ms": 1.0}
-            )
-        )
+        manager.submit(p.IterativeSpec(target="_tasks:SpinSteps", device=job_b.device(stage), options={"step_ms": 1.0}))
     await wait_until(lambda: all(t.state == "running" for t in manager.tasks.values()), 60, "tasks set up")
     sim_a, sim_b = SimPipeline(job_a).start(), SimPipeline(job_b).start()
     try:
@@ -192,13 +188,13 @@ async def test_a_task_that_cannot_start_fails_alone(runtime_dir: Path) -> None:
     async with Manager(config) as manager:
         runner = asyncio.create_task(manager.run(stop))
         manager.declare_device("cpu:0", stage=0, spare_memory=1 << 30, cpu_affinity=[0])
-        reply = manager.submit(p.TaskSpec(kind="iterative", target="_tasks:SpinSteps", device="cpu:0"))
+        reply = manager.submit(p.IterativeSpec(target="_tasks:SpinSteps", device="cpu:0"))
         assert isinstance(reply, p.Submitted)
         task = manager.tasks[reply.task_id]
         await wait_until(lambda: task.state == "failed", 10, "the task to fail")
         assert "no-python" in task.error
         assert not runner.done()  # the manager is still serving
-        second = manager.submit(p.TaskSpec(kind="imperative", argv=["true"], device="cpu:0"))
+        second = manager.submit(p.ProgramSpec(argv=["true"], device="cpu:0"))
         assert isinstance(second, p.Submitted)
         stop.set()
         await runner

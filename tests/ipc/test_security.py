@@ -122,8 +122,8 @@ async def test_a_planted_checkpoint_fails_its_task_alone_and_runs_nothing(runtim
         config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         torch.save({"steps": 1, "state": {"x": _Planted(marker)}}, config.checkpoint_dir / "victim.pt")
         manager.declare_device("cpu:0", stage=0, spare_memory=1 << 30, cpu_affinity=[0])
-        victim = manager.submit(p.TaskSpec(kind="iterative", target="_tasks:SpinSteps", name="victim", max_restarts=0))
-        other = manager.submit(p.TaskSpec(kind="iterative", target="_tasks:SpinSteps", name="bystander"))
+        victim = manager.submit(p.IterativeSpec(target="_tasks:SpinSteps", name="victim", max_restarts=0))
+        other = manager.submit(p.IterativeSpec(target="_tasks:SpinSteps", name="bystander"))
         assert isinstance(victim, p.Submitted) and isinstance(other, p.Submitted)
         await wait_until(lambda: manager.tasks[victim.task_id].terminal, 60, "the victim task to end")
         record = manager.tasks[victim.task_id]
@@ -145,7 +145,7 @@ async def test_a_planted_uvloop_in_the_managers_cwd_is_not_imported(
     monkeypatch.chdir(cwd)
     async with running_manager(_config(runtime_dir)) as manager:
         manager.declare_device("cpu:0", stage=0, spare_memory=1 << 30, cpu_affinity=[0])
-        sub = manager.submit(p.TaskSpec(kind="iterative", target="_tasks:SpinSteps"))
+        sub = manager.submit(p.IterativeSpec(target="_tasks:SpinSteps"))
         assert isinstance(sub, p.Submitted)
         await wait_until(lambda: manager.tasks[sub.task_id].state == "running", 60, "the worker to set up")
     assert not marker.exists()
@@ -190,7 +190,7 @@ async def test_curve_tcp_answers_its_clients_and_nobody_else(runtime_dir: Path) 
             with ControlClient(endpoints.control, timeout_s=timeout_s, curve=load_client_keys(keys_dir)) as client:
                 return client.request(req)
 
-        spec = p.TaskSpec(kind="iterative", target="_tasks:SpinSteps")
+        spec = p.IterativeSpec(target="_tasks:SpinSteps")
         submitted = await asyncio.to_thread(ask, keys, p.Submit(spec=spec), 10)
         assert isinstance(submitted, p.Submitted)
         reply = await asyncio.to_thread(ask, keys, p.StatusRequest(), 10)

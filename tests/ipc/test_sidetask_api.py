@@ -48,8 +48,7 @@ async def pipeline(manager: Manager) -> AsyncIterator[str]:
 
 
 def spool_spec(spool: Path, log: Path, device: str) -> p.TaskSpec:
-    return p.TaskSpec(
-        kind="iterative",
+    return p.IterativeSpec(
         target="_api_tasks:SpoolConsumer",
         device=device,
         name="spool",

@@ -78,7 +78,7 @@ async def test_workload_runs_only_inside_bubbles(manager: Manager, name: str) ->
     device = devices[STAGE]
     seen = _Seen(device)
     manager.observers.add(seen)
-    spec = p.TaskSpec(kind="iterative", target=catalog()[name], device=device, options=WORKLOADS[name])
+    spec = p.IterativeSpec(target=catalog()[name], device=device, options=WORKLOADS[name])
     reply = manager.submit(spec)
     assert isinstance(reply, p.Submitted), reply
     await wait_until(lambda: all(t.state == "running" for t in manager.tasks.values()), 120, f"{name} set up")

@@ -197,8 +197,7 @@ def _submit_now(runtime_dir: Path, devices: list[str]) -> None:
     """Submit one side task per device through the control socket (``freeride submit`` takes seconds to start)."""
     with ControlClient(Endpoints.ipc(runtime_dir).control, timeout_s=30) as client:
         for device in devices:
-            spec = p.TaskSpec(
-                kind="iterative",
+            spec = p.IterativeSpec(
                 target="_tasks:SpinSteps",
                 device=device,
                 options={"step_ms": STEP_MS},

@@ -41,8 +41,7 @@ async def test_held_back_steps_get_no_side_work_and_every_view_shows_the_cost(
             device = sim_config.device(stage)
             manager.declare_device(device, stage=stage, spare_memory=1 << 30, cpu_affinity=[sim_config.core(stage)])
             reply = manager.submit(
-                p.TaskSpec(
-                    kind="iterative",
+                p.IterativeSpec(
                     target="_tasks:SpinSteps",
                     device=device,
                     options={"step_ms": 1.0, "log": str(logs[stage])},

@@ -119,7 +119,11 @@ def test_a_backend_without_steps_has_its_share_learned_from_its_bubbles() -> Non
 
 
 def task(task_id: int, device: str, *, pinned: str = "", kind: p.TaskKind = "iterative") -> TaskRecord:
-    spec = p.TaskSpec(kind=kind, target="m:C", argv=["x"], device=pinned)
+    spec: p.TaskSpec = (
+        p.IterativeSpec(target="m:C", device=pinned)
+        if kind == "iterative"
+        else p.ProgramSpec(argv=["x"], device=pinned)
+    )
     record = TaskRecord(task_id=task_id, spec=spec, name=f"t{task_id}", checkpoint_path=Path("/nonexistent"))
     record.place(device)
     record.ready()
@@ -200,7 +204,7 @@ def test_with_a_profile_a_task_submitted_before_training_goes_to_the_stage_with_
     assert table.devices["cpu:1"].profiled_share == 0.77
     config = ServeConfig(endpoints=Endpoints.ipc(tmp_path), state_dir=tmp_path / "s", profile=path)
     sup = Supervisor(config, devices=table.devices, schedulers={}, send=lambda ident, msg: True, observers=Observers())
-    spec = p.TaskSpec(kind="imperative", argv=["true"])
+    spec = p.ProgramSpec(argv=["true"])
     first, second = sup.submit(spec), sup.submit(spec)
     assert isinstance(first, p.Submitted) and first.device == "cpu:1"
     assert isinstance(second, p.Submitted) and second.device == "cpu:1"  # 38 % each still beats 0.5 %

@@ -20,7 +20,7 @@ class FakeClock:
 
 
 def _spec(name: str, peak: int = -1) -> p.TaskSpec:
-    return p.TaskSpec(kind="iterative", target="freeride.sidetasks.sweep:SweepShard", name=name, peak_memory=peak)
+    return p.IterativeSpec(target="freeride.sidetasks.sweep:SweepShard", name=name, peak_memory=peak)
 
 
 def _slots(n: int, spare: int = -1) -> list[m.Slot]:
@@ -200,7 +200,7 @@ def test_only_the_lease_holder_can_renew_it_or_say_how_it_ended(ledger: Ledger) 
 
 def test_a_node_leases_programs_only_when_it_allows_them(clock: FakeClock) -> None:
     ledger = Ledger(clock)
-    program = p.TaskSpec(kind="imperative", argv=["id"], name="prog")
+    program = p.ProgramSpec(argv=["id"], name="prog")
     ledger.handle(m.SubmitJobs(specs=[program, _spec("task")]))
     plain = ledger.handle(m.LeaseJobs(node="a", slots=_slots(2), lease_s=5))
     assert isinstance(plain, m.Leases) and [x.spec.name for x in plain.leases] == ["task"]

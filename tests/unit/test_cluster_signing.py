@@ -23,7 +23,7 @@ from freeride.cluster.signing import SECRET_FILE, create_secret, load_secret, si
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.getuid() != 0, reason="chown to another uid needs root")
 
-PROGRAM = p.TaskSpec(kind="imperative", argv=["python", "job.py"], env={"TOKEN": "t"}, name="job")
+PROGRAM = p.ProgramSpec(argv=["python", "job.py"], env={"TOKEN": "t"}, name="job")
 
 
 def _secret(tmp_path: Path) -> bytes:

@@ -117,7 +117,7 @@ def test_every_legitimate_extreme_decodes() -> None:
         "cpu_ns": -1,
     }
     assert from_workers.decode(frame(done))
-    spec = {"type": "task_spec", "kind": "iterative", "target": "m:C", "peak_memory": -1, "step_time_ns": -1}
+    spec = {"type": "iterative_spec", "target": "m:C", "peak_memory": -1, "step_time_ns": -1}
     assert requests.decode(frame({"type": "submit", "spec": spec}))
 
 
@@ -131,9 +131,7 @@ def test_worker_and_control_frames_are_bounded_too() -> None:
     with pytest.raises(msgspec.ValidationError):
         requests.decode(frame({"type": "cancel", "task_id": U64_MAX}))
     with pytest.raises(msgspec.ValidationError):
-        requests.decode(
-            frame({"type": "submit", "spec": {"type": "task_spec", "kind": "imperative", "argv": ["a"] * 5000}})
-        )
+        requests.decode(frame({"type": "submit", "spec": {"type": "program_spec", "argv": ["a"] * 5000}}))
 
 
 # -- the scheduler's sums ---------------------------------------------------------------
@@ -165,7 +163,7 @@ class _Runner:
 
 def _task(task_id: int, device: str = "cpu:0") -> TaskRecord:
     task = TaskRecord(
-        task_id=task_id, spec=p.TaskSpec(kind="iterative", target="m:C"), name=f"t{task_id}", checkpoint_path=Path("/x")
+        task_id=task_id, spec=p.IterativeSpec(target="m:C"), name=f"t{task_id}", checkpoint_path=Path("/x")
     )
     task.place(device)
     return task
@@ -335,7 +333,7 @@ async def test_a_wrong_version_flood_is_logged_sampled(caplog: pytest.LogCapture
 def test_ended_tasks_beyond_the_bound_are_dropped(tmp_path: Path) -> None:
     config = ServeConfig(endpoints=Endpoints.ipc(tmp_path), state_dir=tmp_path / "s")
     sup = Supervisor(config, devices={}, schedulers={}, send=lambda ident, msg: True, observers=Observers())
-    spec = p.TaskSpec(kind="imperative", argv=["sh", "-c", "true"])
+    spec = p.ProgramSpec(argv=["sh", "-c", "true"])
     for _ in range(KEEP_ENDED + 50):
         reply = sup.submit(spec)
         assert isinstance(reply, p.Submitted)

@@ -61,7 +61,7 @@ def test_a_rank_is_followed_until_its_bubbles_are_learned_then_only_while_side_w
     mgr.bubbles(0, 1, t0_ns=10**10)
     assert mgr.followed == {ep1}, "learned, nothing placed there: left at once, not at the next second's check"
     assert mgr.status().devices[0].typical_bubble_ns == 20 * MS
-    reply = mgr.on_control(p.Submit(spec=p.TaskSpec(kind="iterative", target="pagerank", device="cpu:0")))
+    reply = mgr.on_control(p.Submit(spec=p.IterativeSpec(target="pagerank", device="cpu:0")))
     assert isinstance(reply, p.Submitted) and reply.device == "cpu:0"
     assert mgr.followed == {ep0, ep1}, "a task placed there: followed again as it is submitted"
     mgr.bubbles(0, 4, t0_ns=2 * 10**10)
@@ -96,7 +96,7 @@ def test_a_device_followed_again_starts_the_guards_span_anew(tmp_path: Path) -> 
     mgr.rank(0)
     mgr.bubbles(0, MIN_BUBBLES_SEEN)
     guard = mgr.schedulers["cpu:0"].guard
-    mgr.on_control(p.Submit(spec=p.TaskSpec(kind="iterative", target="pagerank", device="cpu:0")))
+    mgr.on_control(p.Submit(spec=p.IterativeSpec(target="pagerank", device="cpu:0")))
     guard.add_interference(2 * MS)  # taken from the training after the next bubble to end
     mgr.bubbles(0, 1, t0_ns=3600 * 10**9)  # an hour later
     # 2 ms over this bubble's 20 ms: not over the hour in between, nor over the bubbles learned before

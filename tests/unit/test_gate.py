@@ -161,7 +161,7 @@ def make_rig(
     saver = Saver(clock, save_ns)
     assign = p.Assign(
         task_id=7,
-        spec=p.TaskSpec(kind="iterative", target="tests:Task", step_time_ns=hint_ns),
+        spec=p.IterativeSpec(target="tests:Task", step_time_ns=hint_ns),
         device="cpu",
         checkpoint_path=str(tmp_path / "task7.pt"),
         margin_ns=MARGIN,

@@ -49,7 +49,7 @@ class Rig:
         self.task = Recorder()
         assign = p.Assign(
             task_id=7,
-            spec=p.TaskSpec(kind="iterative", target="tests:Recorder", step_time_ns=STEP),
+            spec=p.IterativeSpec(target="tests:Recorder", step_time_ns=STEP),
             device="cpu",
             checkpoint_path=str(tmp_path / "task7.pt"),
             margin_ns=MARGIN,

@@ -138,7 +138,7 @@ def make_gate(
 ) -> GrantGate:
     assign = p.Assign(
         task_id=7,
-        spec=p.TaskSpec(kind="iterative", target="tests:Task", step_time_ns=STEP),
+        spec=p.IterativeSpec(target="tests:Task", step_time_ns=STEP),
         device="cpu:0",
         checkpoint_path=str(tmp_path / "task7.pt"),
         margin_ns=MARGIN,

@@ -77,7 +77,7 @@ def staged_rig(
     link = FakeLink()
     delay = FakeRunDelay(clock)
     saver = Saver(clock)
-    spec = p.TaskSpec(kind="iterative", target="tests:Big", step_time_ns=STEP)
+    spec = p.IterativeSpec(target="tests:Big", step_time_ns=STEP)
     a = p.Assign(
         task_id=7,
         spec=spec,

@@ -48,8 +48,8 @@ def test_submit_checks_a_target_without_importing_it(monkeypatch: pytest.MonkeyP
     (pkg / "__init__.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'w').close()\n")
     (pkg / "tasks.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert check_spec(p.TaskSpec(kind="iterative", target="slowpkg_for_submit.tasks:Task")) == ""
+    assert check_spec(p.IterativeSpec(target="slowpkg_for_submit.tasks:Task")) == ""
     assert not (tmp_path / "imported").exists()
     assert "slowpkg_for_submit" not in sys.modules
-    problem = check_spec(p.TaskSpec(kind="iterative", target="no_such_package_here.x:Task"))
+    problem = check_spec(p.IterativeSpec(target="no_such_package_here.x:Task"))
     assert "cannot import module" in problem

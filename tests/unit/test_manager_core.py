@@ -82,7 +82,7 @@ async def test_a_task_submitted_by_request_is_placed_and_a_cancel_before_its_wor
     """Submitted through the control path as a client would; its worker has not started when it is cancelled."""
     mgr, sent = core(tmp_path)
     mgr.declare_device("cpu:0", stage=0, spare_memory=1 << 30, cpu_affinity=[0])
-    reply = mgr.on_control(p.Submit(spec=p.TaskSpec(kind="iterative", target="pagerank", device="cpu:0")))
+    reply = mgr.on_control(p.Submit(spec=p.IterativeSpec(target="pagerank", device="cpu:0")))
     assert isinstance(reply, p.Submitted) and reply.device == "cpu:0"
     [task] = mgr.status().tasks
     assert (task.kind, task.device) == ("iterative", "cpu:0")
@@ -112,7 +112,7 @@ def test_a_device_whose_job_ended_takes_no_new_task_and_says_why(tmp_path: Path)
     mgr, _ = core(tmp_path, settle_s=0.0)
     single = msgspec.structs.replace(hello(0, device="cpu:0"), num_stages=1)
     mgr.on_event(single)
-    reply = mgr.on_control(p.Submit(spec=p.TaskSpec(kind="iterative", target="pagerank")))
+    reply = mgr.on_control(p.Submit(spec=p.IterativeSpec(target="pagerank")))
     assert isinstance(reply, p.Submitted) and reply.device == ""
     task = mgr.tasks[reply.task_id]
     assert "pipeline size 1" in task.pending_reason

@@ -17,8 +17,8 @@ from freeride.serve.progress import MAX_METRICS, MAX_READ, ProgressReader, progr
 from freeride.tasks.programs import BASE_ENV_KEYS, device_env, parse_env, program_env, spec_problem
 
 
-def program(**fields: object) -> p.TaskSpec:
-    return msgspec.structs.replace(p.TaskSpec(kind="imperative", argv=["true"]), **fields)
+def program(**fields: object) -> p.ProgramSpec:
+    return msgspec.structs.replace(p.ProgramSpec(argv=["true"]), **fields)
 
 
 def submit_args(*args: str) -> argparse.Namespace:
@@ -47,9 +47,8 @@ def test_a_bad_program_option_is_named(fields: dict[str, object], words: str) ->
 
 
 def test_program_options_on_an_iterative_task_are_refused() -> None:
-    spec = p.TaskSpec(kind="iterative", target="m:C", cwd="/tmp", sync_every=2)
-    assert spec_problem(spec) == "cwd, sync_every only apply to an imperative task"
-    assert spec_problem(p.TaskSpec(kind="iterative", target="m:C")) == ""
+    with pytest.raises(TypeError, match="cwd"):  # an iterative task's spec has no such field
+        p.IterativeSpec(target="m:C", cwd="/tmp", sync_every=2)  # type: ignore[call-arg]
     assert spec_problem(program(cwd="/tmp", env={"A": "1"}, sync_every=4, progress_file="p.json")) == ""
 
 

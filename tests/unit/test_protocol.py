@@ -19,7 +19,7 @@ HELLO = p.Hello(
     device_memory=80 << 30,
     t_ns=5,
 )
-SPEC = p.TaskSpec(kind="iterative", target="m:C", options={"lr": 0.1, "n": 3, "name": "x", "flag": True})
+SPEC = p.IterativeSpec(target="m:C", options={"lr": 0.1, "n": 3, "name": "x", "flag": True})
 
 SAMPLES: list[tuple[object, msgspec.Struct]] = [
     (p.BackendEvent, HELLO),
@@ -115,6 +115,6 @@ def test_unknown_fields_are_ignored_for_append_only_evolution() -> None:
 
 
 def test_options_reject_non_scalars() -> None:
-    frame = msgspec.msgpack.encode({"type": "task_spec", "kind": "iterative", "options": {"x": [1, 2]}})
+    frame = msgspec.msgpack.encode({"type": "iterative_spec", "target": "m:C", "options": {"x": [1, 2]}})
     with pytest.raises(msgspec.ValidationError):
         msgspec.msgpack.Decoder(p.TaskSpec).decode(frame)

@@ -67,7 +67,7 @@ class Harness:
     def task(self, task_id: int, estimate_ns: int, *, kind: p.TaskKind = "iterative", fill: bool = False) -> TaskRecord:
         t = TaskRecord(
             task_id=task_id,
-            spec=p.TaskSpec(kind=kind, target="m:C", argv=["prog"], fill=fill),
+            spec=p.IterativeSpec(target="m:C", fill=fill) if kind == "iterative" else p.ProgramSpec(argv=["prog"]),
             name=f"t{task_id}",
             checkpoint_path=Path("/x"),
         )
@@ -334,7 +334,7 @@ class FakeProgram:
 def test_a_program_is_granted_and_revoked_through_the_same_interface() -> None:
     """An imperative task's runner freezes the program at the bubble's end and reports like a worker."""
     h = Harness()
-    t = TaskRecord(task_id=5, spec=p.TaskSpec(kind="imperative", argv=["prog"]), name="p", checkpoint_path=Path("/x"))
+    t = TaskRecord(task_id=5, spec=p.ProgramSpec(argv=["prog"]), name="p", checkpoint_path=Path("/x"))
     t.place("cpu:0")
     program = FakeProgram(h.clock)
     t.runner = ProgramRunner(5, program, report=lambda d: h.report(t, d), clock=h.clock)

@@ -74,11 +74,7 @@ class Harness:
     def task(
         self, task_id: int, estimate_ns: int, *, armable: bool = True, fill: bool = False, program: bool = False
     ) -> TaskRecord:
-        spec = (
-            p.TaskSpec(kind="imperative", argv=["prog"], fill=fill)
-            if program
-            else p.TaskSpec(kind="iterative", target="m:C", fill=fill)
-        )
+        spec = p.ProgramSpec(argv=["prog"]) if program else p.IterativeSpec(target="m:C", fill=fill)
         t = TaskRecord(
             task_id=task_id,
             spec=spec,

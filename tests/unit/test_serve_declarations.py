@@ -50,7 +50,7 @@ def task_file(tmp_path: Path) -> Path:
 
 def test_options_that_do_not_match_init_are_rejected_at_submit_with_what_is_accepted(tmp_path: Path) -> None:
     sup = supervisor(tmp_path)
-    reply = sup.submit(p.TaskSpec(kind="iterative", target="pagerank", options={"nodez": 10, "alpha": "high"}))
+    reply = sup.submit(p.IterativeSpec(target="pagerank", options={"nodez": 10, "alpha": "high"}))
     assert isinstance(reply, p.Rejected)
     assert "unknown option 'nodez'" in reply.reason and "alpha must be float" in reply.reason
     assert "nodes: int = 100000" in reply.reason  # the accepted options, with types and defaults
@@ -58,19 +58,19 @@ def test_options_that_do_not_match_init_are_rejected_at_submit_with_what_is_acce
 
 
 def test_a_missing_required_option_is_rejected(tmp_path: Path) -> None:
-    reply = supervisor(tmp_path).submit(p.TaskSpec(kind="iterative", target=f"{task_file(tmp_path)}:Plain"))
+    reply = supervisor(tmp_path).submit(p.IterativeSpec(target=f"{task_file(tmp_path)}:Plain"))
     assert isinstance(reply, p.Rejected) and "missing required option 'rate'" in reply.reason
 
 
 def test_the_short_and_file_forms_are_accepted_and_options_take_the_declared_types(tmp_path: Path) -> None:
     sup = supervisor(tmp_path)
     for target in ("pagerank", "pagerank:PageRank", "freeride.sidetasks.pagerank:PageRank"):
-        reply = sup.submit(p.TaskSpec(kind="iterative", target=target, options={"alpha": 1}))
+        reply = sup.submit(p.IterativeSpec(target=target, options={"alpha": 1}))
         assert isinstance(reply, p.Submitted), (target, reply)
         assert sup.tasks[reply.task_id].spec.target == "freeride.sidetasks.pagerank:PageRank"
         assert sup.tasks[reply.task_id].spec.options == {"alpha": 1.0}
     path = task_file(tmp_path)
-    reply = sup.submit(p.TaskSpec(kind="iterative", target=f"{path}:Plain", options={"rate": 2, "name": 7}))
+    reply = sup.submit(p.IterativeSpec(target=f"{path}:Plain", options={"rate": 2, "name": 7}))
     assert isinstance(reply, p.Submitted)
     assert sup.tasks[reply.task_id].spec.options == {"rate": 2.0, "name": "7"}
 
@@ -78,9 +78,9 @@ def test_the_short_and_file_forms_are_accepted_and_options_take_the_declared_typ
 def test_the_class_peak_memory_counts_when_the_submitter_gives_none(tmp_path: Path) -> None:
     sup = supervisor(tmp_path)
     target = f"{task_file(tmp_path)}:Plain"
-    reply = sup.submit(p.TaskSpec(kind="iterative", target=target, options={"rate": 1.0}))
+    reply = sup.submit(p.IterativeSpec(target=target, options={"rate": 1.0}))
     assert isinstance(reply, p.Submitted) and sup.tasks[reply.task_id].spec.peak_memory == 3 << 20
-    given = sup.submit(p.TaskSpec(kind="iterative", target=target, options={"rate": 1.0}, peak_memory=1 << 30))
+    given = sup.submit(p.IterativeSpec(target=target, options={"rate": 1.0}, peak_memory=1 << 30))
     assert isinstance(given, p.Submitted) and sup.tasks[given.task_id].spec.peak_memory == 1 << 30
 
 
@@ -88,20 +88,18 @@ def test_a_gpu_task_waits_for_a_gpu_and_says_why(tmp_path: Path) -> None:
     cpu = DeviceInfo(name="cpu:0", first_seen_ns=0)
     sup = supervisor(tmp_path, {"cpu:0": cpu})
     target = f"{task_file(tmp_path)}:Declares"
-    reply = sup.submit(p.TaskSpec(kind="iterative", target=target, options={"rate": 1.0}))
+    reply = sup.submit(p.IterativeSpec(target=target, options={"rate": 1.0}))
     assert isinstance(reply, p.Submitted) and reply.device == ""  # never placed on the CPU device
     status = sup.tasks[reply.task_id].status()
     assert status.state == "pending" and "needs a GPU" in status.pending_reason and "cpu:0" in status.pending_reason
-    plain = sup.submit(p.TaskSpec(kind="iterative", target=f"{task_file(tmp_path)}:Plain", options={"rate": 1.0}))
+    plain = sup.submit(p.IterativeSpec(target=f"{task_file(tmp_path)}:Plain", options={"rate": 1.0}))
     assert isinstance(plain, p.Submitted) and plain.device == "cpu:0"
-    pinned = sup.submit(p.TaskSpec(kind="iterative", target=target, options={"rate": 1.0}, device="cpu:0"))
+    pinned = sup.submit(p.IterativeSpec(target=target, options={"rate": 1.0}, device="cpu:0"))
     assert isinstance(pinned, p.Rejected) and "needs a GPU" in pinned.reason
 
 
 def record(tmp_path: Path, task_id: int = 1) -> TaskRecord:
-    task = TaskRecord(
-        task_id=task_id, spec=p.TaskSpec(kind="iterative", target="m:C"), name="t", checkpoint_path=tmp_path / "c"
-    )
+    task = TaskRecord(task_id=task_id, spec=p.IterativeSpec(target="m:C"), name="t", checkpoint_path=tmp_path / "c")
     task.place("cpu:0")
     return task
 
@@ -224,9 +222,7 @@ def test_a_program_without_a_peak_is_capped_like_any_task(tmp_path: Path) -> Non
     available memory shared by the host devices, read from this machine), applied by the same rule."""
     devices = {"cpu:0": DeviceInfo(name="cpu:0", first_seen_ns=0), "cpu:1": DeviceInfo(name="cpu:1", first_seen_ns=0)}
     sup = supervisor(tmp_path, devices)
-    program = TaskRecord(
-        task_id=3, spec=p.TaskSpec(kind="imperative", argv=["sleep", "60"]), name="p", checkpoint_path=tmp_path / "c"
-    )
+    program = TaskRecord(task_id=3, spec=p.ProgramSpec(argv=["sleep", "60"]), name="p", checkpoint_path=tmp_path / "c")
     program.place("cpu:0")
     assert program.spec.peak_memory < 0
     cap = sup.processes.memory_cap(program)

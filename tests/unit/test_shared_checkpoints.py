@@ -32,9 +32,7 @@ def _dir(tmp_path: Path, mode: int, name: str = "shared") -> Path:
 
 
 def _spec(checkpoint_dir: Path) -> p.TaskSpec:
-    return p.TaskSpec(
-        kind="iterative", target="freeride.sidetasks.pagerank:PageRank", checkpoint_dir=str(checkpoint_dir)
-    )
+    return p.IterativeSpec(target="freeride.sidetasks.pagerank:PageRank", checkpoint_dir=str(checkpoint_dir))
 
 
 @pytest.mark.parametrize("mode", [0o700, 0o755, 0o1777, 0o1770])

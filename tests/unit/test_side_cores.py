@@ -56,9 +56,7 @@ def test_the_worker_is_assigned_its_stages_core_and_one_thread(tmp_path: Path) -
     sup = Supervisor(
         config, devices=devices, schedulers={}, send=lambda ident, msg: sent.append(msg) is None, observers=Observers()
     )
-    record = TaskRecord(
-        task_id=1, spec=p.TaskSpec(kind="iterative", target="m:C"), name="t", checkpoint_path=tmp_path / "c"
-    )
+    record = TaskRecord(task_id=1, spec=p.IterativeSpec(target="m:C"), name="t", checkpoint_path=tmp_path / "c")
     record.place("cpu:1")
     sup.tasks[1] = record
     sup.on_worker(record.ident, p.WorkerReady(protocol_version=p.PROTOCOL_VERSION, task_id=1, pid=1))

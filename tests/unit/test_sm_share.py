@@ -41,7 +41,7 @@ def test_share_defaults_leave_room_for_nccl_and_requests_are_checked() -> None:
     with pytest.raises(ValueError, match="sm_share"):
         resolve_sm_share(101)
     with pytest.raises(msgspec.ValidationError):
-        msgspec.json.decode(b'{"type": "task_spec", "kind": "iterative", "sm_share": 150}', type=p.TaskSpec)
+        msgspec.json.decode(b'{"type": "iterative_spec", "target": "m:C", "sm_share": 150}', type=p.TaskSpec)
 
 
 def test_share_applies_only_to_gpu_tasks_under_mps(tmp_path: Path) -> None:
@@ -57,7 +57,7 @@ def _supervisor(tmp_path: Path, mps: bool) -> tuple[Supervisor, TaskRecord]:
     device = DeviceInfo(name="cuda:0", first_seen_ns=0, device_memory=80 << 30, spare_memory=40 << 30)
     sup = Supervisor(config, devices={"cuda:0": device}, schedulers={}, send=lambda i, m: True, observers=Observers())
     sup.mps_pipe_dir = tmp_path / "mps" if mps else None
-    spec = p.TaskSpec(kind="iterative", target="m:C", peak_memory=2 << 30, sm_share=-1)
+    spec = p.IterativeSpec(target="m:C", peak_memory=2 << 30, sm_share=-1)
     task = TaskRecord(task_id=1, spec=spec, name="t", checkpoint_path=tmp_path / "c", device="cuda:0")
     return sup, task
 
@@ -168,7 +168,7 @@ async def test_step_time_is_the_devices_when_the_gate_syncs_on_an_event(tmp_path
     link = _Link()
     assign = p.Assign(
         task_id=1,
-        spec=p.TaskSpec(kind="iterative", target="m:C", step_time_ns=2 * MS),
+        spec=p.IterativeSpec(target="m:C", step_time_ns=2 * MS),
         device="cuda:0",
         checkpoint_path=str(tmp_path / "c.pt"),
         margin_ns=0,

@@ -121,7 +121,7 @@ class _NoDelay:
 async def test_the_gate_starts_an_unmeasured_kind_mid_grant_when_its_cost_scaled_estimate_fits() -> None:
     clock = ManualClock()
     link = _Link()
-    spec = p.TaskSpec(kind="iterative", target="x:Y")
+    spec = p.IterativeSpec(target="x:Y")
     assign = p.Assign(
         task_id=1, spec=spec, device="cpu:0", checkpoint_path="", margin_ns=0, checkpoint_every_ns=1 << 62
     )
@@ -156,7 +156,7 @@ async def test_a_kind_measured_in_an_earlier_run_takes_its_warm_up_at_a_grant_st
     # the earlier run's first step of the kind would fit, else at the start of the next grant.
     clock = ManualClock()
     link = _Link()
-    spec = p.TaskSpec(kind="iterative", target="x:Y")
+    spec = p.IterativeSpec(target="x:Y")
     assign = p.Assign(
         task_id=1, spec=spec, device="cpu:0", checkpoint_path="", margin_ns=0, checkpoint_every_ns=1 << 62
     )
@@ -184,7 +184,7 @@ async def test_an_unmeasured_kind_too_long_by_its_cost_still_probes_at_a_grant_s
     # out of all of them (the manager would probe it only after many), so it runs as a probe.
     clock = ManualClock()
     link = _Link()
-    spec = p.TaskSpec(kind="iterative", target="x:Y")
+    spec = p.IterativeSpec(target="x:Y")
     assign = p.Assign(
         task_id=1, spec=spec, device="cpu:0", checkpoint_path="", margin_ns=0, checkpoint_every_ns=1 << 62
     )

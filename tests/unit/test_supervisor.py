@@ -18,9 +18,7 @@ from freeride.transport import Endpoints
 def test_non_finite_metrics_are_dropped_so_status_stays_valid_json(tmp_path: Path) -> None:
     config = ServeConfig(endpoints=Endpoints.ipc(tmp_path), state_dir=tmp_path / "s")
     sup = Supervisor(config, devices={}, schedulers={}, send=lambda ident, msg: True, observers=Observers())
-    task = TaskRecord(
-        task_id=1, spec=p.TaskSpec(kind="iterative", target="m:C"), name="t", checkpoint_path=tmp_path / "c"
-    )
+    task = TaskRecord(task_id=1, spec=p.IterativeSpec(target="m:C"), name="t", checkpoint_path=tmp_path / "c")
     sup.tasks[1] = task
     sup.on_worker(task.ident, p.Progress(task_id=1, steps=3, metrics={"loss": math.nan, "acc": 0.5, "x": math.inf}))
     assert task.metrics == {"acc": 0.5} and task.steps == 3
@@ -37,7 +35,7 @@ def test_submissions_beyond_the_live_task_cap_are_rejected(tmp_path: Path, monke
     monkeypatch.setattr(sup_mod, "MAX_LIVE_TASKS", 3)
     config = ServeConfig(endpoints=Endpoints.ipc(tmp_path), state_dir=tmp_path / "s")
     sup = Supervisor(config, devices={}, schedulers={}, send=lambda ident, msg: True, observers=Observers())
-    spec = p.TaskSpec(kind="imperative", argv=["true"])
+    spec = p.ProgramSpec(argv=["true"])
     replies = [sup.submit(spec) for _ in range(4)]
     assert [type(r) for r in replies] == [p.Submitted] * 3 + [p.Rejected]
     assert isinstance(replies[-1], p.Rejected) and "at most 3" in replies[-1].reason
@@ -62,7 +60,7 @@ def _assignments(sup: Supervisor, tmp_path: Path) -> dict[str, p.Assign]:
     for task_id, device in enumerate(sup.devices, start=1):
         task = TaskRecord(
             task_id=task_id,
-            spec=p.TaskSpec(kind="iterative", target="m:C"),
+            spec=p.IterativeSpec(target="m:C"),
             name=f"t{task_id}",
             checkpoint_path=tmp_path,
         )

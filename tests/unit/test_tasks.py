@@ -12,7 +12,11 @@ from freeride.serve.tasks import BadTransition, TaskRecord
 
 
 def record(kind: p.TaskKind = "iterative", max_restarts: int = 2) -> TaskRecord:
-    spec = p.TaskSpec(kind=kind, target="m:C", argv=["prog"], max_restarts=max_restarts)
+    spec: p.TaskSpec = (
+        p.IterativeSpec(target="m:C", max_restarts=max_restarts)
+        if kind == "iterative"
+        else p.ProgramSpec(argv=["prog"], max_restarts=max_restarts)
+    )
     return TaskRecord(task_id=1, spec=spec, name="t", checkpoint_path=Path("/x"))
 
 

@@ -252,7 +252,7 @@ async def harvest(rate: float, seconds: float, *, elsewhere: bool = False) -> di
         devices = [sim.device(stage) for stage in range(2)]
         for stage, device in enumerate(devices):
             manager.declare_device(device, stage=stage, spare_memory=1 << 30, cpu_affinity=[sim.core(stage)])
-            manager.submit(p.TaskSpec(kind="iterative", target=TASK, device=device, options=TASK_OPTIONS))
+            manager.submit(p.IterativeSpec(target=TASK, device=device, options=TASK_OPTIONS))
         while not all(t.runnable for t in manager.tasks.values()):
             if any(t.terminal for t in manager.tasks.values()):
                 raise SystemExit("a side task ended before training started")
