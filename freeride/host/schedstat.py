@@ -26,10 +26,23 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Protocol
 
-__all__ = ["ThreadRunDelay"]
+__all__ = ["RunDelay", "ThreadRunDelay"]
 
 _SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+class RunDelay(Protocol):
+    """How long this thread has waited for a CPU while runnable, in ns (a counter)."""
+
+    def ns(self) -> int:
+        """The counter's current value (0 where it cannot be read)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the counter holds; later reads return 0."""
+        ...
 
 
 class ThreadRunDelay:

@@ -24,11 +24,11 @@ import logging
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Protocol, TypeVar, assert_never
+from typing import TypeVar, assert_never
 
 from freeride import protocol as p
 from freeride.clock import MONOTONIC, Clock
-from freeride.host.schedstat import ThreadRunDelay
+from freeride.host.schedstat import RunDelay, ThreadRunDelay
 from freeride.sidetask import IterativeTask, StepEstimates, TaskStopped
 from freeride.transport import BadFrame
 from freeride.worker.armed import Arming, BubbleFeed
@@ -40,7 +40,7 @@ from freeride.worker.ledger import GrantLedger
 from freeride.worker.pending import PendingStep
 from freeride.worker.reports import PROGRESS_EVERY_NS, ProgressReports
 from freeride.worker.snapshot import WriteState
-from freeride.worker.waiting import race_link
+from freeride.worker.waiting import GateLink, race_link
 
 __all__ = ["GateLink", "GrantGate", "RunDelay", "SaveCheckpoint", "ThreadRunDelay"]
 
@@ -50,34 +50,6 @@ _OVERRUN_LOG_NS = 2_000_000
 """A step that ends this far past its bubble's end is logged with its kind, time and estimate."""
 
 _T = TypeVar("_T")
-
-
-class GateLink(Protocol):
-    """What the gate needs of its link to the manager (a :class:`~freeride.transport.WorkerLink`)."""
-
-    def recv_nowait(self) -> p.ManagerToWorker | BadFrame | None:
-        """The next message if one has arrived, else ``None``."""
-        ...
-
-    async def recv(self) -> p.ManagerToWorker | BadFrame:
-        """Wait for the next message."""
-        ...
-
-    def send_nowait(self, msg: p.WorkerToManager) -> None:
-        """Send a message without waiting."""
-        ...
-
-
-class RunDelay(Protocol):
-    """How long this thread has waited for a CPU while runnable, in ns (a counter)."""
-
-    def ns(self) -> int:
-        """The counter's current value (0 where it cannot be read)."""
-        ...
-
-    def close(self) -> None:
-        """Release what the counter holds; later reads return 0."""
-        ...
 
 
 def _process_cpu_ns() -> int:

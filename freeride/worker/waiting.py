@@ -11,14 +11,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from freeride import protocol as p
 from freeride.transport import BadFrame
 
-__all__ = ["race_link"]
+__all__ = ["GateLink", "race_link"]
 
 _T = TypeVar("_T")
+
+
+class GateLink(Protocol):
+    """What the gate needs of its link to the manager (a :class:`~freeride.transport.WorkerLink`)."""
+
+    def recv_nowait(self) -> p.ManagerToWorker | BadFrame | None:
+        """The next message if one has arrived, else ``None``."""
+        ...
+
+    async def recv(self) -> p.ManagerToWorker | BadFrame:
+        """Wait for the next message."""
+        ...
+
+    def send_nowait(self, msg: p.WorkerToManager) -> None:
+        """Send a message without waiting."""
+        ...
 
 
 async def race_link(
