@@ -70,6 +70,14 @@ class GrantState:
     stage_waited_ns: int = 0
     """How long the stage then waited for its core, runnable, while this grant's step held it."""
 
+    def late_ns(self, now: int) -> int:
+        """How long past its bubble's end (its deadline, where the end was not seen) ``now`` is."""
+        return now - (self.bubble_end_ns or self.deadline_ns)
+
+    def stuck(self, now: int) -> bool:
+        """Still out a full step estimate after its bubble's end: the task is still in a step."""
+        return not self.returned and self.late_ns(now) > max(self.task.estimate_ns, 0)
+
 
 class DeviceLedger:
     """What one device's bubbles lasted and what side work used of them and took from training.

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import NamedTuple
 
 from freeride import protocol as p
 from freeride.admission import room_ns
@@ -43,7 +42,7 @@ from freeride.serve.costs import TrainingCosts, Withheld
 from freeride.serve.guard import DEFAULT_TARGET, GuardConfig, InterferenceGuard
 from freeride.serve.ledger import MIN_BUBBLES_SEEN, RECENT_BUBBLES, DeviceLedger, GrantState, LedgerView
 from freeride.serve.probes import PROBE_AFTER_BUBBLES, PROBE_BUBBLE_SHARE, Probes
-from freeride.serve.slowsteps import SlowSteps
+from freeride.serve.slowsteps import Overdue, SlowSteps
 from freeride.serve.tasks import TaskRecord
 
 __all__ = [
@@ -60,16 +59,6 @@ logger = logging.getLogger(__name__)
 
 PACK_ROOM_NS = 200_000
 """A packing task is granted what is left of a bubble down to this much, whatever its whole step needs."""
-
-
-class Overdue(NamedTuple):
-    """A grant still out past its grace (see :meth:`DeviceScheduler.overdue`)."""
-
-    task: TaskRecord
-    late_ns: int
-    """How long past its bubble's end."""
-    thawed_ns: int
-    """How long its step ran in bubbles since it was frozen as slow (-1: not frozen)."""
 
 
 class DeviceScheduler(LedgerView):
@@ -359,22 +348,8 @@ class DeviceScheduler(LedgerView):
     # -- liveness (the supervisor's hang detector calls these) ----------------
 
     def overdue(self, now_ns: int, grace_ns: Callable[[TaskRecord], int]) -> list[Overdue]:
-        """Tasks holding a grant not given back ``grace_ns(task)`` after its bubble ended: slow or hung steps.
-
-        Returns:
-            Each such task once, with how long past its bubble's end (its
-            deadline, where the end was not seen) the oldest such grant is.
-        """
-        late: dict[int, Overdue] = {}
-        for state in self._grants.values():
-            task = state.task
-            if state.returned or task.runner is None:
-                continue
-            past = now_ns - (state.bubble_end_ns or state.deadline_ns)
-            seen = late.get(task.task_id)
-            if past > grace_ns(task) and (seen is None or past > seen.late_ns):
-                late[task.task_id] = Overdue(task, past, self.slow.thawed_ns(task))
-        return list(late.values())
+        """Tasks holding a grant not given back ``grace_ns(task)`` after its bubble ended: slow or hung steps."""
+        return self.slow.overdue(self._grants.values(), now_ns, grace_ns)
 
     def freeze(self, task: TaskRecord) -> None:
         """``task``'s step is too slow for its bubble: it runs on in bubbles only, and has them to itself."""
@@ -403,16 +378,9 @@ class DeviceScheduler(LedgerView):
             state.task.runner.revoke(grant_id)  # its report comes back through on_grant_done
 
     def _stuck(self, now: int) -> set[int]:
-        """Tasks still in a step a full estimate after their last bubble's end.
-
-        Such a task gets no grant (nor arm): it would sit unread in its socket
-        while the bubble passes by the tasks that could use it.
-        """
-        return {
-            st.task.task_id
-            for st in self._grants.values()
-            if not st.returned and (st.bubble_end_ns or st.deadline_ns) + max(st.task.estimate_ns, 0) < now
-        }
+        """Tasks still in a step a full estimate after their last bubble's end: no grant (nor arm) goes to them,
+        to sit unread in their sockets while the bubble passes by the tasks that could use it."""
+        return {st.task.task_id for st in self._grants.values() if st.stuck(now)}
 
     def _arm_next(self) -> None:
         """Arm the task next in turn for the next bubble, unless one is armed or the bubble is still held.

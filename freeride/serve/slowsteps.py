@@ -13,12 +13,25 @@ One :class:`SlowSteps` per device, driven by its scheduler; the liveness check
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from freeride.clock import MONOTONIC, Clock
+from freeride.serve.ledger import GrantState
 from freeride.serve.tasks import TaskRecord
 
-__all__ = ["SlowSteps"]
+__all__ = ["Overdue", "SlowSteps"]
+
+
+class Overdue(NamedTuple):
+    """A grant still out past its grace (see :meth:`SlowSteps.overdue`)."""
+
+    task: TaskRecord
+    late_ns: int
+    """How long past its bubble's end."""
+    thawed_ns: int
+    """How long its step ran in bubbles since it was frozen as slow (-1: not frozen)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -84,3 +97,23 @@ class SlowSteps:
             return -1
         extra = self._clock.now_ns() - frozen.since_ns if frozen.running else 0
         return frozen.thawed_ns + max(0, extra)
+
+    def overdue(
+        self, grants: Iterable[GrantState], now_ns: int, grace_ns: Callable[[TaskRecord], int]
+    ) -> list[Overdue]:
+        """Tasks holding one of ``grants`` not given back ``grace_ns(task)`` after its bubble ended.
+
+        Returns:
+            Each such task once, with how long past its bubble's end (its
+            deadline, where the end was not seen) the oldest such grant is.
+        """
+        late: dict[int, Overdue] = {}
+        for state in grants:
+            task = state.task
+            if state.returned or task.runner is None:
+                continue
+            past = state.late_ns(now_ns)
+            seen = late.get(task.task_id)
+            if past > grace_ns(task) and (seen is None or past > seen.late_ns):
+                late[task.task_id] = Overdue(task, past, self.thawed_ns(task))
+        return list(late.values())
