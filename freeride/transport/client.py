@@ -35,6 +35,9 @@ class ControlClient:
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = zmq.Context()
         self._sock: zmq.Socket[bytes] | None = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # the send has the deadline too: after a refused handshake libzmq may hold no pipe to queue a
+        # request on, and a send without one blocks for ever
+        self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
         try:
             guard_client(self._sock, endpoint, curve)
         except (KeysMissing, Refused):
@@ -65,7 +68,13 @@ class ControlClient:
                     f"no FreeRide manager runs on {self.endpoint} (its socket is left from one that has gone); "
                     "start one with `freeride serve` (same --runtime-dir) or pass --runtime-dir"
                 )
-        self._sock.send(encoder.encode(req))
+        try:
+            self._sock.send(encoder.encode(req))
+        except zmq.Again:
+            raise ManagerUnreachable(
+                f"no FreeRide manager took a request on {self.endpoint} within {self.timeout_s:g}s (none listens, "
+                "or it refused this user); start one with `freeride serve` (same --runtime-dir) or pass --runtime-dir"
+            ) from None
         if not self._sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
             raise ManagerUnreachable(
                 f"no FreeRide manager answered on {self.endpoint} within {self.timeout_s:g}s; "

@@ -302,6 +302,33 @@ async def test_the_peer_uid_check_is_consulted_on_ipc(runtime_dir: Path) -> None
             ctx.term()
 
 
+def test_a_request_that_cannot_be_sent_gives_up_at_its_deadline(runtime_dir: Path) -> None:
+    """A send has the request's deadline too (SNDTIMEO) and ends as ManagerUnreachable.
+
+    After a refused handshake libzmq may hold no pipe to queue a request on: the suite once hung for
+    good in ``send`` in the peer-uid test above. When that happens is a matter of timing, so the
+    refusal is stood in for here by a socket whose send times out.
+    """
+    endpoint = f"ipc://{runtime_dir}/control-unsent"
+    with _trap(runtime_dir / "control-unsent"), ControlClient(endpoint, timeout_s=1.5) as client:
+        sock = client._sock
+        assert sock is not None and sock.getsockopt(zmq.SNDTIMEO) == 1500
+
+        class Refusing:
+            def send(self, frame: bytes) -> None:
+                raise zmq.Again()
+
+            def __getattr__(self, name: str) -> object:
+                return getattr(sock, name)
+
+        client._sock = Refusing()  # type: ignore[assignment]
+        try:
+            with pytest.raises(ManagerUnreachable, match=r"took a request .* within 1\.5s"):
+                client.request(p.StatusRequest())
+        finally:
+            client._sock = sock
+
+
 # -- (a') what clients connect to ---------------------------------------------------------
 
 
