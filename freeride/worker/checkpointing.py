@@ -129,12 +129,8 @@ class Checkpointer:
         try:
             saved = self.save(self._task, path, steps)
         except Exception as exc:
-            now = self._clock.now_ns()
-            self._failed_ns = now
-            self._took_ns = max(self._took_ns, now - t0)
-            error = f"{type(exc).__name__}: {exc}"
-            self._log.warning("[worker] checkpoint at step %d to %s failed: %s", steps, path, error)
-            self._send(p.CheckpointFailed(task_id=self.assign.task_id, steps=steps, error=error))
+            self._failed(steps, path, f"{type(exc).__name__}: {exc}")
+            self._took_ns = max(self._took_ns, self._failed_ns - t0)
             return False
         if saved >= 0:
             self._send(p.Checkpointed(task_id=self.assign.task_id, steps=steps, path=str(path)))
@@ -210,11 +206,7 @@ class Checkpointer:
             return
         self._writer = None
         if writer.error:
-            self._failed_ns = self._clock.now_ns()
-            self._log.warning(
-                "[worker] checkpoint at step %d to %s failed: %s", writer.steps, writer.path, writer.error
-            )
-            self._send(p.CheckpointFailed(task_id=self.assign.task_id, steps=writer.steps, error=writer.error))
+            self._failed(writer.steps, writer.path, writer.error)
             return
         self._send(p.Checkpointed(task_id=self.assign.task_id, steps=writer.steps, path=str(writer.path)))
         self._last_ns = writer.began_ns  # the checkpoint holds the state as its copy began
@@ -227,6 +219,12 @@ class Checkpointer:
         if self._writer is not None:
             self._writer.wait()
             self.poll()
+
+    def _failed(self, steps: int, path: Path, error: str) -> None:
+        """A checkpoint write failed: said, and tried again after the retry delay."""
+        self._failed_ns = self._clock.now_ns()
+        self._log.warning("[worker] checkpoint at step %d to %s failed: %s", steps, path, error)
+        self._send(p.CheckpointFailed(task_id=self.assign.task_id, steps=steps, error=error))
 
     def at_stop(self, steps: int) -> bool:
         """The checkpoint of a stopped task, if its state is consistent; else the last one is kept, and said so."""
