@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from _events import EventTap
+from _quiet import lost_share
 
 from freeride import protocol as p
 from freeride.backends.launch import ENV_MODE, ENV_PROFILE_DIR
@@ -58,6 +59,10 @@ class TrainRun:
 
     def median_step_ms(self, rank: int, *, skip: int = 2) -> float:
         return statistics.median(float(r["step_ms"]) for r in self.steps(rank)[skip:])
+
+    def lost_share(self, *, skip: int = 2) -> float:
+        """Of the time in the steps after ``skip``, the largest share any rank was kept off its core."""
+        return lost_share(self.stdout, skip=skip)
 
     def of(self, kind: type[Any], rank: int | None = None) -> list[Any]:
         return [e for e in self.events if isinstance(e, kind) and (rank is None or e.rank == rank)]

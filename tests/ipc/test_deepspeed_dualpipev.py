@@ -30,6 +30,7 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from _deepspeed import TrainRun, plain_env, run_training, train_cmd
+from _quiet import quietest, require_quiet
 from conftest import freeride_cmd, serving, status, submit_spin_steps
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
@@ -85,11 +86,21 @@ def alone() -> TrainRun:
 @pytest.fixture(scope="module")
 def profiled(runtime: Path) -> tuple[TrainRun, list[RankObservations]]:
     events = Endpoints.ipc(runtime).events
-    env = launch_env(os.environ, events=events, mode="profile", profile_dir=runtime / "observations")
-    run = asyncio.run(run_training(train_cmd(*TRAIN, "--steps", str(STEPS), "--recv-timers"), env=env, events=events))
-    assert run.returncode == 0, run.explain()
-    assert "differs from FreeRide's" not in run.stderr, run.explain()  # the plan is the order DeepSpeed runs
-    return run, read_observations(runtime / "observations")
+    cmd = train_cmd(*TRAIN, "--steps", str(STEPS), "--recv-timers")
+
+    def attempt(i: int) -> tuple[TrainRun, list[RankObservations]]:
+        observations = runtime / f"observations-{i}"
+        env = launch_env(os.environ, events=events, mode="profile", profile_dir=observations)
+        run = asyncio.run(run_training(cmd, env=env, events=events))
+        assert run.returncode == 0, run.explain()
+        assert "differs from FreeRide's" not in run.stderr, run.explain()  # the plan is the order DeepSpeed runs
+        return run, read_observations(observations)
+
+    return quietest(attempt, lambda r: r[0].lost_share(skip=SKIP))
+
+
+def _quiet(run: TrainRun) -> None:
+    require_quiet(run.lost_share(skip=SKIP), "the profiled DualPipeV run")
 
 
 def _waits(obs: RankObservations, *prefixes: str, commits: bool = False) -> float:
@@ -136,6 +147,7 @@ def test_announced_bubbles_match_the_independently_measured_waits(
     profiled: tuple[TrainRun, list[RankObservations]],
 ) -> None:
     run, observations = profiled
+    _quiet(run)
     for obs in observations:
         rank = obs.rank
         records = run.steps(rank)[SKIP:]
@@ -153,6 +165,7 @@ def test_bubbles_sit_where_the_instruction_lists_put_them(
     profiled: tuple[TrainRun, list[RankObservations]],
 ) -> None:
     run, observations = profiled
+    _quiet(run)
     rows = _compat.instruction_rows(
         ds_schedule.DualPipeVSchedule(micro_batches=MICRO_BATCHES, stages=STAGES, stage_id=0)
     )
@@ -186,7 +199,7 @@ def test_bubbles_sit_where_the_instruction_lists_put_them(
 def test_side_tasks_run_in_the_bubbles_of_dualpipev(
     runtime_dir: Path, alone: TrainRun, profiled: tuple[TrainRun, list[RankObservations]]
 ) -> None:
-    _, observations = profiled
+    before, observations = profiled
     profile_path = runtime_dir / "job.profile.json"
     profile = build_profile(observations)
     write_profile(profile, profile_path)
@@ -208,8 +221,14 @@ def test_side_tasks_run_in_the_bubbles_of_dualpipev(
     for device in profile.devices:
         d = by_device[device]
         assert d.steps == STEPS and d.bubbles >= STEPS - 1, (device, d.steps, d.bubbles)
+        assert tasks[device].steps > 0 and tasks[device].state == "running"
+    # a side task at the lowest priority gets little of a core that other work keeps busy; the
+    # training ranks' own lost time here would count this run's interference too, so the
+    # profiled run's, just before, says whether the cores were quiet
+    _quiet(before)
+    for device in profile.devices:
+        d = by_device[device]
         # of the bubble time offered (a short job's held-back steps can be a large share of all of it):
         # 60-75 % on a quiet machine, 35 % seen on a loaded one
         assert d.used_ns > 0.2 * d.offered_ns, (device, d.used_ns, d.offered_ns, d.bubble_ns)
         assert d.interference_ns <= 0.25 * d.used_ns, (device, d.interference_ns, d.used_ns)
-        assert tasks[device].steps > 0 and tasks[device].state == "running"

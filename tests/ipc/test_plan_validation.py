@@ -21,14 +21,18 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from _quiet import quietest, require_quiet
 
-from freeride.cli.demo import DemoOptions, run_demo
+from freeride.cli.demo import DemoOptions, DemoReport, run_demo
 from freeride.cli.main import main
 
 pytestmark = pytest.mark.slow
 
 TOLERANCE = 0.10
 DEMO_STEPS = 30
+QUIET = 0.02
+"""The demo's stages sleep through nearly all of a step: kept off their cores 0.7 % of it on a quiet
+2-core machine, 3.3 % with one busy loop beside them."""
 
 
 def _plan(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
@@ -38,10 +42,22 @@ def _plan(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
     return data
 
 
+def _lost(report: DemoReport) -> float:
+    """The largest share of a step any stage was kept off its core, step 0 (start-up) left out."""
+    return max(sum(r.lost_ns[1:]) / sum(r.step_ns[1:]) for r in report.stages)
+
+
 def test_plan_reproduces_the_demo(capsys: pytest.CaptureFixture[str]) -> None:
     defaults = DemoOptions()
-    report = run_demo(replace(defaults, sim=replace(defaults.sim, steps=DEMO_STEPS)))
-    assert report.ok, report.text()
+
+    def attempt(_: int) -> DemoReport:
+        report = run_demo(replace(defaults, sim=replace(defaults.sim, steps=DEMO_STEPS)))
+        assert report.ok, report.text()
+        return report
+
+    report = quietest(attempt, _lost, budget=QUIET)
+    # the model has no jitter: the waits a late neighbour adds on a shared core are not in it
+    require_quiet(_lost(report), "the demo's stages", budget=QUIET)
     sim = report.options.sim
     stages = sorted(report.stages, key=lambda r: r.stage)
     devices = sorted(report.status.devices, key=lambda d: d.stage)
