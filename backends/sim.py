@@ -39,7 +39,6 @@ from freeride.backends.schedule import Action, Durations, bubbles, build_schedul
 from freeride.backends.session import BackendConfig, BackendSession
 from freeride.backends.tracker import TAIL_KEY
 from freeride.host.procs import bind_to_parent
-from freeride.host.schedstat import ThreadRunDelay
 from freeride.profile import RankObservations, StepRecord, WaitRecord
 
 __all__ = ["SimConfig", "SimPipeline", "StageResult", "run_stage"]
@@ -111,9 +110,6 @@ class StageResult:
     """Per step, the measured duration of the announced bubbles."""
     wait_ns: list[int] = field(default_factory=list)
     """Per step, all time spent waiting (announced or not)."""
-    lost_ns: list[int] = field(default_factory=list)
-    """Per step, how long the stage was runnable but kept off its core (its run delay): other work
-    at its priority or above; near 0 on a quiet core, as side tasks at the lowest priority yield at once."""
     announced: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     """(step, index, start monotonic ns, expected ns, measured ns) of every announced bubble."""
     sent: int = 0
@@ -209,8 +205,6 @@ def run_stage(
             waits_of_step.append(WaitRecord(key=key_text, offset_ns=offset, duration_ns=measured, expected_ns=expected))
         return measured if opened else 0
 
-    run_delay = ThreadRunDelay()
-    delay = run_delay.ns()
     try:
         t_step = 0
         for step in range(config.steps):
@@ -258,8 +252,6 @@ def run_stage(
             result.cpu_ns.append(time.process_time_ns() - cpu_step)
             result.bubble_ns.append(announced)
             result.wait_ns.append(waits)
-            delay, delay_step = run_delay.ns(), delay
-            result.lost_ns.append(delay - delay_step)
     except (EOFError, BrokenPipeError, OSError, threading.BrokenBarrierError) as exc:
         logger.warning("[sim] stage %d lost a neighbour (%s); stopping", stage, exc)
     finally:
@@ -267,7 +259,6 @@ def run_stage(
         if log is not None:
             log.close()
         session.close()
-        run_delay.close()
         results.put(result)
 
 

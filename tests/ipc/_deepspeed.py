@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from _events import EventTap
-from _quiet import lost_share
 
 from freeride import protocol as p
 from freeride.backends.launch import ENV_MODE, ENV_PROFILE_DIR
@@ -39,6 +38,8 @@ class TrainRun:
     stdout: str
     stderr: str
     events: list[p.BackendEvent] = field(default_factory=list)
+    other_work: float = 0.0
+    """Other work's share of the cores during the run, where a test measured it (``_quiet``)."""
 
     @property
     def records(self) -> list[dict[str, Any]]:
@@ -59,10 +60,6 @@ class TrainRun:
 
     def median_step_ms(self, rank: int, *, skip: int = 2) -> float:
         return statistics.median(float(r["step_ms"]) for r in self.steps(rank)[skip:])
-
-    def lost_share(self, *, skip: int = 2) -> float:
-        """Of the time in the steps after ``skip``, the largest share any rank was kept off its core."""
-        return lost_share(self.stdout, skip=skip)
 
     def of(self, kind: type[Any], rank: int | None = None) -> list[Any]:
         return [e for e in self.events if isinstance(e, kind) and (rank is None or e.rank == rank)]

@@ -59,13 +59,14 @@ def sleep_run() -> Iterator[tuple[TrainRun, list[RankObservations]]]:
         return run, read_observations(profile_dir)
 
     try:
-        yield quietest(attempt, lambda r: r[0].lost_share(skip=SKIP))
+        (run, observations), run.other_work = quietest(attempt)
+        yield run, observations
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
 
 
 def _quiet(run: TrainRun) -> None:
-    require_quiet(run.lost_share(skip=SKIP), "the profiled DeepSpeed run")
+    require_quiet(run.other_work, "the profiled DeepSpeed run")
 
 
 def _bubble_pairs(run: TrainRun, rank: int) -> list[tuple[p.BubbleStarted, p.BubbleEnded]]:

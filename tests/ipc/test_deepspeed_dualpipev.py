@@ -30,7 +30,7 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from _deepspeed import TrainRun, plain_env, run_training, train_cmd
-from _quiet import quietest, require_quiet
+from _quiet import OtherWork, quietest, require_quiet
 from conftest import freeride_cmd, serving, status, submit_spin_steps
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
@@ -96,11 +96,12 @@ def profiled(runtime: Path) -> tuple[TrainRun, list[RankObservations]]:
         assert "differs from FreeRide's" not in run.stderr, run.explain()  # the plan is the order DeepSpeed runs
         return run, read_observations(observations)
 
-    return quietest(attempt, lambda r: r[0].lost_share(skip=SKIP))
+    (run, observations), run.other_work = quietest(attempt)
+    return run, observations
 
 
 def _quiet(run: TrainRun) -> None:
-    require_quiet(run.lost_share(skip=SKIP), "the profiled DualPipeV run")
+    require_quiet(run.other_work, "the profiled DualPipeV run")
 
 
 def _waits(obs: RankObservations, *prefixes: str, commits: bool = False) -> float:
@@ -199,10 +200,11 @@ def test_bubbles_sit_where_the_instruction_lists_put_them(
 def test_side_tasks_run_in_the_bubbles_of_dualpipev(
     runtime_dir: Path, alone: TrainRun, profiled: tuple[TrainRun, list[RankObservations]]
 ) -> None:
-    before, observations = profiled
+    _, observations = profiled
     profile_path = runtime_dir / "job.profile.json"
     profile = build_profile(observations)
     write_profile(profile, profile_path)
+    load = OtherWork()
     with serving(runtime_dir, "--profile", str(profile_path)):
         submit_spin_steps(runtime_dir, profile.devices, STEP_MS)
         cmd = [
@@ -222,10 +224,8 @@ def test_side_tasks_run_in_the_bubbles_of_dualpipev(
         d = by_device[device]
         assert d.steps == STEPS and d.bubbles >= STEPS - 1, (device, d.steps, d.bubbles)
         assert tasks[device].steps > 0 and tasks[device].state == "running"
-    # a side task at the lowest priority gets little of a core that other work keeps busy; the
-    # training ranks' own lost time here would count this run's interference too, so the
-    # profiled run's, just before, says whether the cores were quiet
-    _quiet(before)
+    # a side task at the lowest priority gets little of a core that other work keeps busy
+    require_quiet(load.share(), "the served DualPipeV run")
     for device in profile.devices:
         d = by_device[device]
         # of the bubble time offered (a short job's held-back steps can be a large share of all of it):

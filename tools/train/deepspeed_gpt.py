@@ -2,8 +2,7 @@
 
 Every rank prints one JSON line per training step (``rank``, ``stage``, ``step``,
 ``loss``, ``step_ms``, ``cpu_ms`` (the rank process's CPU time in the step, all
-threads), ``lost_ms`` (time the rank was kept off its core: :mod:`_lost`); ``recv_ms``
-with ``--recv-timers``). Launch it as any
+threads); ``recv_ms`` with ``--recv-timers``). Launch it as any
 DeepSpeed pipeline job::
 
     torchrun --standalone --nproc_per_node 2 tools/train/deepspeed_gpt.py --steps 20
@@ -41,7 +40,6 @@ import torch
 import torch.nn.functional as F
 from _args import CommonArgs, add_common_args  # tools/train is the script's directory
 from _layers import Block, SleepBlock
-from _lost import LostTime
 from _spawn import run_ranks
 from torch import nn
 
@@ -292,9 +290,7 @@ def train(args: TrainArgs) -> None:
     out = open(args.jsonl.format(rank=rank), "a", encoding="utf-8") if args.jsonl else None  # noqa: SIM115
     try:
         times: list[float] = []
-        lost = LostTime()
         for step in range(args.steps):
-            lost.take()
             t0, cpu0 = time.perf_counter(), time.process_time_ns()
             loss = engine.train_batch(data_iter=data)
             step_ms = (time.perf_counter() - t0) * 1e3
@@ -307,7 +303,6 @@ def train(args: TrainArgs) -> None:
                 "loss": float(loss),
                 "step_ms": round(step_ms, 3),
                 "cpu_ms": round(cpu_ms, 3),
-                "lost_ms": lost.take(),
             }
             if clock is not None:
                 record.update(clock.take())

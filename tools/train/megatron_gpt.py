@@ -2,8 +2,7 @@
 
 Every rank prints one JSON line per training step (``rank``, ``stage``, ``step``,
 ``loss`` (last stage only, else null), ``step_ms``, ``cpu_ms`` (the rank process's
-CPU time in the step, all threads), ``lost_ms`` (time the rank was kept off its core:
-:mod:`_lost`); ``recv_ms`` and ``recv`` (the
+CPU time in the step, all threads); ``recv_ms`` and ``recv`` (the
 receive waits as ``[start_ns, duration_ns]`` on the monotonic clock) with
 ``--recv-timers``, measured by megatron's own ``config.timers`` hooks). Launch it
 as any megatron job, with 1F1B or interleaved 1F1B::
@@ -48,7 +47,6 @@ import torch
 import torch.nn.functional as F
 from _args import CommonArgs, add_common_args  # tools/train is the script's directory
 from _layers import Block, SleepBlock
-from _lost import LostTime
 from _spawn import run_ranks
 from torch import nn
 
@@ -345,9 +343,7 @@ def train(args: TrainArgs) -> None:
     out = open(args.jsonl.format(rank=rank), "a", encoding="utf-8") if args.jsonl else None  # noqa: SIM115
     try:
         times: list[float] = []
-        lost = LostTime()
         for step in range(args.steps):
-            lost.take()
             t0, cpu0 = time.perf_counter(), time.process_time()
             losses = forward_backward(
                 forward_step_func=_forward_step,
@@ -365,7 +361,6 @@ def train(args: TrainArgs) -> None:
             loss = float(torch.stack([x["loss"] for x in losses]).mean()) if losses else None
             record: dict[str, Any] = {"rank": rank, "stage": stage, "step": step, "loss": loss}
             record["step_ms"] = round(step_ms, 3)
-            record["lost_ms"] = lost.take()
             record["cpu_ms"] = round(cpu_ms, 3)
             if finalize is not None:
                 record["grad_norm"] = finalize.norm

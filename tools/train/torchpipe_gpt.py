@@ -2,8 +2,7 @@
 
 Every rank prints one JSON line per training step (``rank``, ``stage``,
 ``step``, ``loss`` (the rank holding the last stage only, else null),
-``step_ms``, ``cpu_ms``, ``lost_ms`` (time the rank was kept off its core:
-:mod:`_lost`); with ``--recv-timers`` also ``recv_ms`` and ``recv``,
+``step_ms``, ``cpu_ms``; with ``--recv-timers`` also ``recv_ms`` and ``recv``,
 the schedule's p2p waits as ``[start_ns, duration_ns]`` on the monotonic clock,
 timed by this script around torch's ``_wait_batch_p2p``). Launch it as any
 torchrun job::
@@ -40,7 +39,6 @@ import torch
 import torch.nn.functional as F
 from _args import CommonArgs, add_common_args  # tools/train is the script's directory
 from _layers import Block
-from _lost import LostTime
 from _spawn import run_ranks
 from torch import nn
 
@@ -289,10 +287,8 @@ def train(args: TrainArgs) -> None:
     out = open(args.jsonl.format(rank=rank), "a", encoding="utf-8") if args.jsonl else None  # noqa: SIM115
     try:
         times: list[float] = []
-        lost = LostTime()
         for step in range(args.steps):
             tokens, labels = _batch(args, gen)
-            lost.take()
             t0, cpu0 = time.perf_counter(), time.process_time()
             losses: list[torch.Tensor] = []
             inputs = (tokens.to(device),) if holds_first else ()
@@ -307,7 +303,6 @@ def train(args: TrainArgs) -> None:
             loss = float(torch.stack(losses).detach().mean()) if losses else None
             record: dict[str, Any] = {"rank": rank, "stage": rank, "step": step, "loss": loss}
             record["step_ms"] = round(step_ms, 3)
-            record["lost_ms"] = lost.take()
             record["cpu_ms"] = round((time.process_time() - cpu0) * 1e3, 3)
             if args.recv_timers:
                 waits = timers.take()
