@@ -6,8 +6,8 @@ are pinned to (another job, a process an earlier test left behind, the host stea
 the virtual cores), every timing in a step stretches and the checks miss.
 
 :class:`OtherWork` measures that work over a run: the busy time of this process's
-cores (``/proc/stat``: user, system and steal) less the CPU time of this process and of the
-children it has reaped (the training ranks, the manager and its workers), as a share
+cores (``/proc/stat``: user, system and steal) less the CPU time of this process and of all
+its descendants, live or reaped (the training ranks, the manager and its workers), as a share
 of the cores' time. The run's own threads contending for a core are the run's and
 do not count. :func:`quietest` repeats a run until that share is within a budget,
 keeping the quietest; :func:`require_quiet` skips a precision check, saying why and
@@ -50,9 +50,32 @@ def _busy_s(cores: set[int]) -> float:
     return total * _TICK_S
 
 
+def _descendants_ticks() -> int:
+    """CPU ticks of this process's live descendants, each with what it reaped (utime, stime, cutime, cstime)."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue  # gone meanwhile
+        # after the name: state, ppid, ... utime and stime are the 12th and 13th, cutime and cstime next
+        ticks = sum(int(v) for v in fields[11:15])
+        children.setdefault(int(fields[1]), []).append((int(entry.name), ticks))
+    total, todo = 0, [os.getpid()]
+    while todo:
+        for pid, ticks in children.get(todo.pop(), []):
+            total += ticks
+            todo.append(pid)
+    return total
+
+
 def _own_s() -> float:
+    """CPU time of this process, of the children it reaped, and of its live descendants."""
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    return t.user + t.system + t.children_user + t.children_system + _descendants_ticks() * _TICK_S
 
 
 class OtherWork:
