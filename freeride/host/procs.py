@@ -20,6 +20,7 @@ __all__ = [
     "SHELL",
     "DeadlineTimer",
     "bind_to_parent",
+    "descendants",
     "descends_from",
     "group_members",
     "process_cpu_ns",
@@ -208,6 +209,20 @@ def descends_from(pid: int, ancestor: int) -> bool:
         pid = int(fields[1])
         seen += 1
     return pid == ancestor
+
+
+def descendants(ancestor: int) -> list[int]:
+    """The live descendants of process ``ancestor`` (itself excluded), from one reading of /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and len(fields := _stat_fields(int(entry.name))) >= 2:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [ancestor]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
 
 
 def bind_to_parent(name: str) -> None:

@@ -24,6 +24,8 @@ from typing import TypeVar
 
 import pytest
 
+from freeride.host.procs import descendants
+
 __all__ = ["BUDGET", "OtherWork", "quietest", "quietest_async", "require_quiet"]
 
 T = TypeVar("T")
@@ -52,23 +54,15 @@ def _busy_s(cores: set[int]) -> float:
 
 def _descendants_ticks() -> int:
     """CPU ticks of this process's live descendants, each with what it reaped (utime, stime, cutime, cstime)."""
-    children: dict[int, list[tuple[int, int]]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+    total = 0
+    for pid in descendants(os.getpid()):
         try:
-            with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as f:
+            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
                 fields = f.read().rpartition(")")[2].split()
         except OSError:
             continue  # gone meanwhile
         # after the name: state, ppid, ... utime and stime are the 12th and 13th, cutime and cstime next
-        ticks = sum(int(v) for v in fields[11:15])
-        children.setdefault(int(fields[1]), []).append((int(entry.name), ticks))
-    total, todo = 0, [os.getpid()]
-    while todo:
-        for pid, ticks in children.get(todo.pop(), []):
-            total += ticks
-            todo.append(pid)
+        total += sum(int(v) for v in fields[11:15])
     return total
 
 

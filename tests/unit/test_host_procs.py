@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from freeride.host.procs import descends_from, group_members
+from freeride.host.procs import descendants, descends_from, group_members
 
 
 def test_a_child_descends_from_its_parents_and_not_the_other_way() -> None:
@@ -19,6 +19,22 @@ def test_a_child_descends_from_its_parents_and_not_the_other_way() -> None:
         finally:
             child.kill()
     assert not descends_from(child.pid, me)  # gone (reaped): nothing to follow
+
+
+def test_descendants_are_children_and_grandchildren_and_never_the_process_itself() -> None:
+    sleep = "import time; time.sleep(30)"
+    parent = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {sleep!r}]); print(flush=True); {sleep}"
+    with subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE) as child:
+        try:
+            assert child.stdout is not None and child.stdout.readline() == b"\n"  # the grandchild is started
+            mine = descendants(child.pid)
+            assert len(mine) == 1 and descends_from(mine[0], child.pid)
+            assert set(descendants(os.getpid())) >= {child.pid, mine[0]}
+            assert os.getpid() not in descendants(os.getpid())
+        finally:
+            for pid in descendants(child.pid):
+                os.kill(pid, 9)
+            child.kill()
 
 
 def test_group_members_lists_a_new_group_and_only_it() -> None:

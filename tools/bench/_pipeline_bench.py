@@ -54,7 +54,7 @@ from _bench_report import RunKind, RunResult, Section, render
 from _bench_tasks import TASK_DEFAULTS, Job, SideTask, add_side_task_args, side_task, side_tasks
 
 from freeride import protocol as p
-from freeride.host.procs import descends_from, process_cpu_ns
+from freeride.host.procs import descendants, process_cpu_ns
 from freeride.profile import load_profile
 from freeride.serve.guard import describe as describe_guard
 from freeride.transport import ControlClient, Endpoints, ManagerUnreachable
@@ -153,8 +153,7 @@ def stop_serve(serve: subprocess.Popen[bytes]) -> None:
 
 def _freeride_cpu_ns(serve_pid: int) -> tuple[int, int]:
     """CPU time so far of the manager, and of every process under it (its side tasks' workers and programs)."""
-    pids = [int(e.name) for e in os.scandir("/proc") if e.name.isdigit()]
-    under = sum(max(0, process_cpu_ns(pid)) for pid in pids if pid != serve_pid and descends_from(pid, serve_pid))
+    under = sum(max(0, process_cpu_ns(pid)) for pid in descendants(serve_pid))
     return max(0, process_cpu_ns(serve_pid)), under
 
 
