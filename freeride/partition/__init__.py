@@ -24,7 +24,9 @@ The recipe around the step is the plain loop's too (see
 :mod:`freeride.partition.recipe`): a learning-rate scheduler returned by
 ``build()`` steps once per batch after its last update chunk, the option
 ``clip_grad_norm`` clips the batch's whole gradient before the first chunk,
-and ``autocast_dtype`` runs the forward pieces under ``torch.autocast``.
+and ``autocast_dtype`` runs the forward pieces under ``torch.autocast``;
+``eval_every`` with held-out data evaluates the model in bubble-sized steps
+too (see :mod:`freeride.partition.evaluation`).
 """
 
 from freeride.partition._common import DEFAULT_TARGET_MS, piece_target_s

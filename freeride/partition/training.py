@@ -44,6 +44,7 @@ them, unless the data has ``iter_from(position)``, an iterator from batch
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -52,6 +53,7 @@ import torch
 from torch import nn
 
 from freeride.partition._common import EMA, Batches, Partitioned, capture_rng, restore_rng, to_device
+from freeride.partition.evaluation import Evaluation
 from freeride.partition.graph import Executor
 from freeride.partition.plan import Step, make_plan, timer
 from freeride.partition.recipe import Recipe
@@ -73,6 +75,9 @@ class TrainingParts(NamedTuple):
     """Yields ``(x, y)`` batches; re-iterable, the same batches each pass."""
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     """Of ``optimizer``; stepped once per batch, after the batch's update (None: a constant learning rate)."""
+    eval_data: Iterable[Any] | None = None
+    """Held-out ``(x, y)`` batches, re-iterable, evaluated whole every ``eval_every`` batches (see
+    :mod:`freeride.partition.evaluation`)."""
 
 
 class PartitionedTraining(Partitioned):
@@ -86,11 +91,14 @@ class PartitionedTraining(Partitioned):
     ``clip_grad_norm`` (0: off; else the batch's whole gradient is clipped to
     this total norm before its update, as ``torch.nn.utils.clip_grad_norm_``),
     ``autocast_dtype`` (None: off; else forward pieces and the loss run under
-    ``torch.autocast`` with this dtype). A learning-rate scheduler comes from
+    ``torch.autocast`` with this dtype), ``eval_every`` (0: off; else the mean
+    loss over :attr:`TrainingParts.eval_data` after every ``eval_every``
+    batches, see :mod:`freeride.partition.evaluation`). A learning-rate scheduler comes from
     :meth:`build` (:attr:`TrainingParts.scheduler`). See :mod:`freeride.partition.recipe`.
 
     Metrics: ``loss`` (last batch), ``loss_ema``, ``batches``, ``steps_per_batch``;
-    ``lr`` with a scheduler, ``grad_norm`` (before clipping) with clipping.
+    ``lr`` with a scheduler, ``grad_norm`` (before clipping) with clipping,
+    ``eval_loss`` (the last evaluation's) and ``evaluations`` with evaluation.
     """
 
     def __init__(
@@ -101,9 +109,13 @@ class PartitionedTraining(Partitioned):
         profile_runs: int = 2,
         clip_grad_norm: float = 0.0,
         autocast_dtype: torch.dtype | None = None,
+        eval_every: int = 0,
     ) -> None:
         super().__init__(target_ms=target_ms, steps=steps, profile_runs=profile_runs)
         self.recipe = Recipe(clip_grad_norm=clip_grad_norm, autocast_dtype=autocast_dtype)
+        self.evaluation = Evaluation(eval_every)
+        self._evaluates = False
+        """build() returned held-out data and ``eval_every`` asks for evaluations (known at setup)."""
         self.model: nn.Module = nn.Identity()
         self.loss = math.nan
         self.loss_ema = math.nan
@@ -140,6 +152,7 @@ class PartitionedTraining(Partitioned):
         self.batches = Batches(parts.data)
         self.update = ChunkedUpdate(self.optimizer)
         self.recipe.attach(parts.scheduler, self.optimizer)
+        self._evaluates = self.evaluation.attach(parts.eval_data)
         self._planned(ctx)
 
     def _plan(self, saved: object) -> None:
@@ -159,6 +172,16 @@ class PartitionedTraining(Partitioned):
         self.chunks = ChunkedUpdate.chunks(self.update.split(self._update_s, target_s), target_s)
         pieces = self.update.pieces
         self._chunk_kinds = [f"u{pieces[lo].lo}-{pieces[hi - 1].hi}" for lo, hi, _ in self.chunks]
+        if self._evaluates:
+            evaluation = (self._pending or {}).get("eval")
+            self.evaluation.make_plan(
+                self.model,
+                saved=evaluation.get("plan") if isinstance(evaluation, dict) else None,
+                target_s=target_s,
+                device=self.device,
+                runs=self.profile_runs,
+                forward=self._forward,
+            )
         # planning ran the model: undo what that changed
         restore_rng(rng, self.device)
         self._load_buffers(buffers)
@@ -166,6 +189,9 @@ class PartitionedTraining(Partitioned):
             p.grad = None
         self.executor = Executor(self.plan.graph, self.plan.atoms, self.loss_fn)
         self._apply_pending()
+
+    def _forward(self) -> contextlib.AbstractContextManager[Any]:
+        return self.recipe.forward(self.device)
 
     @staticmethod
     def _split(batch: Any) -> tuple[Any, Any]:
@@ -217,6 +243,8 @@ class PartitionedTraining(Partitioned):
     def step_kind(self) -> str:
         if self.plan is None:
             return ""
+        if self._phase == "eval":
+            return self.evaluation.current().kind
         step = self._piece()
         return step.kind if step is not None else self._chunk_kinds[self._chunk()]
 
@@ -250,12 +278,20 @@ class PartitionedTraining(Partitioned):
                         head, rest = self._halves(step, phase)
                         costs[head.kind], costs[rest.kind] = head.cost_s, rest.cost_s
         costs.update(zip(self._chunk_kinds, (cost for _, _, cost in self.chunks), strict=True))
+        costs.update(self.evaluation.costs())
         return costs
 
     def step(self) -> None:
         if self.plan is None:
             raise RuntimeError(f"{type(self).__name__}: step() before setup()")
         t0 = self._clock()
+        if self._phase == "eval":  # its steps are their own plan's: not the training's drift
+            self.evaluation.step(self.model, self.loss_fn, self.device, self._forward)
+            if not self.evaluation.active:
+                self._phase = "forward"
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return
         step = self._piece()
         if step is not None:  # the whole step, or a half: the first sets where the rest starts
             head = self._halve and not self._atom
@@ -309,6 +345,12 @@ class PartitionedTraining(Partitioned):
         self.loss_ema = self.loss if math.isnan(self.loss_ema) else EMA * self.loss_ema + (1 - EMA) * self.loss
         self._phase, self._pos, self._cursor, self._in_batch = "forward", 0, 0, False
         self._maybe_regroup()
+        if self.evaluation.due(self.batches_done):
+            self.evaluation.begin()
+            self._phase = "eval"
+
+    def done(self) -> bool:
+        return super().done() and not self.evaluation.active  # the last batch's evaluation too
 
     def metrics(self) -> dict[str, float]:
         plan = self.plan
@@ -323,6 +365,7 @@ class PartitionedTraining(Partitioned):
             out["lr"] = self.recipe.lr
         if self.recipe.clip_grad_norm > 0:
             out["grad_norm"] = self.recipe.grad_norm
+        out.update(self.evaluation.metrics())
         return out
 
     def _capture(self) -> dict[str, Any]:
@@ -347,6 +390,7 @@ class PartitionedTraining(Partitioned):
             "loss_ema": self.loss_ema,
             "mid_batch": mid,
             "recipe": self.recipe.state_dict(),
+            "eval": self.evaluation.state_dict(),
             "extra": self.extra_state(),
             "plan": None if self.plan is None else {**plan_state(self.plan), "update_s": self._update_s},
         }
@@ -375,4 +419,7 @@ class PartitionedTraining(Partitioned):
         self.batches_done = int(state["batches"])
         self.loss, self.loss_ema = float(state["loss"]), float(state["loss_ema"])
         self.recipe.load_state_dict(state.get("recipe") or {})
+        self.evaluation.load_state_dict(state.get("eval") or {})
+        if self.evaluation.active:
+            self._phase = "eval"
         self.load_extra_state(state.get("extra") or {})
