@@ -7,8 +7,11 @@ slice per grant (no step runs until the copy is whole) and written by a
 thread while the steps go on (:mod:`~freeride.worker.snapshot`); its size never
 holds a bubble past its end. A smaller state is saved at once: the gate fits
 it into a grant on the last save's time, scaled by how the state grew; a
-forced one that fits no bubble runs at a grant's start. A failed save is
-reported and tried again later: it never ends the task.
+forced one that fits no bubble runs at a grant's start. So does a periodic one
+kept out of every grant for :data:`OVERDUE_PERIODS` periods: one slow save (the
+first of a process, a disk busy just then) would otherwise keep every later one
+out until the loss bound, and this one measures the time again. A failed save
+is reported and tried again later: it never ends the task.
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ from freeride.sidetask import IterativeTask
 from freeride.worker.checkpoint import write_checkpoint
 from freeride.worker.snapshot import StateCopy, StateWriter, WriteState
 
-__all__ = ["STAGED_FROM_BYTES", "CheckpointDue", "Checkpointer", "SaveCheckpoint"]
+__all__ = ["OVERDUE_PERIODS", "STAGED_FROM_BYTES", "CheckpointDue", "Checkpointer", "SaveCheckpoint"]
 
 _RETRY_MAX_NS = 5_000_000_000
 """A failed checkpoint is tried again after the checkpoint period, or this, whichever is shorter."""
+
+OVERDUE_PERIODS = 3
+"""Periods a periodic checkpoint may wait for a grant it fits before it is taken at a grant's start."""
 
 STAGED_FROM_BYTES = 32 << 20
 """A state this large (tensor and array bytes) is staged: written at once, it would take tens of ms."""
@@ -54,6 +60,8 @@ class CheckpointDue:
     """A staged checkpoint's copy is due or under way: grants copy its slices, and no step runs."""
     writing: bool = False
     """A staged checkpoint is being written: none other starts, and none is forced meanwhile."""
+    overdue: bool = False
+    """A periodic checkpoint has fitted no grant for :data:`OVERDUE_PERIODS` periods: take it at a grant's start."""
 
 
 class Checkpointer:
@@ -302,4 +310,5 @@ class Checkpointer:
         bound = retry and self._loss_bound_reached(steps, step_ns)
         if (periodic or bound) and self._stages():
             return CheckpointDue(need_ns=-1, bound=bound, copying=True)
-        return CheckpointDue(need_ns=self.estimate_ns() if periodic or bound else -1, bound=bound)
+        overdue = periodic and now - self._last_ns >= OVERDUE_PERIODS * self.assign.checkpoint_every_ns
+        return CheckpointDue(need_ns=self.estimate_ns() if periodic or bound else -1, bound=bound, overdue=overdue)

@@ -363,10 +363,12 @@ class GrantGate:
             elif due.need_ns >= 0 and ledger.fits(now, due.need_ns):
                 self._timed_checkpoint(due.need_ns)
                 continue
-            elif due.bound and not due.writing and ledger.at_start(now):
+            elif (due.bound or due.overdue) and not due.writing and ledger.at_start(now):
                 # No bubble fits the checkpoint: take it at the start of one, overrunning
-                # its end once, rather than let a crash lose more than the bound.
-                logger.info("[worker] checkpoint forced at step %d (loss bound reached)", self._steps)
+                # its end once, rather than let a crash lose more than the bound, or
+                # than a few periods on the time of one slow save
+                why = "loss bound reached" if due.bound else "overdue: its time measured again"
+                logger.info("[worker] checkpoint forced at step %d (%s)", self._steps, why)
                 self._timed_checkpoint(due.need_ns)
                 continue
             if not (due.bound or due.copying):

@@ -35,6 +35,29 @@ async def test_a_periodic_checkpoint_runs_only_when_its_last_duration_fits(tmp_p
     assert [m.steps for m in rig.link.sent if isinstance(m, p.Checkpointed)] == [0, 1]
 
 
+async def test_a_periodic_checkpoint_that_fits_no_grant_for_three_periods_is_taken_at_a_grants_start(
+    tmp_path: Path,
+) -> None:
+    rig = make_rig(tmp_path, checkpoint_every_ns=100 * MS, save_ns=500 * MS)
+    rig.gate.checkpoint()  # one slow save (a process's first, a disk busy then): 500 ms, no bubble is that long
+    rig.saver.took_ns = 2 * MS  # what a save takes now
+    rig.clock.advance(250 * MS)  # due, but not yet for three periods: the step runs, the save waits
+    rig.link.push(rig.grant(1, STEP + MARGIN))
+    await rig.step()
+    assert rig.saver.saved_at_steps == [0]
+
+    rig.clock.advance(100 * MS)  # 350 ms since the last save: taken at the next grant's start
+    rig.link.push(rig.grant(2, 2 * MS + STEP + MARGIN))  # room for a step and a 2 ms save, not a 500 ms one
+    await rig.step()
+    assert rig.saver.saved_at_steps == [0, 1]
+    assert rig.gate.checkpoint_estimate_ns() == 2 * MS  # measured again: periodic ones fit from now on
+
+    rig.clock.advance(150 * MS)
+    rig.link.push(rig.grant(3, 2 * MS + STEP + MARGIN))
+    await rig.step()
+    assert rig.saver.saved_at_steps == [0, 1, 2]
+
+
 class Growing(IterativeTask):
     """A task whose state grows tenfold at its first step, as an optimizer's buffers appear at its first update."""
 
