@@ -88,7 +88,7 @@ async def test_resume_from_disk_is_bit_identical(tmp_path: Path) -> None:
     await run_alone(first, steps=4, ctx=cpu_context(tmp_path))
     torch.save(first.state_dict(), tmp_path / "ckpt.pt")
     second = PageRank(**opts)
-    second.load_state_dict(torch.load(tmp_path / "ckpt.pt"))
+    second.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True))
     await run_alone(second, steps=6, ctx=cpu_context(tmp_path))
 
     assert second.iterations == straight.iterations == 20
@@ -104,7 +104,7 @@ async def test_stops_at_tolerance_or_max_iters_and_saves(tmp_path: Path) -> None
     loose = PageRank(nodes=2000, seed=2, tol=1e-3, output="out/ranks.pt")
     await run_alone(loose, steps=100, ctx=cpu_context(tmp_path))
     assert loose.residual < 1e-3 and loose.iterations < 100
-    saved = torch.load(tmp_path / "out" / "ranks.pt")
+    saved = torch.load(tmp_path / "out" / "ranks.pt", weights_only=True)
     assert torch.equal(saved["ranks"], loose.ranks)
     assert saved["labels"].tolist() == list(range(2000))
 
