@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-from conftest import running_manager, wait_until
+from conftest import NO_BUDGET, running_manager, wait_until
 
 from freeride import protocol as p
 from freeride.backends.sim import SimConfig, SimPipeline
@@ -31,6 +31,7 @@ FAST: dict[str, Any] = {
     "hang_after_s": 0.5,
     "restart_backoff_s": 0.05,
     "restart_backoff_max_s": 0.2,
+    "slowdown_budget": NO_BUDGET,
 }
 
 

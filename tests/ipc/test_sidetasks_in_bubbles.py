@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from _quiet import OtherWork, require_quiet
-from conftest import running_manager, wait_until
+from conftest import NO_BUDGET, running_manager, wait_until
 
 from freeride import protocol as p
 from freeride.backends.sim import SimConfig, SimPipeline
@@ -50,7 +50,8 @@ async def manager(runtime_dir: Path) -> AsyncIterator[Manager]:
     then takes most bubbles of a run to copy, one slice a bubble, and its step count says nothing
     of the workload.
     """
-    config = ServeConfig(endpoints=Endpoints.ipc(runtime_dir), state_dir=runtime_dir / "state", stop_timeout_s=5)
+    endpoints, state_dir = Endpoints.ipc(runtime_dir), runtime_dir / "state"
+    config = ServeConfig(endpoints=endpoints, state_dir=state_dir, stop_timeout_s=5, slowdown_budget=NO_BUDGET)
     async with running_manager(config) as mgr:
         yield mgr
 
