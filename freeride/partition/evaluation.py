@@ -69,14 +69,14 @@ class Evaluation:
     def on(self) -> bool:
         return self.plan is not None
 
-    def attach(self, data: Iterable[Any] | None) -> bool:
-        """Take :attr:`TrainingParts.eval_data`; whether there is an evaluation to plan.
+    def attach(self, data: Iterable[Any] | None) -> None:
+        """Take :attr:`TrainingParts.eval_data` (left unused with ``eval_every`` 0).
 
         Raises:
             ValueError: ``eval_every`` without held-out data, or held-out data that is an iterator.
         """
         if self.every == 0:
-            return False
+            return
         if data is None:
             raise ValueError(
                 f"eval_every is {self.every} but build() returned no eval_data: return the held-out (x, y)"
@@ -88,7 +88,6 @@ class Evaluation:
                 " __iter__), evaluated whole every eval_every batches"
             )
         self._data = data
-        return True
 
     def make_plan(
         self,
@@ -102,8 +101,10 @@ class Evaluation:
     ) -> None:
         """Plan the held-out forward pass (the model in eval mode), taking back the ``saved`` plan where it holds.
 
-        Leaves the model in training mode. The caller undoes the random draws.
+        Nothing with ``eval_every`` 0. Leaves the model in training mode. The caller undoes the random draws.
         """
+        if self.every == 0:
+            return
         x, _ = _split(to_device(_first(self._data), device))
         model.eval()
         try:

@@ -114,8 +114,6 @@ class PartitionedTraining(Partitioned):
         super().__init__(target_ms=target_ms, steps=steps, profile_runs=profile_runs)
         self.recipe = Recipe(clip_grad_norm=clip_grad_norm, autocast_dtype=autocast_dtype)
         self.evaluation = Evaluation(eval_every)
-        self._evaluates = False
-        """build() returned held-out data and ``eval_every`` asks for evaluations (known at setup)."""
         self.model: nn.Module = nn.Identity()
         self.loss = math.nan
         self.loss_ema = math.nan
@@ -152,7 +150,7 @@ class PartitionedTraining(Partitioned):
         self.batches = Batches(parts.data)
         self.update = ChunkedUpdate(self.optimizer)
         self.recipe.attach(parts.scheduler, self.optimizer)
-        self._evaluates = self.evaluation.attach(parts.eval_data)
+        self.evaluation.attach(parts.eval_data)
         self._planned(ctx)
 
     def _plan(self, saved: object) -> None:
@@ -172,16 +170,15 @@ class PartitionedTraining(Partitioned):
         self.chunks = ChunkedUpdate.chunks(self.update.split(self._update_s, target_s), target_s)
         pieces = self.update.pieces
         self._chunk_kinds = [f"u{pieces[lo].lo}-{pieces[hi - 1].hi}" for lo, hi, _ in self.chunks]
-        if self._evaluates:
-            evaluation = (self._pending or {}).get("eval")
-            self.evaluation.make_plan(
-                self.model,
-                saved=evaluation.get("plan") if isinstance(evaluation, dict) else None,
-                target_s=target_s,
-                device=self.device,
-                runs=self.profile_runs,
-                forward=self._forward,
-            )
+        evaluation = (self._pending or {}).get("eval")
+        self.evaluation.make_plan(
+            self.model,
+            saved=evaluation.get("plan") if isinstance(evaluation, dict) else None,
+            target_s=target_s,
+            device=self.device,
+            runs=self.profile_runs,
+            forward=self._forward,
+        )
         # planning ran the model: undo what that changed
         restore_rng(rng, self.device)
         self._load_buffers(buffers)
