@@ -22,14 +22,18 @@ Checked against torch 2.13 (``torch/distributed/pipelining/schedules.py`` and
   multi-stage schedules; ``_stage``, ``_num_stages`` on single-stage ones;
   ``_n_microbatches`` on both.
 
-On another torch the backend attaches if these names exist (with a warning)
-and otherwise stays out of the way, saying which names are missing.
+Below the oldest checked release the backend stays out of the way, saying
+so: torch 2.10 has these names, but its action lists differ (38 of the
+backend's schedule tests fail there), so it would announce compute as bubbles.
+On a newer torch it attaches if these names exist (with a warning) and
+otherwise stays out of the way, saying which names are missing.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -48,6 +52,7 @@ __all__ = [
     "is_recv",
     "missing_names",
     "patch",
+    "release",
     "schedule_actions",
     "schedule_facts",
     "torch_version",
@@ -81,6 +86,12 @@ def torch_version() -> str:
     import torch
 
     return str(torch.__version__)
+
+
+def release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as ``2.13.0+cpu``; (0, 0) when it has none."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found[1]), int(found[2])) if found else (0, 0)
 
 
 def missing_names(schedules: ModuleType, stage: ModuleType) -> list[str]:
@@ -121,8 +132,17 @@ def patch(
         sync: Builds a replacement ``perform_reduce_grad`` (skipped where torch has none).
 
     Raises:
-        RuntimeError: This torch lacks a name the backend needs (the message names them).
+        RuntimeError: This torch is older than every checked release, or lacks a
+            name the backend needs (the message says which).
     """
+    version = torch_version()
+    oldest = min(CHECKED_VERSIONS, key=release)
+    if release(version) < release(oldest):
+        raise RuntimeError(
+            f"torch {version} is older than {oldest}, the oldest release FreeRide's "
+            "torch.distributed.pipelining backend was checked against (its schedules' action lists differ); "
+            "training runs without FreeRide"
+        )
     missing = missing_names(schedules, stage)
     if missing:
         raise RuntimeError(
@@ -131,7 +151,6 @@ def patch(
         )
     if is_patched(schedules):
         return
-    version = torch_version()
     if not any(version.startswith(v + ".") or version == v for v in CHECKED_VERSIONS):
         logger.warning("[attach] torch %s was not checked (checked: %s); attaching anyway", version, CHECKED_VERSIONS)
     for cls_name in ("PipelineScheduleSingle", "PipelineScheduleMulti"):

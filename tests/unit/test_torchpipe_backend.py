@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -134,6 +135,32 @@ def test_a_torch_without_the_hooked_names_is_refused_by_name() -> None:
             wait_batch_p2p=lambda f: f,
             compute=lambda k, f: f,
         )
+
+
+@pytest.mark.parametrize("version", ["2.10.0", "2.12.1+cpu", "1.13.1"])
+def test_a_torch_older_than_every_checked_release_is_refused(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    """Older releases have the hooked names but other action lists: the backend stays out, saying why."""
+    import torch.distributed.pipelining.schedules as schedules
+    import torch.distributed.pipelining.stage as stage
+
+    monkeypatch.setattr(_compat, "torch_version", lambda: version)
+    wrapped: list[str] = []
+    with pytest.raises(RuntimeError, match=rf"torch {re.escape(version)} is older than 2\.13.*without FreeRide"):
+        _compat.patch(
+            schedules,
+            stage,
+            step=lambda f: wrapped.append("step") or f,
+            batch_p2p=lambda f: f,
+            wait_batch_p2p=lambda f: f,
+            compute=lambda k, f: f,
+        )
+    assert wrapped == [] and not _compat.is_patched(schedules)
+
+
+def test_releases_compare_by_major_and_minor() -> None:
+    assert _compat.release("2.13.0+cpu") == (2, 13)
+    assert _compat.release("2.9.1") < _compat.release("2.13") < _compat.release("3.0.0a0")
+    assert _compat.release("unknown") == (0, 0)
 
 
 def test_on_import_never_raises(caplog: pytest.LogCaptureFixture) -> None:
