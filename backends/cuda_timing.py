@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from freeride.backends.session import BackendSession
+from freeride.backends.tracker import StepTracker
+from freeride.profile import StepRecord
 
 __all__ = [
     "ENV_TIMING",
@@ -54,6 +56,7 @@ __all__ = [
     "choose_timing",
     "p2p_backend",
     "timeline_for",
+    "track_steps",
     "timing_from_env",
     "torch_device_api",
 ]
@@ -141,6 +144,48 @@ def timeline_for(
     mode = choose_timing(timing, device_type=device_type, p2p_backend=backend)
     logger.info("[attach] bubbles timed on the %s (%s, p2p %s, asked %s)", mode, device_type, backend or "?", timing)
     return DeviceTimeline(session, api=api) if mode == "device" else None
+
+
+def track_steps(
+    session: BackendSession,
+    *,
+    device_type: str,
+    timing: Timing | None = None,
+    timeline: DeviceTimeline | None = None,
+    api: DeviceApi | None = None,
+    min_bubble_ns: int,
+    warmup_steps: int = 0,
+    clock: Callable[[], int] = time.monotonic_ns,
+    settle: Callable[[], None] | None = None,
+    on_step: Callable[[StepRecord], None] | None = None,
+) -> tuple[DeviceTimeline | None, StepTracker]:
+    """A rank's timeline (None: its waits are timed on the host) and the tracker of its steps.
+
+    Args:
+        session: The rank's session; the timeline, when there is one, owns its socket.
+        device_type: torch's device type of the stage.
+        timing: Forced timing (see :func:`timeline_for`).
+        timeline: A timeline to use instead of building one (tests).
+        api: The CUDA calls (tests pass a stand-in).
+        min_bubble_ns: Waits expected to be shorter are not announced.
+        warmup_steps: Steps that only prime the schedule's prediction.
+        clock: Monotonic ns clock.
+        settle: Waits for the device's queued work before a host-timed wait
+            (unused with a timeline, which times the device itself).
+        on_step: Called with each finished step's record.
+    """
+    if timeline is None:
+        timeline = timeline_for(session, device_type=device_type, timing=timing, api=api)
+    tracker = StepTracker(
+        session if timeline is None else timeline,
+        min_bubble_ns=min_bubble_ns,
+        warmup_steps=warmup_steps,
+        clock=clock,
+        settle=settle if timeline is None else None,
+        on_step=on_step,
+        device=timeline,
+    )
+    return timeline, tracker
 
 
 class DeviceEvent(Protocol):

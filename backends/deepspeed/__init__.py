@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import importlib
 import logging
-import weakref
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from freeride.backends.deepspeed import _compat
 from freeride.backends.deepspeed.adapter import DeepSpeedAdapter
+from freeride.backends.watched import Watched
 
 __all__ = ["DeepSpeedAdapter", "attach", "attached", "on_import"]
 
@@ -30,30 +30,14 @@ logger = logging.getLogger(__name__)
 
 _ENGINE_MODULE = "deepspeed.runtime.pipe.engine"
 
-_adapters: weakref.WeakKeyDictionary[Any, DeepSpeedAdapter] = weakref.WeakKeyDictionary()
-_failed: weakref.WeakSet[Any] = weakref.WeakSet()
+_watched: Watched[DeepSpeedAdapter] = Watched(DeepSpeedAdapter, what="DeepSpeed engine")
 _auto = False
 """Watch every engine (set by the import hook), not only attached ones."""
 
 
-def _adapter_for(engine: Any) -> DeepSpeedAdapter | None:
-    adapter = _adapters.get(engine)
-    if adapter is not None:
-        return None if adapter.closed else adapter
-    if not _auto or engine in _failed:
-        return None
-    try:
-        adapter = _adapters[engine] = DeepSpeedAdapter(engine)
-    except Exception:
-        _failed.add(engine)
-        logger.exception("[attach] cannot watch this DeepSpeed engine; training continues without FreeRide")
-        return None
-    return adapter
-
-
 def _wrap_exec_schedule(original: _compat.ExecSchedule) -> _compat.ExecSchedule:
     def _exec_schedule(engine: Any, pipe_schedule: Any) -> Any:
-        adapter = _adapter_for(engine)
+        adapter = _watched.watch(engine, create=_auto)
         if adapter is None:
             return original(engine, pipe_schedule)
         return adapter.run_schedule(original, engine, pipe_schedule)
@@ -63,8 +47,8 @@ def _wrap_exec_schedule(original: _compat.ExecSchedule) -> _compat.ExecSchedule:
 
 def _wrap_aggregate_loss(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def _aggregate_total_loss(engine: Any) -> Any:
-        adapter = _adapters.get(engine)
-        if adapter is None or adapter.closed:
+        adapter = _watched.live(engine)
+        if adapter is None:
             return original(engine)
         return adapter.run_aggregate_loss(original, engine)
 
@@ -108,16 +92,9 @@ def attach(engine: Any, **options: Any) -> DeepSpeedAdapter:
         raise TypeError(f"engine must be a DeepSpeed PipelineEngine, got {type(engine).__name__}")
     if not _patch(module):
         raise RuntimeError(f"DeepSpeed {_compat.deepspeed_version()}: cannot hook PipelineEngine")
-    adapter = _adapters.get(engine)
-    if adapter is None or adapter.closed:
-        adapter = _adapters[engine] = DeepSpeedAdapter(engine, **options)
-    return adapter
+    return _watched.attach(engine, lambda: DeepSpeedAdapter(engine, **options))
 
 
 def attached(engine: Any) -> DeepSpeedAdapter | None:
     """The live handle watching ``engine``, if any."""
-    try:
-        adapter = _adapters.get(engine)
-    except TypeError:  # not weak-referenceable: certainly no engine of ours
-        return None
-    return None if adapter is None or adapter.closed else adapter
+    return _watched.live(engine)

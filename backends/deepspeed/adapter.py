@@ -38,22 +38,17 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 import weakref
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
-from freeride.backends.cuda_timing import DeviceTimeline, Timing, timeline_for
 from freeride.backends.deepspeed import _compat, dualpipev
 from freeride.backends.deepspeed._device import device_name
-from freeride.backends.launch import Mode, read_mode
 from freeride.backends.memory import device_memory
-from freeride.backends.observations import ObservationLog
+from freeride.backends.rank import AdapterOptions, RankAdapter, RankPlace
 from freeride.backends.schedule import Kind, one_f_one_b
-from freeride.backends.session import BackendConfig, BackendSession, events_endpoint_from_env
-from freeride.backends.tracker import StepPlan, StepTracker
-from freeride.profile import RankObservations, StepRecord
+from freeride.backends.tracker import StepPlan
+from freeride.profile import StepRecord
 
 __all__ = ["TAIL_LOSS", "DeepSpeedAdapter", "reduce_key", "tail_key"]
 
@@ -63,7 +58,6 @@ TAIL_LOSS = "tail:loss"
 """Key of the loss broadcast that ``train_batch`` runs after the schedule."""
 
 _SPARE_MEMORY_EVERY = 100
-_HEARTBEAT_NS = 1_000_000_000
 _RECEIVES: dict[str, Kind] = {"RecvActivation": "F", "RecvGrad": "B"}
 """The pass each receive feeds."""
 
@@ -78,75 +72,28 @@ def reduce_key(instruction: str, index: int) -> str:
     return f"tail:{_compat.REDUCE_INSTRUCTIONS[instruction]}{index}"
 
 
-class DeepSpeedAdapter:
+class DeepSpeedAdapter(RankAdapter):
     """Emits the bubbles of one pipeline engine (the handle :func:`attach` returns).
 
     Args:
         engine: A ``deepspeed.runtime.pipe.engine.PipelineEngine``.
-        session: Where events go; by default a :class:`BackendSession` to the
-            launcher's events endpoint.
-        mode: ``profile`` also writes every wait to ``profile_dir``; default from
-            the launcher's environment.
-        profile_dir: Where profile observations go (``rank-<rank>.json``).
-        min_bubble_ns: Waits expected to be shorter are not announced.
-        clock: Monotonic ns clock (injectable for tests).
-        timing: ``host`` or ``device`` forces how bubbles are timed; ``auto``
-            chooses by where waits block; None reads ``FREERIDE_BUBBLE_TIMING``.
-        timeline: A device timeline to use instead of building one (tests).
+        **options: As for :class:`~freeride.backends.rank.RankAdapter` (``session``,
+            ``mode``, ``profile_dir``, ``min_bubble_ns``, ``clock``, ``timing``, ``timeline``).
     """
 
-    def __init__(
-        self,
-        engine: Any,
-        *,
-        session: BackendSession | None = None,
-        mode: Mode | None = None,
-        profile_dir: Path | None = None,
-        min_bubble_ns: int = 1_000_000,
-        clock: Callable[[], int] = time.monotonic_ns,
-        timing: Timing | None = None,
-        timeline: DeviceTimeline | None = None,
-    ) -> None:
-        env_mode, env_dir = read_mode()
-        self.mode: Mode = env_mode if mode is None else mode
-        self.profile_dir = env_dir if profile_dir is None else profile_dir
-        if self.mode == "profile" and self.profile_dir is None:
-            logger.warning("[attach] profile mode without a profile dir: observations are not written")
+    def __init__(self, engine: Any, **options: Unpack[AdapterOptions]) -> None:
         self.facts = _compat.engine_facts(engine)
-        self.device = device_name(self.facts)
-        self.spare_memory, self.device_memory = device_memory(self.facts.device_type, self.facts.device_index)
-        if session is None:
-            session = BackendSession(
-                BackendConfig(
-                    endpoint=events_endpoint_from_env(),
-                    rank=self.facts.rank,
-                    stage=self.facts.stage,
-                    num_stages=self.facts.num_stages,
-                    device=self.device,
-                    framework="deepspeed",
-                    spare_memory=self.spare_memory,
-                    device_memory=self.device_memory,
-                    min_bubble_ns=min_bubble_ns,
-                )
-            )
-        self.session = session
-        if timeline is None:
-            timeline = timeline_for(session, device_type=self.facts.device_type, timing=timing)
-        self.timeline = timeline
-        """Device-timed bubbles (None: timed on the host); it then owns the session's socket."""
-        # the first batch runs slow (buffers, meta exchange): it only primes the schedule's prediction
-        self.tracker = StepTracker(
-            session if timeline is None else timeline,
-            min_bubble_ns=min_bubble_ns,
-            warmup_steps=1,
-            clock=clock,
-            on_step=self._step_finished,
-            device=timeline,
+        f = self.facts
+        place = RankPlace(
+            framework="deepspeed",
+            rank=f.rank,
+            stage=f.stage,
+            num_stages=f.num_stages,
+            device=device_name(f),
+            device_type=f.device_type,
+            device_index=f.device_index,
         )
-        self.log: ObservationLog | None = None
-        """Profile mode's record (created with the first training batch)."""
-        self.closed = False
-        self._clock = clock
+        super().__init__(place, **options)
         self._engine = weakref.ref(engine)
         self._active = False
         """Inside the schedule or the loss broadcast of a tracked batch."""
@@ -159,7 +106,6 @@ class DeepSpeedAdapter:
         """Per DualPipeV plan, what each of the rank's commits launches."""
         self._commit_launches: tuple[dualpipev.Launch, ...] = ()
         self._commits = 0
-        self._last_event_ns = clock()
         _compat.shadow_instruction_map(engine, self._wrap_table(_compat.class_instruction_map(engine)))
         logger.debug(  # the session wrote the attach line; these are the details
             "[attach] deepspeed rank %d stage %d/%d on %s (mode %s)",
@@ -206,8 +152,7 @@ class DeepSpeedAdapter:
             return False
         if self.tracker.in_step:  # a batch whose loss was never aggregated (custom train loop)
             self._end_step()
-        if self._clock() - self._last_event_ns > _HEARTBEAT_NS:
-            (self.session if self.timeline is None else self.timeline).heartbeat()
+        self._heartbeat_if_quiet()
         if self.mode == "profile" and self.log is None:
             self._open_log(engine, facts.name)
         self._occurrences.clear()
@@ -255,18 +200,8 @@ class DeepSpeedAdapter:
         return plan
 
     def _open_log(self, engine: Any, schedule: str) -> None:
-        base = RankObservations(
-            framework="deepspeed",
-            rank=self.facts.rank,
-            stage=self.facts.stage,
-            num_stages=self.facts.num_stages,
-            device=self.device,
-            num_microbatches=self.facts.micro_batches,
-            schedule=schedule,
-            device_memory=self.device_memory,
-        )
-        self.log = ObservationLog(base, self.profile_dir, spare_memory=lambda: self.spare_memory, clock=self._clock)
-        weakref.finalize(engine, self.log.close)  # the engine may go away long before exit
+        log = self._new_log(num_microbatches=self.facts.micro_batches, schedule=schedule)
+        weakref.finalize(engine, log.close)  # the engine may go away long before exit
 
     def _end_step(self) -> None:
         try:
@@ -275,9 +210,7 @@ class DeepSpeedAdapter:
             logger.exception("[step] bookkeeping failed at the end of a step")
 
     def _step_finished(self, record: StepRecord) -> None:
-        self._last_event_ns = self._clock()
-        if self.log is not None:
-            self.log.add(record)
+        super()._step_finished(record)
         done = self.tracker.steps_done
         if done <= 2 or done % _SPARE_MEMORY_EVERY == 0:
             self.spare_memory, _ = device_memory(self.facts.device_type, self.facts.device_index)
@@ -399,9 +332,4 @@ class DeepSpeedAdapter:
         engine = self._engine()
         if engine is not None:
             _compat.unshadow_instruction_map(engine)
-        if self.log is not None:
-            self.log.close()
-        if self.timeline is not None:
-            self.timeline.close()
-        else:
-            self.session.close()
+        self._close_channel()

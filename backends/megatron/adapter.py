@@ -34,7 +34,7 @@ import os
 import time
 from typing import Any
 
-from freeride.backends.cuda_timing import DeviceApi, DeviceTimeline, Timing, timeline_for
+from freeride.backends.cuda_timing import DeviceApi, DeviceTimeline, Timing, track_steps
 from freeride.backends.launch import read_mode
 from freeride.backends.megatron import _compat
 from freeride.backends.megatron._device import RankDevice
@@ -211,9 +211,6 @@ class MegatronAdapter:
         config, device = self._config(info)
         self._device, rank = device, config.rank
         self._session = BackendSession(config)
-        self._timeline = timeline_for(
-            self._session, device_type="cuda" if device.cuda else "cpu", timing=self._timing, api=self._device_api
-        )
         if self._mode == "profile":
             base = RankObservations(
                 framework="megatron",
@@ -226,13 +223,15 @@ class MegatronAdapter:
                 device_memory=device.memory,
             )
             self._log = ObservationLog(base, self._profile_dir, spare_memory=device.spare_memory)
-        self._tracker = StepTracker(
-            self._session if self._timeline is None else self._timeline,
+        self._timeline, self._tracker = track_steps(
+            self._session,
+            device_type="cuda" if device.cuda else "cpu",
+            timing=self._timing,
+            api=self._device_api,
             min_bubble_ns=config.min_bubble_ns,
             # host timing on a GPU: wait for the queued kernels, so the host's wait is the device's
-            settle=device.settle if device.cuda and self._timeline is None else None,
+            settle=device.settle if device.cuda else None,
             on_step=self._on_step if self._log is not None else None,
-            device=self._timeline,
         )
         logger.debug(  # the session wrote the attach line; these are the details
             "[attach] megatron rank %d stage %d/%d on %s (%s mode)",

@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
-import weakref
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -25,13 +24,13 @@ from typing import Any
 from freeride.backends.schedule import Kind
 from freeride.backends.torchpipe import _compat
 from freeride.backends.torchpipe.adapter import TorchPipeAdapter
+from freeride.backends.watched import Watched
 
 __all__ = ["TorchPipeAdapter", "attached", "on_import"]
 
 logger = logging.getLogger(__name__)
 
-_adapters: weakref.WeakKeyDictionary[Any, TorchPipeAdapter] = weakref.WeakKeyDictionary()
-_failed: weakref.WeakSet[Any] = weakref.WeakSet()
+_watched: Watched[TorchPipeAdapter] = Watched(TorchPipeAdapter, what="pipeline schedule")
 
 
 class _Current(threading.local):
@@ -42,26 +41,11 @@ class _Current(threading.local):
 _current = _Current()
 
 
-def _adapter_for(schedule: Any) -> TorchPipeAdapter | None:
-    adapter = _adapters.get(schedule)
-    if adapter is not None:
-        return None if adapter.closed else adapter
-    if schedule in _failed:
-        return None
-    try:
-        adapter = _adapters[schedule] = TorchPipeAdapter(schedule)
-    except Exception:
-        _failed.add(schedule)
-        logger.exception("[attach] cannot watch this pipeline schedule; training continues without FreeRide")
-        return None
-    return adapter
-
-
 def _wrap_step(original: _compat.StepFn) -> _compat.StepFn:
     def step(schedule: Any, *args: Any, **kwargs: Any) -> Any:
         if _current.adapter is not None:  # a schedule run from inside another step: leave it alone
             return original(schedule, *args, **kwargs)
-        adapter = _adapter_for(schedule)
+        adapter = _watched.watch(schedule)
         if adapter is None:
             return original(schedule, *args, **kwargs)
         _current.adapter = adapter
@@ -143,8 +127,4 @@ def on_import(module: ModuleType) -> None:
 
 def attached(schedule: Any) -> TorchPipeAdapter | None:
     """The live adapter watching ``schedule``, if any."""
-    try:
-        adapter = _adapters.get(schedule)
-    except TypeError:  # not weak-referenceable: certainly no schedule of ours
-        return None
-    return None if adapter is None or adapter.closed else adapter
+    return _watched.live(schedule)

@@ -32,28 +32,20 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import weakref
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
-from freeride.backends.cuda_timing import DeviceTimeline, Timing, timeline_for
-from freeride.backends.launch import Mode, read_mode
-from freeride.backends.memory import device_memory
-from freeride.backends.observations import ObservationLog
+from freeride.backends.rank import AdapterOptions, RankAdapter, RankPlace
 from freeride.backends.schedule import Kind, Schedule, gpipe, one_f_one_b
-from freeride.backends.session import BackendConfig, BackendSession, events_endpoint_from_env, manager_reachable
+from freeride.backends.session import manager_reachable
 from freeride.backends.torchpipe import _compat
 from freeride.backends.torchpipe.translate import loop_placed, to_schedule
-from freeride.backends.tracker import StepPlan, StepTracker
-from freeride.profile import RankObservations, StepRecord
+from freeride.backends.tracker import StepPlan
 
 __all__ = ["SINGLE_STAGE_ORDERS", "TAIL_REDUCE", "TorchPipeAdapter", "device_name"]
 
 logger = logging.getLogger(__name__)
-
-_HEARTBEAT_NS = 1_000_000_000
 
 TAIL_REDUCE = "tail:reduce_grad"
 """Key of the end-of-step gradient reduction (``perform_reduce_grad``)."""
@@ -94,83 +86,36 @@ def _global_rank(default: int) -> int:
         return default
 
 
-class TorchPipeAdapter:
+class TorchPipeAdapter(RankAdapter):
     """Emits the bubbles of one pipeline schedule (``Schedule1F1B``, ``ScheduleInterleaved1F1B``...).
 
     Args:
         schedule: A ``torch.distributed.pipelining`` schedule object.
-        session: Where events go; by default a :class:`BackendSession` to the
-            launcher's events endpoint.
-        mode: ``profile`` also writes every wait to ``profile_dir``; default from
-            the launcher's environment.
-        profile_dir: Where profile observations go (``rank-<rank>.json``).
-        min_bubble_ns: Waits expected to be shorter are not announced.
-        clock: Monotonic ns clock (injectable for tests).
-        timing: ``host`` or ``device`` forces how bubbles are timed; ``auto``
-            chooses by where waits block (the device's timeline on CUDA with
-            NCCL, whose ``Work.wait()`` returns to the host before the stream
-            has waited); None reads ``FREERIDE_BUBBLE_TIMING``.
-        timeline: A device timeline to use instead of building one (tests).
+        **options: As for :class:`~freeride.backends.rank.RankAdapter` (``session``,
+            ``mode``, ``profile_dir``, ``min_bubble_ns``, ``clock``, ``timing``, ``timeline``).
     """
 
-    def __init__(
-        self,
-        schedule: Any,
-        *,
-        session: BackendSession | None = None,
-        mode: Mode | None = None,
-        profile_dir: Path | None = None,
-        min_bubble_ns: int = 1_000_000,
-        clock: Callable[[], int] = time.monotonic_ns,
-        timing: Timing | None = None,
-        timeline: DeviceTimeline | None = None,
-    ) -> None:
-        env_mode, env_dir = read_mode()
-        self.mode: Mode = env_mode if mode is None else mode
-        self.profile_dir = env_dir if profile_dir is None else profile_dir
+    def __init__(self, schedule: Any, **options: Unpack[AdapterOptions]) -> None:
         self.facts = _compat.schedule_facts(schedule)
-        self.device = device_name(self.facts.device_type, self.facts.device_index)
-        self.spare_memory, self.device_memory = device_memory(self.facts.device_type, self.facts.device_index)
-        self.rank = _global_rank(self.facts.rank)
-        if session is None:
-            session = BackendSession(
-                BackendConfig(
-                    endpoint=events_endpoint_from_env(),
-                    rank=self.rank,
-                    stage=self.facts.rank,
-                    num_stages=self.facts.num_ranks,
-                    device=self.device,
-                    framework="torchpipe",
-                    spare_memory=self.spare_memory,
-                    device_memory=self.device_memory,
-                    min_bubble_ns=min_bubble_ns,
-                )
-            )
-        self.session = session
-        if timeline is None:
-            timeline = timeline_for(session, device_type=self.facts.device_type, timing=timing)
-        self.timeline = timeline
-        """Device-timed bubbles (None: timed on the host); it then owns the session's socket."""
-        # the first step runs slow (shape inference, buffers): it only primes the schedule's prediction
-        self.tracker = StepTracker(
-            session if timeline is None else timeline,
-            min_bubble_ns=min_bubble_ns,
-            warmup_steps=1,
-            clock=clock,
-            on_step=self._step_finished,
-            device=timeline,
+        f = self.facts
+        self.rank = _global_rank(f.rank)
+        place = RankPlace(
+            framework="torchpipe",
+            rank=self.rank,
+            stage=f.rank,
+            num_stages=f.num_ranks,
+            device=device_name(f.device_type, f.device_index),
+            device_type=f.device_type,
+            device_index=f.device_index,
         )
+        super().__init__(place, **options)
         self.plan = self._build_plan(schedule)
-        self.log: ObservationLog | None = None
         self.errors = 0
         """Our own errors, caught so that training never sees them."""
-        self.closed = False
-        self._clock = clock
         self._schedule = weakref.ref(schedule)
         self._recv_works: dict[int, Any] = {}
         """id -> Work of the receives posted in the step in flight (kept alive so ids stay unique)."""
-        self._last_event_ns = clock()
-        endpoint = session.config.endpoint
+        endpoint = self.session.config.endpoint
         logger.debug(  # the session wrote the attach line; these are the details
             "[attach] torchpipe rank %d stage %d/%d (%s, %s) on %s: manager %s",
             self.rank,
@@ -179,7 +124,7 @@ class TorchPipeAdapter:
             self.facts.name,
             "stages " + ",".join(map(str, self.facts.stage_indices)),
             self.device,
-            "reachable" if manager_reachable(session.sent, endpoint) else f"not reachable at {endpoint}",
+            "reachable" if manager_reachable(self.session.sent, endpoint) else f"not reachable at {endpoint}",
         )
 
     def _build_plan(self, schedule: Any) -> StepPlan | None:
@@ -235,8 +180,7 @@ class TorchPipeAdapter:
 
     def _begin(self) -> None:
         self._recv_works.clear()
-        if self._clock() - self._last_event_ns > _HEARTBEAT_NS:
-            (self.session if self.timeline is None else self.timeline).heartbeat()
+        self._heartbeat_if_quiet()
         if self.mode == "profile" and self.log is None:
             self._open_log()
         self.tracker.begin_step(self.plan, spare_memory=self.spare_memory)
@@ -302,22 +246,7 @@ class TorchPipeAdapter:
     # ------------------------------------------------------------- profile
 
     def _open_log(self) -> None:
-        base = RankObservations(
-            framework="torchpipe",
-            rank=self.rank,
-            stage=self.facts.rank,
-            num_stages=self.facts.num_ranks,
-            device=self.device,
-            num_microbatches=self.facts.num_microbatches,
-            schedule=self.facts.name,
-            device_memory=self.device_memory,
-        )
-        self.log = ObservationLog(base, self.profile_dir, spare_memory=lambda: self.spare_memory, clock=self._clock)
-
-    def _step_finished(self, record: StepRecord) -> None:
-        self._last_event_ns = self._clock()
-        if self.log is not None:
-            self.log.add(record)
+        self._new_log(num_microbatches=self.facts.num_microbatches, schedule=self.facts.name)
 
     # ---------------------------------------------------------------- close
 
@@ -328,9 +257,4 @@ class TorchPipeAdapter:
         self.closed = True
         if self.tracker.in_step:
             self._track(self.tracker.end_step)
-        if self.log is not None:
-            self.log.close()
-        if self.timeline is not None:
-            self.timeline.close()
-        else:
-            self.session.close()
+        self._close_channel()
