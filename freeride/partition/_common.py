@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from freeride.partition.plan import Plan, Step
+from freeride.partition.plan import Plan, Step, timer
 from freeride.partition.values import rebuild
 from freeride.sidetask import IterativeTask, TaskContext
 
@@ -144,6 +144,23 @@ class Partitioned(IterativeTask):
         self._clock = time.perf_counter
         self._ran: set[str] = set()
         """Kinds run in this process: a kind's first run pays one-time costs and says nothing about drift."""
+
+    async def setup(self, ctx: TaskContext) -> None:
+        if self._ready:
+            return
+        self.device = torch.device(ctx.torch_device)
+        self._clock = timer(self.device)
+        self._size_steps(ctx)
+        self._take(self.build())
+        self._planned(ctx)
+
+    @abc.abstractmethod
+    def build(self) -> Any:
+        """Build the model (on :attr:`device`) and what it works on; called once, in setup."""
+
+    @abc.abstractmethod
+    def _take(self, parts: Any) -> None:
+        """Keep what :meth:`build` returned."""
 
     # -- planning and drift
 

@@ -17,9 +17,8 @@ from torch import nn
 
 from freeride.partition._common import Batches, Partitioned, capture_rng, restore_rng, to_device
 from freeride.partition.graph import Executor
-from freeride.partition.plan import make_plan, timer
+from freeride.partition.plan import make_plan
 from freeride.partition.saved import plan_state, reused_plan
-from freeride.sidetask import TaskContext
 
 __all__ = ["InferenceParts", "PartitionedInference"]
 
@@ -61,17 +60,9 @@ class PartitionedInference(Partitioned):
     def _input(batch: Any) -> Any:
         return batch[0] if isinstance(batch, tuple | list) else batch
 
-    async def setup(self, ctx: TaskContext) -> None:
-        if self._ready:
-            return
-
-        self.device = torch.device(ctx.torch_device)
-        self._clock = timer(self.device)
-        self._size_steps(ctx)
-        parts = self.build()
+    def _take(self, parts: InferenceParts) -> None:
         self.model = parts.model
         self.batches = Batches(parts.data)
-        self._planned(ctx)
 
     def _plan(self, saved: object) -> None:
         x = self._input(to_device(self.batches.peek(), self.device))

@@ -55,11 +55,10 @@ from torch import nn
 from freeride.partition._common import EMA, Batches, Partitioned, capture_rng, restore_rng, to_device
 from freeride.partition.evaluation import Evaluation
 from freeride.partition.graph import Executor
-from freeride.partition.plan import Step, make_plan, timer
+from freeride.partition.plan import Step, make_plan
 from freeride.partition.recipe import Recipe
 from freeride.partition.saved import plan_state, reused_plan
 from freeride.partition.update import ChunkedUpdate
-from freeride.sidetask import TaskContext
 
 __all__ = ["PartitionedTraining", "TrainingParts"]
 
@@ -138,20 +137,12 @@ class PartitionedTraining(Partitioned):
     def build(self) -> TrainingParts:
         """Build the model (on :attr:`device`), its optimizer, the loss and the data; called once, in setup."""
 
-    async def setup(self, ctx: TaskContext) -> None:
-        if self._ready:
-            return
-
-        self.device = torch.device(ctx.torch_device)
-        self._clock = timer(self.device)
-        self._size_steps(ctx)
-        parts = self.build()
+    def _take(self, parts: TrainingParts) -> None:
         self.model, self.optimizer, self.loss_fn = parts.model, parts.optimizer, parts.loss_fn
         self.batches = Batches(parts.data)
         self.update = ChunkedUpdate(self.optimizer)
         self.recipe.attach(parts.scheduler, self.optimizer)
         self.evaluation.attach(parts.eval_data)
-        self._planned(ctx)
 
     def _plan(self, saved: object) -> None:
         x, y = self._split(to_device(self.batches.peek(), self.device))

@@ -23,116 +23,16 @@ frame limits, bounded field types and the base Struct),
 :mod:`~freeride.protocol.control` (control requests and replies).
 """
 
-from freeride.protocol.backend import BackendEvent, BubbleEnded, BubbleStarted, Goodbye, Heartbeat, Hello, StepFinished
-from freeride.protocol.base import (
-    I64_MAX,
-    MAX_CONTROL_FRAME,
-    MAX_ESTIMATE_KINDS,
-    MAX_EVENT_FRAME,
-    MAX_WORKER_FRAME,
-    PROTOCOL_VERSION,
-    DeviceKind,
-    Metrics,
-    Options,
-    StepEstimatesSummary,
-)
-from freeride.protocol.control import (
-    Cancel,
-    Cancelled,
-    ControlReply,
-    ControlRequest,
-    DeviceStatus,
-    LatencySummary,
-    Rejected,
-    StatusReply,
-    StatusRequest,
-    Submit,
-    Submitted,
-    TaskStatus,
-    TrainingCost,
-)
-from freeride.protocol.spec import (
-    TERMINAL_STATES,
-    IterativeSpec,
-    ProgramSpec,
-    SidePriority,
-    TaskKind,
-    TaskSpec,
-    TaskState,
-)
-from freeride.protocol.worker import (
-    Arm,
-    Assign,
-    Checkpointed,
-    CheckpointFailed,
-    Disarm,
-    Grant,
-    GrantDone,
-    GrantDoneReason,
-    Holdback,
-    ManagerToWorker,
-    Progress,
-    Revoke,
-    Stop,
-    TaskFailed,
-    TaskFinished,
-    WorkerReady,
-    WorkerToManager,
-)
+from freeride.protocol import backend, base, control, spec, worker
+from freeride.protocol.backend import *  # noqa: F403
+from freeride.protocol.base import *  # noqa: F403
+from freeride.protocol.control import *  # noqa: F403
+from freeride.protocol.spec import *  # noqa: F403
+from freeride.protocol.worker import *  # noqa: F403
 
-__all__ = [
-    "I64_MAX",
-    "MAX_CONTROL_FRAME",
-    "MAX_ESTIMATE_KINDS",
-    "MAX_EVENT_FRAME",
-    "MAX_WORKER_FRAME",
-    "PROTOCOL_VERSION",
-    "Arm",
-    "Assign",
-    "BackendEvent",
-    "BubbleEnded",
-    "BubbleStarted",
-    "Cancel",
-    "Cancelled",
-    "CheckpointFailed",
-    "Checkpointed",
-    "ControlReply",
-    "ControlRequest",
-    "DeviceKind",
-    "DeviceStatus",
-    "Disarm",
-    "Goodbye",
-    "Grant",
-    "GrantDone",
-    "GrantDoneReason",
-    "Heartbeat",
-    "Hello",
-    "Holdback",
-    "IterativeSpec",
-    "LatencySummary",
-    "ManagerToWorker",
-    "Metrics",
-    "Options",
-    "StepEstimatesSummary",
-    "ProgramSpec",
-    "Progress",
-    "Rejected",
-    "Revoke",
-    "StatusReply",
-    "StatusRequest",
-    "StepFinished",
-    "Stop",
-    "Submit",
-    "Submitted",
-    "TaskFailed",
-    "TaskFinished",
-    "TaskKind",
-    "TaskSpec",
-    "TERMINAL_STATES",
-    "SidePriority",
-    "TaskState",
-    "TaskStatus",
-    "TrainingCost",
-    "WorkerReady",
-    "WorkerToManager",
-]
+__all__: list[str] = []
+__all__ += backend.__all__
+__all__ += base.__all__
+__all__ += control.__all__
+__all__ += spec.__all__
+__all__ += worker.__all__

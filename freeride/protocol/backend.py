@@ -31,8 +31,8 @@ class Hello(Message, frozen=True, tag="hello"):
     the steps held back to measure the job's cost are chosen from it."""
 
 
-class BubbleStarted(Message, frozen=True, tag="bubble_started"):
-    """A stage has entered a bubble: its device is idle from ``t_ns``."""
+class _BubbleEvent(Message, frozen=True):
+    """Which bubble of which stage, and when."""
 
     rank: Small
     stage: Small
@@ -42,6 +42,11 @@ class BubbleStarted(Message, frozen=True, tag="bubble_started"):
     index: Position
     """Position of the bubble within the step, 0-based, in time order."""
     t_ns: Nanos
+
+
+class BubbleStarted(_BubbleEvent, frozen=True, tag="bubble_started"):
+    """A stage has entered a bubble: its device is idle from ``t_ns``."""
+
     expected_ns: Nanos
     """Predicted duration, from the profile or a running estimate."""
     spare_memory: Bytes = -1
@@ -51,15 +56,9 @@ class BubbleStarted(Message, frozen=True, tag="bubble_started"):
     its core lets it block before the first step (see :mod:`freeride.worker.courtesy`)."""
 
 
-class BubbleEnded(Message, frozen=True, tag="bubble_ended"):
-    """The stage has left the bubble and computes again."""
+class BubbleEnded(_BubbleEvent, frozen=True, tag="bubble_ended"):
+    """The stage has left the bubble (at ``t_ns``) and computes again."""
 
-    rank: Small
-    stage: Small
-    device: Name
-    step: Position
-    index: Position
-    t_ns: Nanos
     duration_ns: Nanos
     """Measured duration of the bubble."""
     waited_runnable_ns: Nanos = 0
