@@ -13,10 +13,8 @@ from freeride.sidetask import IterativeTask, TaskContext
 __all__ = [
     "DeviceTask",
     "ShuffledCursor",
-    "capture_rng",
     "check_fingerprint",
     "joinable",
-    "restore_rng",
     "sample_seed",
     "synchronize",
 ]
@@ -122,21 +120,6 @@ def check_fingerprint(state: dict[str, Any], expected: dict[str, Any]) -> None:
     for key, value in expected.items():
         if found.get(key) != value:
             raise ValueError(f"checkpoint was taken with {key}={found.get(key)!r}, this task has {key}={value!r}")
-
-
-def capture_rng(device: torch.device) -> dict[str, torch.Tensor]:
-    """The process RNG state for the CPU and, on CUDA, for ``device``."""
-    rng = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(device)
-    return rng
-
-
-def restore_rng(rng: dict[str, torch.Tensor], device: torch.device) -> None:
-    """Undo :func:`capture_rng` (the CUDA part only on a CUDA device)."""
-    torch.set_rng_state(rng["cpu"])
-    if device.type == "cuda" and "cuda" in rng:
-        torch.cuda.set_rng_state(rng["cuda"], device)
 
 
 def synchronize(device: torch.device) -> None:

@@ -56,7 +56,7 @@ class VisionInference(VisionTask):
         micro_batch_size: int = 0,
         layer_steps: bool = False,
     ) -> None:
-        super().__init__(
+        self._check_options(
             batch_size=batch_size,
             image_size=image_size,
             num_classes=num_classes,
@@ -72,6 +72,7 @@ class VisionInference(VisionTask):
             micro_batch_size=micro_batch_size,
             layer_steps=layer_steps,
         )
+        super().__init__(steps=steps, layer_steps=layer_steps)
         if fit_steps < -1:
             raise ValueError(f"fit_steps must be >= 0 (or -1 for automatic), got {fit_steps}")
         self.checkpoint = checkpoint

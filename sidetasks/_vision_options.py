@@ -1,4 +1,4 @@
-"""The options the vision tasks share: checked once, and turned into the training and held-out image sets."""
+"""The options the vision tasks share: checked once, and turned into the image sets, the network and its optimizer."""
 
 from __future__ import annotations
 
@@ -6,7 +6,12 @@ import math
 from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
+from torch import nn
+
 from freeride.sidetasks._data import ImageFolder, LabelledImages, SyntheticImages
+from freeride.sidetasks._models import build_model
+from freeride.sidetasks._options import check_at_least
 
 __all__ = ["VisionOptions"]
 
@@ -20,7 +25,7 @@ def _resnet_final_side(image_size: int) -> int:
 
 
 class VisionOptions:
-    """The options the training and inference tasks share, checked, and the data they name."""
+    """The options the training and inference tasks share, checked, and the data, network and optimizer they name."""
 
     arch: ClassVar[str] = ""
     default_lr: ClassVar[float] = 0.01
@@ -46,18 +51,15 @@ class VisionOptions:
         micro_batch_size: int,
         layer_steps: bool,
     ) -> None:
-        for name, value, low in (("batch_size", batch_size, 1), ("image_size", image_size, self.min_image_size)):
-            if value < low:
-                raise ValueError(f"{name} must be >= {low}, got {value}")
-        for name, value in (("steps", steps), ("train_size", train_size), ("eval_size", eval_size)):
-            if value < 0 or (value == 0 and name != "steps"):
-                raise ValueError(f"{name} must be {'>= 0' if name == 'steps' else '>= 1'}, got {value}")
+        check_at_least(1, batch_size=batch_size)
+        check_at_least(self.min_image_size, image_size=image_size)
+        check_at_least(0, steps=steps)
+        check_at_least(1, train_size=train_size, eval_size=eval_size)
         if not (lr >= 0 and math.isfinite(lr)):
             raise ValueError(f"lr must be a finite number > 0 (or 0 for the architecture's default), got {lr}")
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        check_at_least(0, weight_decay=weight_decay)
         if num_classes == 1 or num_classes < 0:
             raise ValueError(f"num_classes must be >= 2 (or 0 for automatic), got {num_classes}")
         if not isinstance(layer_steps, bool):
@@ -92,6 +94,14 @@ class VisionOptions:
                 num_classes=classes, image_size=image_size, size=eval_size, seed=seed, split=1, noise=noise
             )
         self.num_classes = self.train.num_classes
+
+    def _new_model(self, device: torch.device) -> nn.Module:
+        """The architecture's network for the options' classes, its weights seeded by ``seed``, on ``device``."""
+        return build_model(self.arch, self.num_classes, seed=self.seed).to(device)
+
+    def _new_optimizer(self, model: nn.Module) -> torch.optim.SGD:
+        """SGD over ``model``'s parameters with the options' ``lr``, ``momentum`` and ``weight_decay``."""
+        return torch.optim.SGD(model.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
 
     def _fingerprint(self) -> dict[str, Any]:
         return {"task": type(self).__name__, "num_classes": self.num_classes, "image_size": self.image_size}

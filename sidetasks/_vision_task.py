@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freeride.partition import capture_rng, restore_rng
 from freeride.sidetask import TaskContext
-from freeride.sidetasks._common import DeviceTask, ShuffledCursor, capture_rng, check_fingerprint, restore_rng
+from freeride.sidetasks._common import DeviceTask, ShuffledCursor, check_fingerprint
 from freeride.sidetasks._cost import UPDATE_COST_PER_ELEMENT, backward_cost, segment_costs
-from freeride.sidetasks._models import build_model
 from freeride.sidetasks._vision_options import VisionOptions
 
 __all__ = ["VisionTask"]
@@ -26,43 +26,11 @@ _EMA = 0.9
 class VisionTask(VisionOptions, DeviceTask):
     """Model, data and the whole-batch SGD step of the inference tasks (their ``fit_steps``)."""
 
-    def __init__(
-        self,
-        *,
-        batch_size: int = 8,
-        image_size: int = 32,
-        num_classes: int = 0,
-        lr: float = 0.0,
-        momentum: float = 0.9,
-        weight_decay: float = 5e-4,
-        steps: int = 0,
-        seed: int = 0,
-        data_dir: str = "",
-        train_size: int = 8192,
-        eval_size: int = 1024,
-        noise: float = 1.0,
-        micro_batch_size: int = 0,
-        layer_steps: bool = False,
-    ) -> None:
+    def __init__(self, *, steps: int, layer_steps: bool) -> None:
+        """Set up the fitting state; call it after :meth:`_check_options`, which sets the options and data."""
         super().__init__()
-        self._check_options(
-            batch_size=batch_size,
-            image_size=image_size,
-            num_classes=num_classes,
-            lr=lr,
-            momentum=momentum,
-            weight_decay=weight_decay,
-            steps=steps,
-            seed=seed,
-            data_dir=data_dir,
-            train_size=train_size,
-            eval_size=eval_size,
-            noise=noise,
-            micro_batch_size=micro_batch_size,
-            layer_steps=layer_steps,
-        )
         self.steps, self.layer_steps = steps, bool(layer_steps)
-        self.cursor = ShuffledCursor(len(self.train), seed=seed)
+        self.cursor = ShuffledCursor(len(self.train), seed=self.seed)
         self.done_steps = 0
         self.loss = math.nan
         self.loss_ema = math.nan
@@ -72,14 +40,9 @@ class VisionTask(VisionOptions, DeviceTask):
         self._costs: dict[str, float] = {}
         """Relative work of each step kind (see :meth:`step_cost`), counted at setup."""
 
-    def _new_optimizer(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(
-            self.model.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
-        )
-
     def _build(self, ctx: TaskContext) -> None:
-        self.model = build_model(self.arch, self.num_classes, seed=self.seed).to(self.device)
-        self.optimizer = self._new_optimizer()
+        self.model = self._new_model(self.device)
+        self.optimizer = self._new_optimizer(self.model)
         forward = self._segment_costs(self.batch_size)
         backward = sum(backward_cost(cost, first=k == 0) for k, cost in enumerate(forward))
         params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
@@ -128,7 +91,7 @@ class VisionTask(VisionOptions, DeviceTask):
         if state["optimizer"] is None:
             self.optimizer = None
         else:
-            self.optimizer = self.optimizer or self._new_optimizer()
+            self.optimizer = self.optimizer or self._new_optimizer(self.model)
             self.optimizer.load_state_dict(state["optimizer"])
         self.cursor.position = int(state["position"])
         self.done_steps = int(state["steps"])

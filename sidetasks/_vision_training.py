@@ -4,39 +4,19 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from freeride.partition import PartitionedTraining, TrainingParts
-from freeride.sidetasks._common import ShuffledCursor, check_fingerprint
-from freeride.sidetasks._data import LabelledImages
-from freeride.sidetasks._models import build_model
+from freeride.sidetasks._batches import ShuffledBatches
+from freeride.sidetasks._common import check_fingerprint
 from freeride.sidetasks._vision_options import VisionOptions
 
 __all__ = ["VisionTraining"]
 
 logger = logging.getLogger("freeride.sidetasks.vision")  # logged under the module the tasks are named by
-
-
-class _Shuffled:
-    """Training batches in a fresh seeded order each epoch; batch ``i`` is a function of ``i`` alone."""
-
-    def __init__(self, images: LabelledImages, *, batch_size: int, seed: int, device: torch.device) -> None:
-        self.images, self.batch_size, self.seed, self.device = images, batch_size, seed, device
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return self.iter_from(0)
-
-    def iter_from(self, i: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Batches from batch ``i`` on (a restore starts there without replaying the ones before)."""
-        cursor = ShuffledCursor(len(self.images), seed=self.seed)
-        cursor.position = i * self.batch_size
-        while True:
-            x, y = self.images.batch(cursor.take(self.batch_size))
-            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
 
 class VisionTraining(VisionOptions, PartitionedTraining):
@@ -109,11 +89,9 @@ class VisionTraining(VisionOptions, PartitionedTraining):
         return F.cross_entropy(logits, y)
 
     def build(self) -> TrainingParts:
-        model = build_model(self.arch, self.num_classes, seed=self.seed).to(self.device)
-        optimizer = torch.optim.SGD(
-            model.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
-        )
-        data = _Shuffled(self.train, batch_size=self.batch_size, seed=self.seed, device=self.device)
+        model = self._new_model(self.device)
+        optimizer = self._new_optimizer(model)
+        data = ShuffledBatches(self.train, batch_size=self.batch_size, seed=self.seed, device=self.device)
         logger.info("[setup] %s: %s on %s, batch %d", type(self).__name__, self.arch, self.device, self.batch_size)
         return TrainingParts(model, optimizer, self._loss, data)
 

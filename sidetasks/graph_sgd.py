@@ -26,6 +26,7 @@ import torch
 
 from freeride.sidetask import TaskContext
 from freeride.sidetasks._common import DeviceTask, ShuffledCursor, check_fingerprint, joinable, sample_seed
+from freeride.sidetasks._options import check_at_least, check_positive, target_ns
 
 __all__ = ["GraphSGD", "planted_ratings", "read_ratings"]
 
@@ -137,27 +138,16 @@ class GraphSGD(DeviceTask):
         target_ms: float = 5.0,
     ) -> None:
         super().__init__()
-        for name, value in (("users", users), ("items", items), ("rank", rank), ("dim", dim)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        check_at_least(1, users=users, items=items, rank=rank, dim=dim)
         if not 0 < density <= 1:
             raise ValueError(f"density must be in (0, 1], got {density}")
-        if not (lr > 0 and math.isfinite(lr)):
-            raise ValueError(f"lr must be a finite number > 0, got {lr}")
-        if l2 < 0:
-            raise ValueError(f"l2 must be >= 0, got {l2}")
-        if noise < 0:
-            raise ValueError(f"noise must be >= 0, got {noise}")
-        if batch_edges < 1:
-            raise ValueError(f"batch_edges must be >= 1, got {batch_edges}")
+        check_positive(lr=lr)
+        check_at_least(0, l2=l2, noise=noise)
+        check_at_least(1, batch_edges=batch_edges)
         if not 0 < holdout < 1:
             raise ValueError(f"holdout must be in (0, 1), got {holdout}")
-        if steps < 0:
-            raise ValueError(f"steps must be >= 0, got {steps}")
-        if eval_every < 0:
-            raise ValueError(f"eval_every must be >= 0, got {eval_every}")
-        if not (target_ms >= 0 and math.isfinite(target_ms)):
-            raise ValueError(f"target_ms must be a finite number >= 0, got {target_ms}")
+        check_at_least(0, steps=steps, eval_every=eval_every)
+        self._target_ns = target_ns(target_ms)
         if ratings_file:
             edges, values, users, items = read_ratings(Path(ratings_file).expanduser())
         else:
@@ -186,7 +176,6 @@ class GraphSGD(DeviceTask):
         """Mini-batches the next step runs one after the other (1: one, or a piece of one)."""
         self._joined: set[int] = set()
         """Counts of joined mini-batches run in this process, which the runtime has measured since."""
-        self._target_ns = round(target_ms * 1e6)
         self.train_rmse = math.nan
         self.test_rmse = math.nan
         self._eval_due = False

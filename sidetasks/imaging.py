@@ -15,6 +15,7 @@ from freeride.sidetask import TaskContext
 from freeride.sidetasks._common import DeviceTask, check_fingerprint, synchronize
 from freeride.sidetasks._imageio import IMAGE_SUFFIXES, read_image, write_pnm
 from freeride.sidetasks._imageops import edge_pipeline, synthetic_scene
+from freeride.sidetasks._options import check_at_least, check_positive
 
 __all__ = ["ImageProcessing"]
 
@@ -53,14 +54,10 @@ class ImageProcessing(DeviceTask):
         output_dir: str = "",
     ) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if image_size < 4:
-            raise ValueError(f"image_size must be >= 4, got {image_size}")
-        if images < 0:
-            raise ValueError(f"images must be >= 0, got {images}")
-        if not (sigma > 0 and math.isfinite(sigma)):
-            raise ValueError(f"sigma must be a finite number > 0, got {sigma}")
+        check_at_least(1, batch_size=batch_size)
+        check_at_least(4, image_size=image_size)
+        check_at_least(0, images=images)
+        check_positive(sigma=sigma)
         self.files: list[Path] = []
         if data_dir:
             root = Path(data_dir).expanduser()

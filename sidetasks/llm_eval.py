@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from freeride.sidetask import IterativeTask, StepGate, TaskContext
 from freeride.sidetasks._common import sample_seed
 from freeride.sidetasks._llm import check_model, counting_sequences, load_causal_lm, token_stream
+from freeride.sidetasks._options import check_at_least, check_file
 
 __all__ = ["CheckpointEvaluation", "checkpoints_in"]
 
@@ -113,13 +114,10 @@ class CheckpointEvaluation(IterativeTask):
             raise ValueError("watch must name the directory the training job saves its checkpoints to")
         if not Path(watch).expanduser().is_dir():
             raise ValueError(f"watch {watch!r} is not a directory")
-        for name, value in (("batches", batches), ("batch_size", batch_size), ("context", context)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        check_at_least(1, batches=batches, batch_size=batch_size, context=context)
         if not (settle_s >= 0 and math.isfinite(settle_s)) or not (poll_s > 0 and math.isfinite(poll_s)):
             raise ValueError(f"settle_s must be >= 0 and poll_s > 0, got {settle_s}, {poll_s}")
-        if data and not Path(data).expanduser().is_file():
-            raise ValueError(f"data {data!r} is not a file")
+        check_file(data=data)
         check_model(model)
         if not results:
             raise ValueError("results must name a file (relative to the task's work directory)")

@@ -28,6 +28,7 @@ import torch
 from freeride.sidetask import TaskContext
 from freeride.sidetasks._common import DeviceTask, check_fingerprint, synchronize
 from freeride.sidetasks._llm import cache_argument, load_causal_lm, read_prompts, synthetic_prompts
+from freeride.sidetasks._options import check_at_least, check_file
 
 __all__ = ["BatchGeneration", "batch_size_for"]
 
@@ -90,8 +91,7 @@ class BatchGeneration(DeviceTask):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_at_least(1, max_new_tokens=max_new_tokens)
         if not 0 <= batch_size <= MAX_BATCH:
             raise ValueError(f"batch_size must be in [0, {MAX_BATCH}] (0: from the memory the task may use)")
         if num_prompts < 1 or prompt_tokens < 1:
@@ -100,8 +100,7 @@ class BatchGeneration(DeviceTask):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
         if not output:
             raise ValueError("output must name a file (relative to the task's work directory)")
-        if prompts and not Path(prompts).expanduser().is_file():
-            raise ValueError(f"prompts {prompts!r} is not a file")
+        check_file(prompts=prompts)
         self.model_name, self.prompts_path, self.output = model, prompts, output
         self.max_new_tokens, self.batch_size, self.seed = max_new_tokens, batch_size, seed
         self.num_prompts, self.prompt_tokens, self.dtype_name = num_prompts, prompt_tokens, dtype

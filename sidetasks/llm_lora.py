@@ -18,7 +18,6 @@ and ``i``, so the data replays exactly after a restore.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from freeride.partition import PartitionedTraining, TrainingParts
+from freeride.sidetasks._batches import TokenWindows
 from freeride.sidetasks._common import sample_seed
 from freeride.sidetasks._llm import check_model, counting_sequences, load_causal_lm, token_stream
+from freeride.sidetasks._options import check_at_least, check_file, check_positive
 
 __all__ = ["LoRAFineTuning", "LoRALinear", "add_lora"]
 
@@ -78,26 +79,6 @@ def add_lora(model: nn.Module, targets: set[str], *, rank: int, alpha: float) ->
     return wrapped
 
 
-class _Windows:
-    """Windows of ``context + 1`` tokens of a stream as ``(x, y)`` batches; batch ``i`` is a function of ``i``."""
-
-    def __init__(self, stream: torch.Tensor, *, batch_size: int, context: int, seed: int, device: torch.device) -> None:
-        self.stream, self.batch_size, self.context, self.seed, self.device = stream, batch_size, context, seed, device
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return self.iter_from(0)
-
-    def iter_from(self, i: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Batches from batch ``i`` on (a restore starts there without replaying the rest)."""
-        offsets = torch.arange(self.context + 1)
-        while True:
-            g = torch.Generator().manual_seed(sample_seed(self.seed, 21, i))
-            starts = torch.randint(0, len(self.stream) - self.context, (self.batch_size, 1), generator=g)
-            chunk = self.stream[starts + offsets].to(self.device)
-            yield chunk[:, :-1], chunk[:, 1:]
-            i += 1
-
-
 def _loss(out: Any, y: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy; the model's output arrives as it returns it (a ModelOutput with logits)."""
     logits = out.logits
@@ -136,15 +117,9 @@ class LoRAFineTuning(PartitionedTraining):
         profile_runs: int = 2,
     ) -> None:
         super().__init__(target_ms=target_ms, steps=steps, profile_runs=profile_runs)
-        for name, value in (("rank", rank), ("batch_size", batch_size), ("context", context)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if not (alpha > 0 and math.isfinite(alpha)):
-            raise ValueError(f"alpha must be a finite number > 0, got {alpha}")
-        if not (lr > 0 and math.isfinite(lr)):
-            raise ValueError(f"lr must be a finite number > 0, got {lr}")
-        if data and not Path(data).expanduser().is_file():
-            raise ValueError(f"data {data!r} is not a file")
+        check_at_least(1, rank=rank, batch_size=batch_size, context=context)
+        check_positive(alpha=alpha, lr=lr)
+        check_file(data=data)
         check_model(model)
         self.model_name, self.data_path = model, data
         self.targets = {t.strip() for t in targets.split(",") if t.strip()}
@@ -168,11 +143,12 @@ class LoRAFineTuning(PartitionedTraining):
         trained = [p for p in model.parameters() if p.requires_grad]
         self.trained_parameters = sum(p.numel() for p in trained)
         optimizer = torch.optim.AdamW(trained, lr=self.lr)
-        data = _Windows(
+        data = TokenWindows(
             self._stream(tokenizer, model.config.vocab_size),
             batch_size=self.batch_size,
             context=self.context,
             seed=self.seed,
+            stream=21,
             device=self.device,
         )
         return TrainingParts(model.train(), optimizer, _loss, data)

@@ -13,15 +13,15 @@ seeded order that a restore resumes without replaying it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from freeride.partition import PartitionedTraining, TrainingParts
-from freeride.sidetasks._common import ShuffledCursor
+from freeride.sidetasks._batches import ShuffledBatches
 from freeride.sidetasks._data import SyntheticImages
+from freeride.sidetasks._options import check_at_least, check_positive
 
 __all__ = ["MobileNetV2Training"]
 
@@ -78,24 +78,6 @@ class MobileNetV2(nn.Module):
         return logits
 
 
-class _Shuffled:
-    """Batches of a synthetic image set in a fresh seeded order each epoch; batch ``i`` is a function of i."""
-
-    def __init__(self, images: SyntheticImages, *, batch_size: int, seed: int, device: torch.device) -> None:
-        self.images, self.batch_size, self.seed, self.device = images, batch_size, seed, device
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return self.iter_from(0)
-
-    def iter_from(self, i: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Batches from batch ``i`` on (a restore starts there without replaying the rest)."""
-        cursor = ShuffledCursor(len(self.images), seed=self.seed)
-        cursor.position = i * self.batch_size
-        while True:
-            x, y = self.images.batch(cursor.take(self.batch_size))
-            yield x.to(self.device), y.to(self.device)
-
-
 class MobileNetV2Training(PartitionedTraining):
     """Train MobileNetV2 with SGD (momentum, weight decay) on synthetic images.
 
@@ -130,20 +112,15 @@ class MobileNetV2Training(PartitionedTraining):
         super().__init__(target_ms=target_ms, steps=steps, profile_runs=profile_runs)
         if batch_size < 2:
             raise ValueError(f"batch_size must be >= 2 (batch norm needs two values per channel), got {batch_size}")
-        if image_size < 8:
-            raise ValueError(f"image_size must be >= 8, got {image_size}")
-        if num_classes < 2:
-            raise ValueError(f"num_classes must be >= 2, got {num_classes}")
+        check_at_least(8, image_size=image_size)
+        check_at_least(2, num_classes=num_classes)
         if not (width > 0 and math.isfinite(width)):
             raise ValueError(f"width must be a positive number, got {width}")
-        if not (lr > 0 and math.isfinite(lr)):
-            raise ValueError(f"lr must be a finite number > 0, got {lr}")
+        check_positive(lr=lr)
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        if train_size < 1:
-            raise ValueError(f"train_size must be >= 1, got {train_size}")
+        check_at_least(0, weight_decay=weight_decay)
+        check_at_least(1, train_size=train_size)
         self.batch_size, self.image_size, self.num_classes, self.width = batch_size, image_size, num_classes, width
         self.lr, self.momentum, self.weight_decay, self.seed = lr, momentum, weight_decay, seed
         self.train_size, self.noise = train_size, noise
@@ -162,5 +139,5 @@ class MobileNetV2Training(PartitionedTraining):
             split=0,
             noise=self.noise,
         )
-        data = _Shuffled(images, batch_size=self.batch_size, seed=self.seed, device=self.device)
+        data = ShuffledBatches(images, batch_size=self.batch_size, seed=self.seed, device=self.device)
         return TrainingParts(model, optimizer, F.cross_entropy, data)

@@ -20,6 +20,7 @@ import torch
 
 from freeride.sidetask import TaskContext
 from freeride.sidetasks._common import DeviceTask, check_fingerprint, joinable, synchronize
+from freeride.sidetasks._options import check_at_least, check_file, target_ns
 
 __all__ = ["PageRank", "generate_graph", "read_edge_list"]
 
@@ -126,8 +127,7 @@ class PageRank(DeviceTask):
         output: str = "",
     ) -> None:
         super().__init__()
-        if nodes < 1:
-            raise ValueError(f"nodes must be >= 1, got {nodes}")
+        check_at_least(1, nodes=nodes)
         if not avg_degree > 0:
             raise ValueError(f"avg_degree must be > 0, got {avg_degree}")
         if not skew >= 0:
@@ -136,20 +136,14 @@ class PageRank(DeviceTask):
             raise ValueError(f"alpha must be in (0, 1), got {alpha}")
         if not tol > 0:
             raise ValueError(f"tol must be > 0, got {tol}")
-        if max_iters < 1:
-            raise ValueError(f"max_iters must be >= 1, got {max_iters}")
-        if iters_per_step < 1:
-            raise ValueError(f"iters_per_step must be >= 1, got {iters_per_step}")
-        if not (target_ms >= 0 and math.isfinite(target_ms)):
-            raise ValueError(f"target_ms must be a finite number >= 0, got {target_ms}")
+        check_at_least(1, max_iters=max_iters, iters_per_step=iters_per_step)
+        self._target_ns = target_ns(target_ms)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        if graph_file and not Path(graph_file).expanduser().is_file():
-            raise ValueError(f"graph_file {graph_file!r} is not a file")
+        check_file(graph_file=graph_file)
         self.nodes, self.avg_degree, self.skew, self.seed = nodes, avg_degree, skew, seed
         self.graph_file = graph_file
         self.alpha, self.tol, self.max_iters, self.iters_per_step = alpha, tol, max_iters, iters_per_step
-        self._target_ns = round(target_ms * 1e6)
         self._piece = 1
         """Units of ``iters_per_step`` iterations the next step runs (chosen by :meth:`fit_piece`)."""
         self._ran: set[int] = set()

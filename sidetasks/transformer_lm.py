@@ -16,7 +16,6 @@ grammar: learnable within a few hundred batches) or any file given as
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -24,7 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from freeride.partition import PartitionedTraining, TrainingParts
+from freeride.sidetasks._batches import TokenWindows
 from freeride.sidetasks._common import sample_seed
+from freeride.sidetasks._options import check_at_least, check_positive
 
 __all__ = ["TransformerLMTraining"]
 
@@ -66,26 +67,6 @@ class TinyCausalLM(nn.Module):
         return logits
 
 
-class _Windows:
-    """Random windows of a byte string as ``(x, y)`` batches, y shifted by one; batch ``i`` is a function of i."""
-
-    def __init__(self, text: torch.Tensor, *, batch_size: int, context: int, seed: int, device: torch.device) -> None:
-        self.text, self.batch_size, self.context, self.seed, self.device = text, batch_size, context, seed, device
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return self.iter_from(0)
-
-    def iter_from(self, i: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Batches from batch ``i`` on (a restore starts there without replaying the rest)."""
-        offsets = torch.arange(self.context + 1)
-        while True:
-            g = torch.Generator().manual_seed(sample_seed(self.seed, 12, i))
-            starts = torch.randint(0, len(self.text) - self.context - 1, (self.batch_size, 1), generator=g)
-            chunk = self.text[starts + offsets].to(self.device)
-            yield chunk[:, :-1], chunk[:, 1:]
-            i += 1
-
-
 def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
@@ -124,19 +105,14 @@ class TransformerLMTraining(PartitionedTraining):
         profile_runs: int = 2,
     ) -> None:
         super().__init__(target_ms=target_ms, steps=steps, profile_runs=profile_runs)
-        for name, value in (("batch_size", batch_size), ("context", context), ("layers", layers), ("heads", heads)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        check_at_least(1, batch_size=batch_size, context=context, layers=layers, heads=heads)
         if d_model < 1 or d_model % heads:
             raise ValueError(f"d_model must be a positive multiple of heads ({heads}), got {d_model}")
         if not 0 <= dropout < 1:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        if not (lr > 0 and math.isfinite(lr)):
-            raise ValueError(f"lr must be a finite number > 0, got {lr}")
-        if weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        if sentences < 1:
-            raise ValueError(f"sentences must be >= 1, got {sentences}")
+        check_positive(lr=lr)
+        check_at_least(0, weight_decay=weight_decay)
+        check_at_least(1, sentences=sentences)
         self.batch_size, self.context, self.d_model, self.layers, self.heads = (
             batch_size,
             context,
@@ -162,8 +138,13 @@ class TransformerLMTraining(PartitionedTraining):
             context=self.context, d_model=self.d_model, layers=self.layers, heads=self.heads, dropout=self.dropout
         ).to(self.device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
-        data = _Windows(
-            self._text(), batch_size=self.batch_size, context=self.context, seed=self.seed, device=self.device
+        data = TokenWindows(
+            self._text()[:-1],  # the last byte is in no window: a seed's batches depend on the length
+            batch_size=self.batch_size,
+            context=self.context,
+            seed=self.seed,
+            stream=12,
+            device=self.device,
         )
         return TrainingParts(model, optimizer, _loss, data)
 

@@ -20,6 +20,7 @@ without one, from ``fit_steps`` training steps taken as their first steps.
 from __future__ import annotations
 
 from freeride.sidetasks._vision_inference import VisionInference
+from freeride.sidetasks._vision_options import VisionOptions
 from freeride.sidetasks._vision_training import VisionTraining
 
 __all__ = [
@@ -32,6 +33,14 @@ __all__ = [
 ]
 
 
+class _VGG19(VisionOptions):
+    """VGG-19's settings, shared by its training and inference tasks."""
+
+    arch = "vgg19"
+    default_lr = 0.002  # without batch norm, 0.01 makes the loss spike at batch size 8
+    min_image_size = 32
+
+
 class ResNet18Training(VisionTraining):
     __doc__ = "ResNet-18 training.\n\n" + (VisionTraining.__doc__ or "")
     arch = "resnet18"
@@ -42,11 +51,8 @@ class ResNet50Training(VisionTraining):
     arch = "resnet50"
 
 
-class VGG19Training(VisionTraining):
+class VGG19Training(_VGG19, VisionTraining):
     __doc__ = "VGG-19 training. Without batch norm it learns slowly at first.\n\n" + (VisionTraining.__doc__ or "")
-    arch = "vgg19"
-    default_lr = 0.002  # without batch norm, 0.01 makes the loss spike at batch size 8
-    min_image_size = 32
 
 
 class ResNet18Inference(VisionInference):
@@ -59,8 +65,5 @@ class ResNet50Inference(VisionInference):
     arch = "resnet50"
 
 
-class VGG19Inference(VisionInference):
+class VGG19Inference(_VGG19, VisionInference):
     __doc__ = "VGG-19 batch inference.\n\n" + (VisionInference.__doc__ or "")
-    arch = "vgg19"
-    default_lr = 0.002  # without batch norm, 0.01 makes the loss spike at batch size 8
-    min_image_size = 32

@@ -29,7 +29,7 @@ and ``autocast_dtype`` runs the forward pieces under ``torch.autocast``;
 too (see :mod:`freeride.partition.evaluation`).
 """
 
-from freeride.partition._common import DEFAULT_TARGET_MS, piece_target_s
+from freeride.partition._common import DEFAULT_TARGET_MS, capture_rng, piece_target_s, restore_rng
 from freeride.partition.inference import InferenceParts, PartitionedInference
 from freeride.partition.training import PartitionedTraining, TrainingParts
 
@@ -39,5 +39,7 @@ __all__ = [
     "PartitionedInference",
     "PartitionedTraining",
     "TrainingParts",
+    "capture_rng",
     "piece_target_s",
+    "restore_rng",
 ]

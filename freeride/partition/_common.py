@@ -63,6 +63,7 @@ def to_device(value: Any, device: torch.device) -> Any:
 
 
 def capture_rng(device: torch.device) -> dict[str, torch.Tensor]:
+    """The process RNG state for the CPU and, on CUDA, for ``device`` (to keep in a checkpoint)."""
     rng = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
@@ -70,6 +71,7 @@ def capture_rng(device: torch.device) -> dict[str, torch.Tensor]:
 
 
 def restore_rng(rng: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Undo :func:`capture_rng` (the CUDA part only on a CUDA device)."""
     torch.set_rng_state(rng["cpu"])
     if device.type == "cuda" and "cuda" in rng:
         torch.cuda.set_rng_state(rng["cuda"], device)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from _torchfix import deterministic_one_thread  # noqa: F401 - autouse fixture
 
+from freeride.partition import _common as common_module
 from freeride.partition import plan as plan_module
-from freeride.partition import training as training_module
 from freeride.sidetask import TaskContext, run_alone
 from freeride.sidetasks._imageio import write_pnm
 from freeride.sidetasks.vision import ResNet18Inference, ResNet18Training, VGG19Training
@@ -63,7 +63,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], Path
         with pytest.MonkeyPatch.context() as mp:
             counter = lambda device: itertools.count(0.0, 1e-4).__next__  # noqa: E731
             mp.setattr(plan_module, "timer", counter)  # the plan's timings
-            mp.setattr(training_module, "timer", counter)  # the drift that regroups it
+            mp.setattr(common_module, "timer", counter)  # the drift that regroups it
             path = tmp_path_factory.mktemp("vision")
             task = ResNet18Training(**SMALL)
             losses = asyncio.run(_losses(task, 30, _ctx(path)))
