@@ -13,7 +13,8 @@ profiled device, and runs the job as :func:`plan` lays out:
 
 After each run with side tasks it reads the manager's status, so a pair whose
 side tasks did no steps or finished is flagged rather than counted. The
-markdown section comes from :mod:`_bench_report`.
+markdown section comes from :mod:`_bench_report`. :func:`bench_schedules` is the
+``main`` of a benchmark that runs one training script under several schedules.
 
 The harness's parts live beside it, each with one job: :mod:`_bench_tasks`
 (the job and its side tasks), :mod:`_bench_options` (how many runs of what,
@@ -26,13 +27,14 @@ the benchmark scripts import from here.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 # tools/bench is the script's directory: the harness's parts import by their bare names
@@ -51,7 +53,7 @@ from _bench_options import (
     plan,
 )
 from _bench_report import RunKind, RunResult, Section, render
-from _bench_tasks import TASK_DEFAULTS, Job, SideTask, add_side_task_args, side_task, side_tasks
+from _bench_tasks import ROOT, TASK_DEFAULTS, Job, SideTask, add_side_task_args, side_task, side_tasks
 
 from freeride import protocol as p
 from freeride.host.procs import descendants, process_cpu_ns
@@ -76,6 +78,7 @@ __all__ = [
     "side_tasks",
     "bench",
     "bench_options",
+    "bench_schedules",
     "bench_parser",
     "parse_bench_args",
     "parse_schedules",
@@ -275,3 +278,49 @@ def bench(
             print(f"runtime dir kept: {runtime}", file=sys.stderr)
         else:
             shutil.rmtree(runtime, ignore_errors=True)
+
+
+def bench_schedules(
+    run: Callable[..., str],
+    argv: Sequence[str] | None,
+    *,
+    doc: str | None,
+    bench_script: str,
+    framework: str,
+    train_script: str,
+    schedule_args: Mapping[str, tuple[str, ...]],
+    default: str,
+) -> int:
+    """The ``main`` of a benchmark that runs ``tools/train/<train_script>`` under each schedule it is given.
+
+    Args:
+        run: benchmarks one job and returns its section, called as :func:`bench` is; the script passes the
+            ``bench`` it imports, so that a stand-in put in the script's namespace serves instead.
+        argv: the benchmark's arguments (``sys.argv[1:]`` if None); those after ``--`` go to the training script.
+        doc: the benchmark's description (its ``--help``).
+        bench_script: the benchmark's file name in tools/bench, for the command line its report shows.
+        framework: the framework's name in the report's headings.
+        train_script: the training script's file name in tools/train.
+        schedule_args: ``--schedules`` names -> the training script's flags that select each.
+        default: the ``--schedules`` default (comma-separated).
+
+    Returns:
+        0, once the report (markdown, one section per schedule) is printed; a bad option exits as a usage error.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = bench_parser(doc, steps=25)
+    ap.add_argument("--schedules", default=default, help=f"comma-separated, among: {', '.join(schedule_args)}")
+    ap.add_argument("train_args", nargs="*", help=f"after --: arguments for tools/train/{train_script}")
+    ns, task, options = parse_bench_args(ap, argv)
+    schedules = parse_schedules(ap, ns.schedules, schedule_args)
+    command = shlex.join(["python", f"tools/bench/{bench_script}", *argv])
+    sections = [f"## {framework}: training with side tasks in its bubbles"]
+    for schedule in schedules:
+        job = Job(
+            title=f"### {framework} {schedule}: training with side tasks in its bubbles",
+            script=ROOT / "tools" / "train" / train_script,
+            args=(*schedule_args[schedule], *ns.train_args),
+        )
+        sections.append(run(job, task, options, command=command))
+    print("\n\n".join(sections))
+    return 0

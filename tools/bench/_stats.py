@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from freeride.observe.stats import median_interval, pairs_needed
+from freeride.observe.stats import MedianInterval, median_interval, pairs_needed
 
 __all__ = [
     "GOAL",
@@ -46,32 +46,16 @@ Verdict = Literal["below", "above", "straddles"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Estimate:
-    """The median of some values and a distribution-free confidence interval of that median."""
+class Estimate(MedianInterval):
+    """The median of some values and a distribution-free confidence interval of that median.
 
-    median: float
-    low: float
-    """Lower end of the interval."""
-    high: float
-    """Upper end of the interval."""
-    n: int
-    """Values behind it."""
+    A :class:`freeride.observe.stats.MedianInterval` (its fields and checks) that also keeps the
+    confidence asked for: ``coverage`` is at least ``confidence``, unless ``n`` is too small for it
+    (then the interval is the whole range of the values and ``coverage`` is what that range covers).
+    """
+
     confidence: float = 0.95
     """The coverage asked for."""
-    coverage: float
-    """The interval's guaranteed coverage: at least ``confidence``, unless ``n`` is too small for it (then the
-    interval is the whole range of the values and this is what that range covers)."""
-
-    def __post_init__(self) -> None:
-        if not self.low <= self.median <= self.high:
-            raise ValueError(f"interval [{self.low}, {self.high}] must contain the median {self.median}")
-        if not 0 <= self.coverage <= 1:
-            raise ValueError(f"coverage must be in [0, 1], got {self.coverage}")
-
-    @property
-    def half_width(self) -> float:
-        """Half the interval's width: how finely these values resolve a difference."""
-        return (self.high - self.low) / 2
 
 
 def paired_slowdown(pairs: Sequence[tuple[float, float]], *, confidence: float = 0.95) -> Estimate:

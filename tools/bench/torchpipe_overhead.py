@@ -10,21 +10,12 @@ one iterative side task per stage in its bubbles::
 
 from __future__ import annotations
 
-import shlex
 import sys
-from pathlib import Path
 
-from _pipeline_bench import (  # tools/bench is the script's directory
-    Job,
-    bench,
-    bench_parser,
-    parse_bench_args,
-    parse_schedules,
-)
+from _pipeline_bench import bench, bench_schedules  # tools/bench is the script's directory
 
 __all__ = ["SCHEDULE_ARGS", "main"]
 
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "train" / "torchpipe_gpt.py"
 SCHEDULE_ARGS = {
     "1f1b": ("--schedule", "1f1b"),
     "gpipe": ("--schedule", "gpipe"),
@@ -39,25 +30,16 @@ DEFAULT_SCHEDULES = "1f1b,interleaved,zbv"
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ap = bench_parser(__doc__, steps=25)
-    ap.add_argument(
-        "--schedules", default=DEFAULT_SCHEDULES, help=f"comma-separated, among: {', '.join(SCHEDULE_ARGS)}"
+    return bench_schedules(
+        bench,
+        argv,
+        doc=__doc__,
+        bench_script="torchpipe_overhead.py",
+        framework="torch.distributed.pipelining",
+        train_script="torchpipe_gpt.py",
+        schedule_args=SCHEDULE_ARGS,
+        default=DEFAULT_SCHEDULES,
     )
-    ap.add_argument("train_args", nargs="*", help="after --: arguments for tools/train/torchpipe_gpt.py")
-    ns, task, options = parse_bench_args(ap, argv)
-    schedules = parse_schedules(ap, ns.schedules, SCHEDULE_ARGS)
-    command = shlex.join(["python", "tools/bench/torchpipe_overhead.py", *argv])
-    sections = ["## torch.distributed.pipelining: training with side tasks in its bubbles"]
-    for schedule in schedules:
-        job = Job(
-            title=f"### torch.distributed.pipelining {schedule}: training with side tasks in its bubbles",
-            script=SCRIPT,
-            args=(*SCHEDULE_ARGS[schedule], *ns.train_args),
-        )
-        sections.append(bench(job, task, options, command=command))
-    print("\n\n".join(sections))
-    return 0
 
 
 if __name__ == "__main__":

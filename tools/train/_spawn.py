@@ -3,7 +3,9 @@
 ``run_ranks(train, args, world)`` starts ``world`` processes with the
 environment ``torch.distributed`` reads (RANK, WORLD_SIZE, MASTER_ADDR/PORT...),
 calls ``train(args)`` in each, and stops the others as soon as one fails (they
-would wait for it forever).
+would wait for it forever). ``run_script(train, args, name=...)`` is a script's
+``main``: ``train(args)`` in this process when a launcher started it, else in
+``args.spawn`` ranks.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["run_ranks"]
+from _args import CommonArgs  # tools/train is the scripts' directory
+
+__all__ = ["run_ranks", "run_script"]
 
 A = TypeVar("A")
+C = TypeVar("C", bound=CommonArgs)
 
 
 def _free_port() -> int:
@@ -61,3 +66,11 @@ def run_ranks(train: Callable[[A], None], args: A, world: int, *, name: str) -> 
                 for other in live:
                     other.terminate()
     return code
+
+
+def run_script(train: Callable[[C], None], args: C, *, name: str) -> int:
+    """Run ``train(args)`` as the rank a launcher started, or in ``args.spawn`` ranks started here; the exit code."""
+    if not args.spawn:
+        train(args)
+        return 0
+    return run_ranks(train, args, args.spawn, name=name)

@@ -26,21 +26,20 @@ the pipeline's bubbles are then deterministic, for tests.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import statistics
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from _args import CommonArgs, add_common_args  # tools/train is the script's directory
-from _layers import Block, SleepBlock
-from _spawn import run_ranks
+from _layers import Block, SleepBlock, arithmetic_batch
+from _rank import done_record, emit, jsonl_file, pin_cpu, rank_env
+from _spawn import run_script
 from torch import nn
 
 __all__ = ["Block", "Embed", "Head", "SleepBlock", "TrainArgs", "main", "parse_args"]
@@ -142,12 +141,8 @@ def _batches(args: TrainArgs) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     stage's labels belong together.
     """
     gen = torch.Generator().manual_seed(args.seed)
-    steps = torch.arange(args.seq + 1)
     while True:
-        start = torch.randint(0, args.vocab, (args.micro_batch_size, 1), generator=gen)
-        stride = torch.randint(1, 8, (args.micro_batch_size, 1), generator=gen)
-        seqs = (start + stride * steps) % args.vocab
-        yield seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+        yield arithmetic_batch(args, gen, args.micro_batch_size)
 
 
 # --------------------------------------------------------------------------
@@ -158,12 +153,6 @@ def _batches(args: TrainArgs) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
 def _seed_layer(seed: Any) -> None:
     # DeepSpeed's default seeds `random` too, which rejects the numpy ints its balanced partitioning yields.
     torch.manual_seed(int(seed))
-
-
-def _pin_cpu(rank: int) -> None:
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[rank % len(cores)]})
-    torch.set_num_threads(1)
 
 
 class _CommClock:
@@ -228,22 +217,12 @@ class _TimedWork:
         return getattr(self._work, name)
 
 
-def _emit(record: dict[str, Any], out: TextIO | None) -> None:
-    line = json.dumps(record)
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-    if out is not None:
-        out.write(line + "\n")
-        out.flush()
-
-
 def train(args: TrainArgs) -> None:
     """Run ``args.steps`` training steps as the rank the environment describes."""
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    rank, local_rank, _ = rank_env()
     if args.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        _pin_cpu(local_rank)
+        pin_cpu(local_rank)
     import deepspeed
     from deepspeed.pipe import DualPipeVModule, LayerSpec, PipelineModule
 
@@ -287,31 +266,28 @@ def train(args: TrainArgs) -> None:
 
         handle = freeride.backends.deepspeed.attach(engine)
     data = _batches(args)
-    out = open(args.jsonl.format(rank=rank), "a", encoding="utf-8") if args.jsonl else None  # noqa: SIM115
     try:
-        times: list[float] = []
-        for step in range(args.steps):
-            t0, cpu0 = time.perf_counter(), time.process_time_ns()
-            loss = engine.train_batch(data_iter=data)
-            step_ms = (time.perf_counter() - t0) * 1e3
-            cpu_ms = (time.process_time_ns() - cpu0) / 1e6
-            times.append(step_ms)
-            record: dict[str, Any] = {
-                "rank": rank,
-                "stage": int(engine.stage_id),
-                "step": step,
-                "loss": float(loss),
-                "step_ms": round(step_ms, 3),
-                "cpu_ms": round(cpu_ms, 3),
-            }
-            if clock is not None:
-                record.update(clock.take())
-            _emit(record, out)
-        median = statistics.median(times[1:]) if len(times) > 1 else times[0]
-        _emit({"rank": rank, "done": True, "median_step_ms": round(median, 3)}, out)
+        with jsonl_file(args.jsonl, rank) as out:
+            times: list[float] = []
+            for step in range(args.steps):
+                t0, cpu0 = time.perf_counter(), time.process_time_ns()
+                loss = engine.train_batch(data_iter=data)
+                step_ms = (time.perf_counter() - t0) * 1e3
+                cpu_ms = (time.process_time_ns() - cpu0) / 1e6
+                times.append(step_ms)
+                record: dict[str, Any] = {
+                    "rank": rank,
+                    "stage": int(engine.stage_id),
+                    "step": step,
+                    "loss": float(loss),
+                    "step_ms": round(step_ms, 3),
+                    "cpu_ms": round(cpu_ms, 3),
+                }
+                if clock is not None:
+                    record.update(clock.take())
+                emit(record, out)
+            emit(done_record(rank, times), out)
     finally:
-        if out is not None:
-            out.close()
         if handle is not None:
             handle.close()
     torch.distributed.barrier()
@@ -319,11 +295,7 @@ def train(args: TrainArgs) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if not args.spawn:
-        train(args)
-        return 0
-    return run_ranks(train, args, args.spawn, name="deepspeed")
+    return run_script(train, parse_args(argv), name="deepspeed")
 
 
 if __name__ == "__main__":

@@ -32,23 +32,20 @@ its one-line ``attach()``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import statistics
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from _args import CommonArgs, add_common_args  # tools/train is the script's directory
-from _layers import Block, SleepBlock
-from _spawn import run_ranks
-from torch import nn
+from _layers import GPTSlice, arithmetic_batch
+from _rank import done_record, emit, jsonl_file, rank_device, rank_env, recv_fields
+from _spawn import run_script
 
 __all__ = ["Chunk", "RecvTimers", "TrainArgs", "main", "parse_args"]
 
@@ -124,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
 # --------------------------------------------------------------------------
 
 
-class Chunk(nn.Module):
+class Chunk(GPTSlice):
     """One virtual pipeline stage, in the form megatron's schedules drive.
 
     The first virtual stage embeds tokens, the last one ends in the LM head;
@@ -135,24 +132,10 @@ class Chunk(nn.Module):
     def __init__(self, args: TrainArgs, config: Any, *, first: bool, last: bool, blocks: int) -> None:
         from megatron.core.enums import ModelType
 
-        super().__init__()
+        super().__init__(args, first=first, last=last, blocks=blocks)
         self.config = config
         self.model_type = ModelType.encoder_or_decoder
-        self.first, self.last = first, last
         self.input_tensor: torch.Tensor | None = None
-        if first:
-            self.tok = nn.Embedding(args.vocab, args.hidden)
-            self.pos = nn.Embedding(args.seq, args.hidden)
-        layers: list[nn.Module] = []
-        for _ in range(blocks):
-            if args.compute == "sleep":
-                layers.append(SleepBlock(args.hidden, args.sleep_forward_ms, args.sleep_backward_ms))
-            else:
-                layers.append(Block(args.hidden, args.heads))
-        self.blocks = nn.Sequential(*layers)
-        if last:
-            self.ln = nn.LayerNorm(args.hidden)
-            self.head = nn.Linear(args.hidden, args.vocab)
 
     def set_input_tensor(self, tensors: list[torch.Tensor | None] | torch.Tensor | None) -> None:
         self.input_tensor = tensors[0] if isinstance(tensors, list) else tensors
@@ -160,15 +143,14 @@ class Chunk(nn.Module):
     def forward(self, tokens: torch.Tensor | None) -> torch.Tensor:
         if self.first:
             assert tokens is not None
-            x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+            x = self.embed(tokens)
         else:
             assert self.input_tensor is not None
             x = self.input_tensor.transpose(0, 1)
         x = self.blocks(x)
         assert isinstance(x, torch.Tensor)
         if self.last:
-            logits: torch.Tensor = self.head(self.ln(x))
-            return logits
+            return self.logits(x)
         return x.transpose(0, 1).contiguous()
 
 
@@ -191,12 +173,9 @@ def _batches(
     virtual stage's inputs and the last one's labels belong together.
     """
     gen = torch.Generator().manual_seed(args.seed if seed is None else seed)
-    steps = torch.arange(args.seq + 1)
     while True:
-        start = torch.randint(0, args.vocab, (args.micro_batch_size, 1), generator=gen)
-        stride = torch.randint(1, 8, (args.micro_batch_size, 1), generator=gen)
-        seqs = (start + stride * steps) % args.vocab
-        yield seqs[:, :-1].contiguous().to(device), seqs[:, 1:].contiguous().to(device)
+        tokens, labels = arithmetic_batch(args, gen, args.micro_batch_size)
+        yield tokens.to(device), labels.to(device)
 
 
 # --------------------------------------------------------------------------
@@ -257,21 +236,6 @@ class GradNormFinalize:
         self.timed.append((t0, time.monotonic_ns() - t0))
 
 
-def _pin_cpu(rank: int) -> None:
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[rank % len(cores)]})
-    torch.set_num_threads(1)
-
-
-def _emit(record: dict[str, Any], out: TextIO | None) -> None:
-    line = json.dumps(record)
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), (line + "\n").encode())  # one write: ranks share the pipe
-    if out is not None:
-        out.write(line + "\n")
-        out.flush()
-
-
 def _build(args: TrainArgs, world: int, stage: int, device: torch.device) -> tuple[list[Chunk], Any]:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -300,15 +264,8 @@ def _build(args: TrainArgs, world: int, stage: int, device: torch.device) -> tup
 
 def train(args: TrainArgs) -> None:
     """Run ``args.steps`` training steps as the rank the environment describes."""
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.device == "cpu":
-        _pin_cpu(local_rank)
-        device = torch.device("cpu")
-    else:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+    rank, local_rank, world = rank_env()
+    device = rank_device(args, local_rank)
     logging.basicConfig(level=args.log_level)
     torch.distributed.init_process_group("gloo" if args.device == "cpu" else "nccl")
     from megatron.core import parallel_state
@@ -340,50 +297,62 @@ def train(args: TrainArgs) -> None:
     forward_backward = get_forward_backward_func()
     data = [_batches(args, device) for _ in model]
     held_out = [_batches(args, device, seed=args.seed + 1) for _ in model]
-    out = open(args.jsonl.format(rank=rank), "a", encoding="utf-8") if args.jsonl else None  # noqa: SIM115
-    try:
+    with jsonl_file(args.jsonl, rank) as out:
         times: list[float] = []
         for step in range(args.steps):
             t0, cpu0 = time.perf_counter(), time.process_time()
-            losses = forward_backward(
-                forward_step_func=_forward_step,
-                data_iterator=data if interleaved else data[0],
-                model=model if interleaved else model[0],
-                num_microbatches=args.micro_batches,
-                seq_length=args.seq,
-                micro_batch_size=args.micro_batch_size,
-            )
+            losses = _run_schedule(args, forward_backward, model, data)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step_ms = (time.perf_counter() - t0) * 1e3
             cpu_ms = (time.process_time() - cpu0) * 1e3
             times.append(step_ms)
-            loss = float(torch.stack([x["loss"] for x in losses]).mean()) if losses else None
+            loss = _mean_loss(losses)
             record: dict[str, Any] = {"rank": rank, "stage": stage, "step": step, "loss": loss}
             record["step_ms"] = round(step_ms, 3)
             record["cpu_ms"] = round(cpu_ms, 3)
             if finalize is not None:
                 record["grad_norm"] = finalize.norm
             if args.recv_timers:
-                waits = timers.take()
-                record["recv_ms"] = round(sum(d for _, d in waits) / 1e6, 3)
-                record["recv"] = waits
+                record.update(recv_fields(timers.take()))
                 if finalize is not None:
                     record["finalize"] = finalize.timed[-1]
-            _emit(record, out)
+            emit(record, out)
             if args.eval_every and (step + 1) % args.eval_every == 0:
-                _emit(_evaluate(args, forward_backward, model, held_out, timers, rank, stage, step), out)
-        median = statistics.median(times[1:]) if len(times) > 1 else times[0]
-        done: dict[str, Any] = {"rank": rank, "done": True, "median_step_ms": round(median, 3)}
+                emit(_evaluate(args, forward_backward, model, held_out, timers, rank, stage, step), out)
+        done = done_record(rank, times)
         adapter = sys.modules.get("freeride.backends.megatron.adapter")
         if adapter is not None:  # attached: how it went
             done["freeride"] = adapter.current_adapter().stats()
-        _emit(done, out)
-    finally:
-        if out is not None:
-            out.close()
+        emit(done, out)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def _run_schedule(
+    args: TrainArgs,
+    forward_backward: Any,
+    model: list[Chunk],
+    data: list[Iterator[tuple[torch.Tensor, torch.Tensor]]],
+    **flags: bool,
+) -> list[dict[str, torch.Tensor]]:
+    """One ``forward_backward_func`` call over ``args.micro_batches`` (``flags``: its own, such as
+    ``forward_only``); each micro-batch's reduced loss (last stage only, else none)."""
+    interleaved = args.schedule == "interleaved"
+    losses: list[dict[str, torch.Tensor]] = forward_backward(
+        forward_step_func=_forward_step,
+        data_iterator=data if interleaved else data[0],
+        model=model if interleaved else model[0],
+        num_microbatches=args.micro_batches,
+        seq_length=args.seq,
+        micro_batch_size=args.micro_batch_size,
+        **flags,
+    )
+    return losses
+
+
+def _mean_loss(losses: list[dict[str, torch.Tensor]]) -> float | None:
+    return float(torch.stack([x["loss"] for x in losses]).mean()) if losses else None
 
 
 def _evaluate(
@@ -397,19 +366,10 @@ def _evaluate(
     step: int,
 ) -> dict[str, Any]:
     """One forward-only call on held-out batches (as megatron's ``evaluate``): its record."""
-    interleaved = args.schedule == "interleaved"
     t0 = time.perf_counter()
     with torch.no_grad():
-        losses = forward_backward(
-            forward_step_func=_forward_step,
-            data_iterator=data if interleaved else data[0],
-            model=model if interleaved else model[0],
-            num_microbatches=args.micro_batches,
-            seq_length=args.seq,
-            micro_batch_size=args.micro_batch_size,
-            forward_only=True,
-        )
-    loss = float(torch.stack([x["loss"] for x in losses]).mean()) if losses else None
+        losses = _run_schedule(args, forward_backward, model, data, forward_only=True)
+    loss = _mean_loss(losses)
     record: dict[str, Any] = {"rank": rank, "stage": stage, "step": step, "eval": True, "loss": loss}
     record["step_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
     if args.recv_timers:
@@ -418,11 +378,7 @@ def _evaluate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if not args.spawn:
-        train(args)
-        return 0
-    return run_ranks(train, args, args.spawn, name="megatron")
+    return run_script(train, parse_args(argv), name="megatron")
 
 
 if __name__ == "__main__":

@@ -25,24 +25,21 @@ deterministic. Nothing here knows FreeRide: ``freeride launch`` attaches it.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from _args import CommonArgs, add_common_args  # tools/train is the script's directory
-from _layers import Block
-from _spawn import run_ranks
-from torch import nn
+from _layers import GPTSlice, arithmetic_batch
+from _rank import done_record, emit, jsonl_file, rank_device, rank_env, recv_fields
+from _spawn import run_script
 
-__all__ = ["SCHEDULES", "SCHEDULE_CLASSES", "SleepBlock", "StageModel", "TrainArgs", "main", "parse_args"]
+__all__ = ["SCHEDULES", "SCHEDULE_CLASSES", "StageModel", "TrainArgs", "main", "parse_args"]
 
 SCHEDULE_CLASSES = {
     "1f1b": "Schedule1F1B",
@@ -116,80 +113,26 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
 # --------------------------------------------------------------------------
 
 
-class _Sleep(torch.autograd.Function):
-    """Identity that sleeps, returning a copy: zero-bubble schedules detach the
-    input-gradient graph in place, which a view (``_layers.SleepBlock``) does not allow."""
+class StageModel(GPTSlice):
+    """One pipeline stage: embeds tokens if first, ends in the LM head if last.
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
-        ctx.backward_s = backward_s
-        time.sleep(forward_s)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        time.sleep(ctx.backward_s)
-        return grad, None, None
-
-
-_sleep: Callable[[torch.Tensor, float, float], torch.Tensor] = _Sleep.apply
-
-
-class SleepBlock(nn.Module):
-    """A residual linear layer whose forward and backward (input gradient) take a fixed time."""
-
-    def __init__(self, hidden: int, forward_ms: float, backward_ms: float) -> None:
-        super().__init__()
-        self.lin = nn.Linear(hidden, hidden)
-        self.forward_s = forward_ms / 1e3
-        self.backward_s = backward_ms / 1e3
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _sleep(x + self.lin(x), self.forward_s, self.backward_s)
-
-
-class StageModel(nn.Module):
-    """One pipeline stage: embeds tokens if first, ends in the LM head if last."""
+    Its sleeping blocks return copies: zero-bubble schedules detach the input-gradient graph in place.
+    """
 
     def __init__(self, args: TrainArgs, *, first: bool, last: bool, blocks: int) -> None:
-        super().__init__()
-        self.first, self.last = first, last
-        if first:
-            self.tok = nn.Embedding(args.vocab, args.hidden)
-            self.pos = nn.Embedding(args.seq, args.hidden)
-        layers: list[nn.Module] = []
-        for _ in range(blocks):
-            if args.compute == "sleep":
-                layers.append(SleepBlock(args.hidden, args.sleep_forward_ms, args.sleep_backward_ms))
-            else:
-                layers.append(Block(args.hidden, args.heads))
-        self.blocks = nn.Sequential(*layers)
-        if last:
-            self.ln = nn.LayerNorm(args.hidden)
-            self.head = nn.Linear(args.hidden, args.vocab)
+        super().__init__(args, first=first, last=last, blocks=blocks, copy=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
-            x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+            x = self.embed(x)
         out: torch.Tensor = self.blocks(x)
         if self.last:
-            logits: torch.Tensor = self.head(self.ln(out))
-            return logits
+            return self.logits(out)
         return out
 
 
 def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-
-def _batch(args: TrainArgs, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Arithmetic token sequences (start, stride drawn per sample): learnable next-token data."""
-    n = args.micro_batch_size * args.micro_batches
-    steps = torch.arange(args.seq + 1)
-    start = torch.randint(0, args.vocab, (n, 1), generator=gen)
-    stride = torch.randint(1, 8, (n, 1), generator=gen)
-    seqs = (start + stride * steps) % args.vocab
-    return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
 
 
 def _stage_indices(args: TrainArgs, rank: int, world: int) -> list[int]:
@@ -247,32 +190,10 @@ class RecvTimers:
         return waits
 
 
-def _pin_cpu(rank: int) -> None:
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[rank % len(cores)]})
-    torch.set_num_threads(1)
-
-
-def _emit(record: dict[str, Any], out: TextIO | None) -> None:
-    line = json.dumps(record)
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), (line + "\n").encode())  # one write: ranks share the pipe
-    if out is not None:
-        out.write(line + "\n")
-        out.flush()
-
-
 def train(args: TrainArgs) -> None:
     """Run ``args.steps`` training steps as the rank the environment describes."""
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.device == "cpu":
-        _pin_cpu(local_rank)
-        device = torch.device("cpu")
-    else:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+    rank, local_rank, world = rank_env()
+    device = rank_device(args, local_rank)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     torch.distributed.init_process_group("gloo" if args.device == "cpu" else "nccl")
     schedule, stages = _build(args, rank, world, device)
@@ -284,11 +205,10 @@ def train(args: TrainArgs) -> None:
     params = [p for s in stages for p in s.submod.parameters()]
     optimizer = torch.optim.Adam(params, lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed)
-    out = open(args.jsonl.format(rank=rank), "a", encoding="utf-8") if args.jsonl else None  # noqa: SIM115
-    try:
+    with jsonl_file(args.jsonl, rank) as out:
         times: list[float] = []
         for step in range(args.steps):
-            tokens, labels = _batch(args, gen)
+            tokens, labels = arithmetic_batch(args, gen, args.micro_batch_size * args.micro_batches)
             t0, cpu0 = time.perf_counter(), time.process_time()
             losses: list[torch.Tensor] = []
             inputs = (tokens.to(device),) if holds_first else ()
@@ -305,25 +225,15 @@ def train(args: TrainArgs) -> None:
             record["step_ms"] = round(step_ms, 3)
             record["cpu_ms"] = round((time.process_time() - cpu0) * 1e3, 3)
             if args.recv_timers:
-                waits = timers.take()
-                record["recv_ms"] = round(sum(d for _, d in waits) / 1e6, 3)
-                record["recv"] = waits
-            _emit(record, out)
-        median = statistics.median(times[1:]) if len(times) > 1 else times[0]
-        _emit({"rank": rank, "done": True, "median_step_ms": round(median, 3)}, out)
-    finally:
-        if out is not None:
-            out.close()
+                record.update(recv_fields(timers.take()))
+            emit(record, out)
+        emit(done_record(rank, times), out)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if not args.spawn:
-        train(args)
-        return 0
-    return run_ranks(train, args, args.spawn, name="torchpipe")
+    return run_script(train, parse_args(argv), name="torchpipe")
 
 
 if __name__ == "__main__":
