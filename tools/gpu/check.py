@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -189,6 +190,7 @@ def section_pipeline(config: CheckConfig, report: Report) -> str:
                 path.unlink()
             parts.append(bench(job, task, options, command="tools/gpu/check.sh"))
         alone, launched = _stats(stats)
+        shutil.rmtree(stats, ignore_errors=True)
         f_alone, f_with = _median(alone, "forward_ms"), _median(launched, "forward_ms")
         b_alone, b_with = _median(alone, "backward_ms"), _median(launched, "backward_ms")
         timing = str(launched[0]["timing"]) if launched else "?"
@@ -300,6 +302,7 @@ def section_mps(config: CheckConfig, report: Report) -> str:
             import asyncio
 
             asyncio.run(daemon.quit())
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _start_mps(tmp: Path) -> tuple[MpsDaemon | None, str]:
@@ -322,7 +325,6 @@ def _mps_missing(config: CheckConfig, report: Report) -> str:
         return ""
     if report.mps_missing is None:
         import asyncio
-        import shutil
 
         tmp = Path(tempfile.mkdtemp(prefix="frmps-"))
         daemon, report.mps_missing = _start_mps(tmp)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -129,7 +130,12 @@ class Stage:
         ]
         self.plan = StepPlan(schedule=one_f_one_b(args.stages, args.microbatches), stage=args.stage, merge_tail=False)
         self.launched = bool(os.environ.get(ENV_EVENTS))
-        endpoint = os.environ.get(ENV_EVENTS) or Endpoints.ipc(Path(tempfile.mkdtemp(prefix="frstage-"))).events
+        self._own_dir: Path | None = None
+        """The run's own socket dir when no launcher gave an endpoint (removed at close)."""
+        endpoint = os.environ.get(ENV_EVENTS)
+        if not endpoint:
+            self._own_dir = Path(tempfile.mkdtemp(prefix="frstage-"))
+            endpoint = Endpoints.ipc(self._own_dir).events
         self.session = BackendSession(
             BackendConfig(
                 endpoint=endpoint,
@@ -257,6 +263,8 @@ class Stage:
 
     def close(self) -> None:
         (self.session if self.timeline is None else self.timeline).close()
+        if self._own_dir is not None:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
 
 
 def _order(plan: StepPlan) -> Callable[[tuple[Action | None, float]], int]:
