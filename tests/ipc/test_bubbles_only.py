@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+from _quiet import OtherWork, require_quiet
 from conftest import wait_until
 
 from freeride import protocol as p
@@ -49,6 +50,7 @@ async def test_side_task_steps_fit_inside_bubbles(manager: Manager, tmp_path: Pa
         assert isinstance(reply, p.Submitted) and reply.device == device
     await wait_until(lambda: all(t.state == "running" for t in manager.tasks.values()), 60, "tasks set up")
 
+    load = OtherWork()
     sim = SimPipeline(sim_config).start()
     try:
         stages = await asyncio.to_thread(sim.join, 120)
@@ -58,23 +60,26 @@ async def test_side_task_steps_fit_inside_bubbles(manager: Manager, tmp_path: Pa
     for task in list(manager.tasks.values()):
         assert isinstance(await manager.cancel(task.task_id), p.Cancelled)
 
+    other = load.share()
     margin = manager.config.margin_ns
+    precise: list[tuple[str, list[float], int, int]] = []
+    """Per device: how late each step started past its fit check, the manager's used time, the task's own."""
     for result in stages:
         device = sim_config.device(result.stage)
         windows = [(start, start + expected) for _, _, start, expected, _ in result.announced]
         log = json.loads(logs[device].read_text())
         intervals, cpu = log["intervals"], log["cpu"]
         assert len(intervals) > 20, f"{device}: side task barely ran ({len(intervals)} steps)"
+        lates: list[float] = []
         for s, _end in intervals:
             inside = [w for w in windows if w[0] <= s < w[1]]
             assert inside, f"{device}: a step started at {s} outside every bubble"
             # the step belongs to the bubble in progress: the latest to start (a bubble that
             # ended early can still be open by its expectation when the next one starts)
-            begin, expected_end = inside[-1]
+            expected_end = inside[-1][1]
             # a step starts only if its estimate (>= STEP_MS) plus the margin fits before the expected
             # end; the worker (nice 19, sharing its core) can be preempted between that check and the step
-            late_us = (s + STEP_MS * MS + margin - expected_end) / 1e3
-            assert late_us <= SLACK_US, f"{device}: step at {(s - begin) / MS:.2f} ms started {late_us:.0f} us too late"
+            lates.append((s + STEP_MS * MS + margin - expected_end) / 1e3)
         device_status = next(d for d in manager.status().devices if d.device == device)
         # events sent before the rank's connection is up are dropped, and counted; a bubble published before
         # the manager's subscription reached the rank's publisher goes to nobody (decision D50): the first one
@@ -89,5 +94,12 @@ async def test_side_task_steps_fit_inside_bubbles(manager: Manager, tmp_path: Pa
             own = [w for w in measured if w[0] <= s]
             if own and e > s:
                 logged_ns += round(step_cpu * max(0, min(e, own[-1][1]) - s) / (e - s))
-        assert device_status.used_ns == pytest.approx(logged_ns, rel=0.15), (device_status.used_ns, logged_ns)
         assert device_status.used_ns <= device_status.bubble_ns
+        precise.append((device, lates, device_status.used_ns, logged_ns))
+    # the two timing checks: a worker preempted between its fit check and its step, and the manager
+    # reading the task's CPU clock when it handles a bubble's end, are late by what other work takes
+    require_quiet(other, "the simulated pipeline with side tasks")
+    for device, lates, used_ns, logged_ns in precise:
+        late_us = max(lates)
+        assert late_us <= SLACK_US, f"{device}: a step started {late_us:.0f} us too late"
+        assert used_ns == pytest.approx(logged_ns, rel=0.15), (device, used_ns, logged_ns)

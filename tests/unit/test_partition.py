@@ -249,6 +249,9 @@ def test_kinds_name_the_pieces_and_each_has_a_cost() -> None:
 def test_steps_run_in_halves_where_the_whole_does_not_fit_give_the_plain_result(
     case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # a fixed timer (each reading 0.1 ms after the last): steps of two atoms under the 0.2 ms target on any
+    # machine; measured, a slow or busy machine's atoms each exceed it and no step has two to halve
+    monkeypatch.setattr(plan_module, "timer", lambda device: itertools.count(0.0, 1e-4).__next__)
     task = _started(case, target_ms=0.2)
     # the kinds below are the plan's: a regroup on measured drift (this machine's speed) would rename them
     monkeypatch.setattr(task, "_maybe_regroup", lambda: None)
