@@ -98,7 +98,6 @@ class RankAdapter:
         if self.mode == "profile" and self.profile_dir is None:
             logger.warning("[attach] profile mode without a profile dir: observations are not written")
         self.place = place
-        self.device = place.device
         self.spare_memory, self.device_memory = device_memory(place.device_type, place.device_index)
         if session is None:
             config = BackendConfig(
@@ -131,6 +130,11 @@ class RankAdapter:
         self.closed = False
         self._clock = clock
         self._last_event_ns = clock()
+
+    @property
+    def device(self) -> str:
+        """FreeRide's name of the rank's device (``cuda:0``, ``cpu:3``)."""
+        return self.place.device
 
     def _heartbeat_if_quiet(self) -> None:
         """Say the rank is alive when nothing went out for :data:`HEARTBEAT_NS`."""

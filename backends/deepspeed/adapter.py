@@ -213,7 +213,7 @@ class DeepSpeedAdapter(RankAdapter):
         super()._step_finished(record)
         done = self.tracker.steps_done
         if done <= 2 or done % _SPARE_MEMORY_EVERY == 0:
-            self.spare_memory, _ = device_memory(self.facts.device_type, self.facts.device_index)
+            self.spare_memory, _ = device_memory(self.place.device_type, self.place.device_index)
 
     # ---------------------------------------------------------- instructions
 

@@ -151,7 +151,7 @@ def patch(
         )
     if is_patched(schedules):
         return
-    if not any(version.startswith(v + ".") or version == v for v in CHECKED_VERSIONS):
+    if release(version) not in map(release, CHECKED_VERSIONS):
         logger.warning("[attach] torch %s was not checked (checked: %s); attaching anyway", version, CHECKED_VERSIONS)
     for cls_name in ("PipelineScheduleSingle", "PipelineScheduleMulti"):
         cls = getattr(schedules, cls_name)
