@@ -107,8 +107,8 @@ def _wrap_sync(original: Callable[..., Any]) -> Callable[..., Any]:
 def on_import(module: ModuleType) -> None:
     """Import hook for ``torch.distributed.pipelining.schedules``: watch every schedule's steps.
 
-    Never raises: on any problem (this torch lacks a name the backend needs) it
-    logs why and leaves torch as it was.
+    Never raises: on any problem (this torch is too old, or lacks a name the
+    backend needs) it logs why, in one line, and leaves torch as it was.
     """
     try:
         stage = importlib.import_module(_compat.STAGE_MODULE)
@@ -121,6 +121,8 @@ def on_import(module: ModuleType) -> None:
             compute=_wrap_compute,
             sync=_wrap_sync,
         )
+    except RuntimeError as exc:  # this torch is not one the backend can hook: said without a traceback
+        logger.warning("[attach] cannot patch %s: %s; training continues without FreeRide", module.__name__, exc)
     except Exception:
         logger.exception("[attach] cannot patch %s; training continues without FreeRide", module.__name__)
 
