@@ -92,6 +92,18 @@ def freeride_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "freeride.cli", *args]
 
 
+def as_from_a_terminal(cmd: Sequence[str]) -> list[str]:
+    """``cmd`` started with SIGINT at its default, as from a terminal, so that SIGINT stops it.
+
+    Where the suite runs with SIGINT ignored (started in the background by a shell without
+    job control), every child inherits that, and Python then raises no KeyboardInterrupt.
+    """
+    restore = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    return [sys.executable, "-c", restore, *cmd]
+
+
 def status(runtime_dir: Path, timeout_s: float = 5.0) -> p.StatusReply:
     with ControlClient(Endpoints.ipc(runtime_dir).control, timeout_s=timeout_s) as client:
         reply = client.request(p.StatusRequest())

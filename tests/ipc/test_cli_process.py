@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import as_from_a_terminal
 
 FREERIDE = [sys.executable, "-m", "freeride"]
 
@@ -137,15 +138,10 @@ def test_ctrl_c_in_the_demo_stops_it_without_a_traceback(after_s: float) -> None
     stages and workers are still starting, and once its job trains.
 
     The demo starts with SIGINT at its default, as from a terminal, even where this test
-    runs with it ignored (a suite started in the background by a shell without job
-    control): an ignored SIGINT is inherited, and Python then raises no KeyboardInterrupt.
+    runs with it ignored.
     """
-    as_from_a_terminal = (
-        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-        "os.execv(sys.executable, [sys.executable, '-m', 'freeride', 'demo', '--steps', '400'])"
-    )
     with subprocess.Popen(
-        [sys.executable, "-c", as_from_a_terminal],
+        as_from_a_terminal([sys.executable, "-m", "freeride", "demo", "--steps", "400"]),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

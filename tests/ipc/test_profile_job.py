@@ -12,7 +12,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from conftest import freeride_cmd, poll, serving, status
+from conftest import as_from_a_terminal, freeride_cmd, poll, serving, status
 
 from freeride.profile import load_profile
 
@@ -73,7 +73,9 @@ def test_status_names_a_job_without_bubbles_and_why_tasks_wait(runtime_dir: Path
             "submit", "--runtime-dir", str(runtime_dir), "--wait", "0", "pagerank", "--opt", "nodes=500"
         )
         subprocess.run(submit, check=True, capture_output=True, timeout=60)
-        job = subprocess.Popen(_sim(runtime_dir, "--stages", "1", "--steps", "3000"), stderr=subprocess.PIPE, text=True)
+        job = subprocess.Popen(  # stopped by SIGINT below, as Ctrl-C would
+            as_from_a_terminal(_sim(runtime_dir, "--stages", "1", "--steps", "3000")), stderr=subprocess.PIPE, text=True
+        )
         try:
             poll(lambda: any(d.no_bubbles for d in status(runtime_dir).devices), 60, "the device's no-bubble reason")
             reply = status(runtime_dir)
