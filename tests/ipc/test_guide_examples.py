@@ -19,6 +19,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from _quiet import OtherWork, require_quiet
 from conftest import wait_until
 
 from freeride.backends.sim import SimConfig, SimPipeline
@@ -123,8 +124,17 @@ async def test_pi_and_a_packing_filler_submitted_by_file_path_share_a_stages_bub
         )
         filler = await submit(runtime_dir, "docs/examples/packing_task.py:SumOfSquares", "--fill", "--device", device)
         tasks = manager.tasks[pi], manager.tasks[filler]
-        # the filler only gets what pi leaves of a bubble (its tail): a few steps show it packs beside pi
-        await wait_until(lambda: tasks[0].steps >= 20 and tasks[1].steps >= 5, 180, "both tasks to step in bubbles")
+        # The filler only gets what pi leaves of a bubble (its tail): a few steps show it packs beside pi.
+        # Where other work takes the cores, pi's steps wait for a core past the bubbles' ends and leave
+        # no tail (one busy loop beside the test: 1-4 filler steps in 40 s, 1 run in 4): skipped, saying so.
+        other = OtherWork()
+        try:
+            await wait_until(lambda: tasks[0].steps >= 20 and tasks[1].steps >= 5, 90, "both tasks to step in bubbles")
+        except AssertionError as exc:
+            require_quiet(other.share(), "a filler in the tails of pi's bubbles")
+            margin = manager.schedulers[device].guard.margin_ns
+            seen = [(t.state, t.steps, t.estimate_ns, t.packs, t.error) for t in tasks]
+            raise AssertionError(f"{exc}: (state, steps, estimate, packs, error) {seen}, margin {margin} ns") from None
         await wait_until(lambda: "pi" in tasks[0].metrics, 60, "pi's metric in status")
     assert tasks[1].spec.fill and not tasks[0].spec.fill
     assert abs(tasks[0].metrics["pi"] - 3.14159) < 0.1
