@@ -72,13 +72,15 @@ async def test_side_task_steps_fit_inside_bubbles(manager: Manager, tmp_path: Pa
         assert len(intervals) > 20, f"{device}: side task barely ran ({len(intervals)} steps)"
         lates: list[float] = []
         for s, _end in intervals:
-            inside = [w for w in windows if w[0] <= s < w[1]]
-            assert inside, f"{device}: a step started at {s} outside every bubble"
+            started = [w for w in windows if w[0] <= s]
+            assert started, f"{device}: a step started at {s}, before the first bubble"
             # the step belongs to the bubble in progress: the latest to start (a bubble that
             # ended early can still be open by its expectation when the next one starts)
-            expected_end = inside[-1][1]
+            expected_end = started[-1][1]
             # a step starts only if its estimate (>= STEP_MS) plus the margin fits before the expected
-            # end; the worker (nice 19, sharing its core) can be preempted between that check and the step
+            # end; the worker (nice 19, sharing its core) can be preempted between that check and the
+            # step, past the bubble's expected end where other work takes the cores (one busy loop
+            # beside the suite: a step started outside every bubble): lateness, checked on quiet cores
             lates.append((s + STEP_MS * MS + margin - expected_end) / 1e3)
         device_status = next(d for d in manager.status().devices if d.device == device)
         # events sent before the rank's connection is up are dropped, and counted; a bubble published before

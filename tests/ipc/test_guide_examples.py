@@ -126,7 +126,7 @@ async def test_pi_and_a_packing_filler_submitted_by_file_path_share_a_stages_bub
         tasks = manager.tasks[pi], manager.tasks[filler]
         # The filler only gets what pi leaves of a bubble (its tail): a few steps show it packs beside pi.
         # Where other work takes the cores, pi's steps wait for a core past the bubbles' ends and leave
-        # no tail (one busy loop beside the test: 1-4 filler steps in 40 s, 1 run in 4): skipped, saying so.
+        # no tail (one busy loop beside the test: 1 filler step in 180 s, 4 in 40 s): skipped, saying so.
         other = OtherWork()
         try:
             await wait_until(lambda: tasks[0].steps >= 20 and tasks[1].steps >= 5, 90, "both tasks to step in bubbles")
