@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import freeride_cmd, poll, status, wait_until
@@ -84,9 +85,9 @@ async def test_a_crashed_task_restarts_from_its_checkpoint(
     resumed: list[int] = []  # the step each ready worker said it resumes from: the restarted one's is its checkpoint's
     ready = TaskRecord.ready
 
-    def said_ready(record: TaskRecord, *, estimate_ns: int = -1, steps: int = 0, packs: bool = False) -> None:
-        resumed.append(steps)
-        ready(record, estimate_ns=estimate_ns, steps=steps, packs=packs)
+    def said_ready(record: TaskRecord, **said: Any) -> None:
+        ready(record, **said)
+        resumed.append(record.steps)  # an iterative task's steps are set to the step its worker resumes from
 
     monkeypatch.setattr(TaskRecord, "ready", said_ready)
     config = SimConfig(endpoint=manager.config.endpoints.events, steps=150, forward_s=0.005, backward_s=0.010)
