@@ -17,29 +17,25 @@ __all__ = ["AlwaysHang", "BigState", "CrashInSetup", "HangOnce", "LateTorch", "S
 class HangOnce(SpinSteps):
     """Hangs in step ``hang_at`` (writing ``marker`` first) unless ``marker`` exists: a step that never ends.
 
-    With ``after_checkpoint``, in the first step from ``hang_at`` on that follows a checkpoint of
-    some progress (one at step 0, a worker's first save, does not count; the worker has saved the
-    state and told the manager before it runs the next step), however long the steps before took:
-    what a restart from a checkpoint needs, on a machine of any speed.
+    With ``armed``, only in a step from ``hang_at`` on once that file exists: the test creates it
+    when the manager has recorded a checkpoint of some progress, what a restart from a checkpoint
+    needs, on a machine of any speed. (The task cannot tell a save from its own ``state_dict``
+    calls: the worker also reads it to size the state, and a save may then wait for a bubble
+    with room.)
     """
 
-    def __init__(self, *, hang_at: int = 20, marker: str = "", after_checkpoint: bool = False, **kw: Any) -> None:
+    def __init__(self, *, hang_at: int = 20, marker: str = "", armed: str = "", **kw: Any) -> None:
         super().__init__(**kw)
-        self.hang_at, self.marker = hang_at, marker
-        self.after_checkpoint = after_checkpoint
-        self.saved_at = 0
-        """The step count of the last checkpoint it saved (0: none, or one of its start)."""
+        self.hang_at, self.marker, self.armed = hang_at, marker, armed
 
     def step(self) -> None:
         super().step()
-        saved = self.saved_at > 0 or not self.after_checkpoint
-        if self.count >= self.hang_at and saved and self.marker and not Path(self.marker).exists():
-            Path(self.marker).write_text(str(os.getpid()))
-            time.sleep(3600)
-
-    def state_dict(self) -> dict[str, Any]:
-        self.saved_at = self.count
-        return super().state_dict()
+        if self.count < self.hang_at or not self.marker or Path(self.marker).exists():
+            return
+        if self.armed and not Path(self.armed).exists():
+            return
+        Path(self.marker).write_text(str(os.getpid()))
+        time.sleep(3600)
 
 
 class SlowOnce(SpinSteps):

@@ -68,20 +68,22 @@ def declare(manager: Manager, spare: int = 1 << 30) -> None:
 async def test_a_hung_step_is_detected_and_restarted_while_a_healthy_task_keeps_stepping(
     runtime_dir: Path, tmp_path: Path
 ) -> None:
-    marker = tmp_path / "hung"
+    marker, armed = tmp_path / "hung", tmp_path / "armed"
     async with serving(runtime_dir) as manager:
         declare(manager)
-        # it hangs only after a periodic checkpoint (every 0.2 s) has saved steps: a hang at a fixed
-        # step came before any checkpoint on a loaded machine, and the restart began from 0
+        # it hangs only once the manager has a periodic checkpoint (every 0.2 s) of some progress: a
+        # hang at a fixed step came before any checkpoint on a loaded machine, and the restart began from 0
         hung = submit(
             manager,
             "_liveness_tasks:HangOnce",
-            options={"step_ms": 1.0, "marker": str(marker), "hang_at": 20, "after_checkpoint": True},
+            options={"step_ms": 1.0, "marker": str(marker), "hang_at": 20, "armed": str(armed)},
         )
         healthy = submit(manager, "_tasks:SpinSteps", options={"step_ms": 1.0})
         h, ok = manager.tasks[hung.task_id], manager.tasks[healthy.task_id]
         await wait_until(lambda: h.state == ok.state == "running", 60, "both tasks set up")
         with training(manager):
+            await wait_until(lambda: h.checkpointed_steps > 0, 60, "a checkpoint of some progress")
+            armed.touch()
             await wait_until(marker.exists, 60, "the step that hangs")
             before = ok.steps
             await wait_until(lambda: h.hangs == 1, 10, "the hang to be detected")

@@ -161,4 +161,8 @@ def test_side_tasks_run_in_the_bubbles_of_a_megatron_job(
         # (bubbles here are 5-30 ms); the benchmark reports the real share
         # of the bubble time offered: a short job's held-back steps can be a large share of it
         assert d.used_ns > 0.15 * d.offered_ns, (device, d.used_ns, d.offered_ns, d.bubble_ns)
-        assert d.overrun_ns <= 0.1 * d.used_ns, (device, d.overrun_ns, d.used_ns)
+        # side work past bubble ends, against the bubble time offered (not the time used: that falls as
+        # held-back steps take more of a short job, while the overrun grows with the bubbles' count).
+        # Quiet, 3 runs: 0.2-1.9 % (interleaved: 130-190 bubbles, tens of us late each). Steps of 2 ms
+        # that ignored the bubbles' ends would leave about 1 ms past each: 11 % (1f1b) to 28 %
+        assert d.overrun_ns <= 0.05 * d.offered_ns, (device, d.overrun_ns, d.offered_ns, d.used_ns)
