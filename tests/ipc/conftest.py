@@ -17,12 +17,14 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from freeride import protocol as p
 from freeride.serve.config import ServeConfig
 from freeride.serve.manager import Manager
+from freeride.serve.tasks import TaskRecord
 from freeride.transport import ControlClient, Endpoints
 
 HERE = Path(__file__).resolve().parent
@@ -41,6 +43,24 @@ def _tasks_importable(monkeypatch: pytest.MonkeyPatch) -> None:
     inherited = os.environ.get("PYTHONPATH")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (str(HERE), str(HERE.parents[1]), inherited))))
     monkeypatch.syspath_prepend(str(HERE))
+
+
+@pytest.fixture
+def resumed_steps(monkeypatch: pytest.MonkeyPatch) -> dict[int, list[int]]:
+    """The step each worker of a task (by id) said, when ready, it resumes from, in order (in-process managers).
+
+    A restarted worker's is its checkpoint's. Not the record's step count when next polled: the restarted
+    worker may have stepped since.
+    """
+    resumed: dict[int, list[int]] = {}
+    ready = TaskRecord.ready
+
+    def said_ready(record: TaskRecord, **said: Any) -> None:
+        ready(record, **said)
+        resumed.setdefault(record.task_id, []).append(record.steps)  # an iterative task's is set to it
+
+    monkeypatch.setattr(TaskRecord, "ready", said_ready)
+    return resumed
 
 
 async def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import freeride_cmd, poll, status, wait_until
@@ -16,7 +15,6 @@ from conftest import freeride_cmd, poll, status, wait_until
 from freeride import protocol as p
 from freeride.backends.sim import SimConfig, SimPipeline
 from freeride.serve.manager import Manager
-from freeride.serve.tasks import TaskRecord
 
 
 def _children(pid: int) -> set[int]:
@@ -80,16 +78,8 @@ async def _run_sim(config: SimConfig) -> None:
 
 
 async def test_a_crashed_task_restarts_from_its_checkpoint(
-    manager: Manager, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    manager: Manager, tmp_path: Path, resumed_steps: dict[int, list[int]]
 ) -> None:
-    resumed: list[int] = []  # the step each ready worker said it resumes from: the restarted one's is its checkpoint's
-    ready = TaskRecord.ready
-
-    def said_ready(record: TaskRecord, **said: Any) -> None:
-        ready(record, **said)
-        resumed.append(record.steps)  # an iterative task's steps are set to the step its worker resumes from
-
-    monkeypatch.setattr(TaskRecord, "ready", said_ready)
     config = SimConfig(endpoint=manager.config.endpoints.events, steps=150, forward_s=0.005, backward_s=0.010)
     device = config.device(0)
     manager.declare_device(device, stage=0, spare_memory=1 << 30, cpu_affinity=[0])
@@ -108,8 +98,9 @@ async def test_a_crashed_task_restarts_from_its_checkpoint(
     try:
         await wait_until(lambda: task.restarts == 1, 60, "the crash and restart")
         await wait_until(lambda: task.state == "running", 60, "the restarted worker")
+        resumed = resumed_steps[task.task_id]
         assert len(resumed) == 2 and resumed[0] == 0
-        restored = resumed[1]  # not task.steps here: the restarted worker may have stepped since it said ready
+        restored = resumed[1]
         assert restored > 0, "the restarted task lost its progress"
         await wait_until(lambda: task.steps > 45, 60, "progress after the restart")
     finally:

@@ -66,7 +66,7 @@ def declare(manager: Manager, spare: int = 1 << 30) -> None:
 
 
 async def test_a_hung_step_is_detected_and_restarted_while_a_healthy_task_keeps_stepping(
-    runtime_dir: Path, tmp_path: Path
+    runtime_dir: Path, tmp_path: Path, resumed_steps: dict[int, list[int]]
 ) -> None:
     marker, armed = tmp_path / "hung", tmp_path / "armed"
     async with serving(runtime_dir) as manager:
@@ -87,11 +87,13 @@ async def test_a_hung_step_is_detected_and_restarted_while_a_healthy_task_keeps_
             await wait_until(marker.exists, 60, "the step that hangs")
             before = ok.steps
             await wait_until(lambda: h.hangs == 1, 10, "the hang to be detected")
+            saved = h.checkpointed_steps  # the hung worker saves no more
             assert "step hung" in (h.error or h.restart_reason)  # its restart may have begun
             # the healthy task had the bubbles to itself meanwhile (the hung one got no grant)
             assert ok.steps > before
             await wait_until(lambda: h.state == "running" and h.restarts == 1, 60, "the restart")
-            assert h.checkpointed_steps > 0  # it restarted from there, not from scratch
+            starts = resumed_steps[h.task_id]
+            assert len(starts) == 2 and starts[1] >= saved > 0, (starts, saved)  # from there, not from scratch
             resumed = h.steps
             await wait_until(lambda: h.steps > resumed + 10, 60, "the restarted task to step")
         assert ok.restarts == 0 and ok.hangs == 0
