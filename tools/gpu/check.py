@@ -15,6 +15,10 @@ c. The tail of an imperative CUDA program after SIGSTOP, with and without
    ``sync_every`` (``tools/bench/gpu_tail.py``).
 d. NVML's readings against torch's view of memory.
 e. With two GPUs: the real DeepSpeed and Megatron pipelines (``--two-gpu``).
+f. Side work released by the device (``gate_bench.py``): the lag from a
+   bubble's start to the first side kernel and the delay of the trainer's first
+   kernel after it, side work in the trainer's process, in a second one, and
+   in a second one under MPS.
 
 ``--dry-run`` runs the same path on CPU (one pinned core plays the GPU; MPS,
 the tail and NVML are reported as not available), fast enough for CI.
@@ -49,6 +53,7 @@ if TYPE_CHECKING:
 __all__ = ["CheckConfig", "main"]
 
 STAGE = Path(__file__).resolve().parent / "stage.py"
+GATE_BENCH = Path(__file__).resolve().parent / "gate_bench.py"
 GPU_WORKLOADS = ("resnet18-train", "pagerank", "graph-sgd", "imaging", "resnet18-infer")
 """In the order they run: the ones the time budget leaves out come last."""
 GPU_STAGE = ("--device", "cuda", "--width", "4096", "--depth", "8", "--batch", "1024")
@@ -388,6 +393,78 @@ def section_two_gpu(config: CheckConfig) -> str:
     return "\n\n".join(outputs)
 
 
+# ----------------------------------------------------------------------- (f)
+
+
+def _gate_row(label: str, r: dict[str, object]) -> str:
+    def get(key: str, sub: str) -> float:
+        part = r.get(key)
+        value = part.get(sub) if isinstance(part, dict) else None
+        return float(value) if isinstance(value, int | float) else float("nan")
+
+    use, over = r.get("bubble_use"), r.get("overrun_of_bubble_time")
+    return (
+        f"| {label} | {get('start_lag_us', 'p50'):.1f} / {get('start_lag_us', 'p99'):.1f} | "
+        f"{get('first_kernel_us', 'delay_p50'):.1f} / {get('first_kernel_us', 'delay_p99'):.1f} | "
+        f"{100 * float(use) if isinstance(use, float) else float('nan'):.1f} % | "
+        f"{100 * float(over) if isinstance(over, float) else float('nan'):.2f} % | "
+        f"{r.get('piece_us', float('nan')):.0f} | {r.get('clock_error_us', float('nan'))} |"
+    )
+
+
+def section_gate(config: CheckConfig, report: Report) -> str:
+    if config.dry_run:
+        return (
+            "Not available without CUDA (stream memory operations on a device); "
+            "`tests/unit/test_bubble_gate.py` covers the protocol on CPU."
+        )
+    import torch
+
+    from freeride.gpu.bubblegate import cuda_stream_ops, probe
+
+    torch.zeros(1, device="cuda")
+    why = probe(cuda_stream_ops(), torch.cuda.current_stream(), Path(tempfile.gettempdir()))
+    if why:
+        raise RuntimeError(f"the bubble gate cannot be used on this GPU: {why}")
+    rows, raw = [], []
+    runs: list[tuple[str, list[str], dict[str, str]]] = [
+        ("side stream, same process", ["--side", "stream"], dict(os.environ)),
+        ("side process, no MPS", ["--side", "process"], dict(os.environ)),
+    ]
+    tmp = Path(tempfile.mkdtemp(prefix="frgate-mps-"))
+    daemon = None
+    if not _mps_missing(config, report):
+        daemon, _ = _start_mps(tmp)
+    try:
+        if daemon is not None:
+            env = {**os.environ, **daemon.client_env(0, 8 << 30)}
+            runs.append(("side process, MPS client", ["--side", "process"], env))
+        for label, args, env in runs:
+            out = _run([sys.executable, str(GATE_BENCH), *args], env=env, timeout_s=120)
+            result = json.loads(out.strip().splitlines()[-1])
+            rows.append(_gate_row(label, result))
+            raw.append(json.dumps(result))
+    finally:
+        if daemon is not None:
+            import asyncio
+
+            asyncio.run(daemon.quit())
+        shutil.rmtree(tmp, ignore_errors=True)
+    table = [
+        "Gate opened and closed by the training stream; side pieces queued ahead behind it "
+        "(`python tools/gpu/gate_bench.py --side stream|process`). Start lag: bubble start to the first side "
+        "piece on the device; trainer delay: its first kernel after the bubble, with side work minus without "
+        "(p50 / p99 of each, us); use and overrun: side time inside / outside bubbles over bubble time; clock "
+        "error: bound on the two processes' calibration (0: one context).",
+        "",
+        "| side work | start lag p50 / p99 (us) | trainer delay p50 / p99 (us) | bubble use | overrun | piece (us) "
+        "| clock error (us) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        *rows,
+    ]
+    return "\n".join(table) + "\n\n```\n" + "\n".join(raw) + "\n```"
+
+
 # ---------------------------------------------------------------------- main
 
 
@@ -418,6 +495,7 @@ def run_check(config: CheckConfig) -> int:
     sections: list[tuple[str, Callable[[], str]]] = [
         ("b. MPS memory cap and SM cap", lambda: section_mps(config, report)),
         ("d. NVML against torch", lambda: section_nvml(config)),
+        ("f. Side work released by the device (bubble gate)", lambda: section_gate(config, report)),
         ("a. Pipeline stage with side tasks in its bubbles", lambda: section_pipeline(config, report)),
         ("c. Tail after SIGSTOP (sync_every)", lambda: section_tail(config)),
     ]
