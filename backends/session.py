@@ -25,6 +25,7 @@ import msgspec
 
 from freeride import protocol as p
 from freeride.host.schedstat import ThreadRunDelay
+from freeride.serve.holdback import HoldbackSchedule
 from freeride.transport import BubblePublisher, Endpoints, EventEmitter, bubbles_endpoint, default_runtime_dir
 
 __all__ = [
@@ -196,6 +197,14 @@ class BackendSession:
         self._step = -1
         self._index = 0
         self._step_bubble_ns = 0
+        self._held: tuple[p.Holdback, HoldbackSchedule] | None = None
+        """The manager's rule of held-back steps for this rank's job, as last built."""
+        self._held_step: tuple[int, bool] = (-1, False)
+        """(step, held) of the last step asked about."""
+        self._open_unpublished = False
+        """The open bubble is in a held-back step: announced to no one."""
+        self._step_unpublished = (0, 0)
+        """(bubbles, ns) of this step announced to no one."""
         self._closed = False
         self.bubbles = 0
         self._last_published: tuple[int, int] | None = None
@@ -301,7 +310,7 @@ class BackendSession:
             return False
         self._maybe_hello(time.monotonic_ns())
         if step != self._step:
-            self._step, self._index, self._step_bubble_ns = step, 0, 0
+            self._step, self._index, self._step_bubble_ns, self._step_unpublished = step, 0, 0, (0, 0)
         event = p.BubbleStarted(
             rank=self.config.rank,
             stage=self.config.stage,
@@ -315,7 +324,10 @@ class BackendSession:
         )
         self._open = event
         self._index += 1
-        if self._publisher is not None:
+        self._open_unpublished = self._publisher is not None and self.held(step)
+        if self._open_unpublished:
+            self._send_step_reports(due_after_ns=REPORTS_EVERY_NS)  # no one takes a held-back bubble: none wakes
+        elif self._publisher is not None:
             self._publisher.publish(event)  # to armed workers, and to the manager while it follows this rank
             self._send_step_reports(due_after_ns=REPORTS_EVERY_NS)
         else:
@@ -356,12 +368,34 @@ class BackendSession:
             duration_ns=duration,
             waited_runnable_ns=waited,
         )
-        if self._publisher is not None:
+        if self._open_unpublished:
+            self._open_unpublished = False
+            if start.step == self._step:
+                n, ns = self._step_unpublished
+                self._step_unpublished = (n + 1, min(p.I64_MAX, ns + duration))
+        elif self._publisher is not None:
             self._publisher.publish(event)
             self._last_published = (start.step, start.index)
         else:
             self._emitter.emit(event)
         return duration
+
+    def held(self, step: int) -> bool:
+        """Whether the manager holds ``step`` back to measure the job's cost (its bubbles then go to no one).
+
+        The rule comes with the manager's acknowledgement of this rank's
+        ``Hello``, its job's name from the ``Hello``; without either, no step is held.
+        """
+        if self._held_step[0] == step:
+            return self._held_step[1]
+        rule = self._publisher.holdback if self._publisher is not None else None
+        held = False
+        if rule is not None:
+            if self._held is None or self._held[0] is not rule:
+                self._held = (rule, HoldbackSchedule(msgspec.structs.replace(rule, job=self._hello.job)))
+            held = self._held[1].held(step)
+        self._held_step = (step, held)
+        return held
 
     def step_finished(self, step: int, duration_ns: int) -> None:
         """Report the end of training step ``step``.
@@ -378,6 +412,7 @@ class BackendSession:
         self.bubble_ended()
         self._maybe_hello(time.monotonic_ns())
         bubble_ns = self._step_bubble_ns if step == self._step else 0
+        unpublished, unpublished_ns = self._step_unpublished if step == self._step else (0, 0)
         if self._publisher is None:
             self._send_step_reports()  # a step without bubbles: the last one's report goes now
         else:
@@ -390,6 +425,8 @@ class BackendSession:
                 t_ns=time.monotonic_ns(),
                 duration_ns=duration_ns,
                 bubble_ns=bubble_ns,
+                unpublished=unpublished,
+                unpublished_ns=unpublished_ns,
             )
         )
 

@@ -76,6 +76,11 @@ class StepFinished(Message, frozen=True, tag="step_finished"):
     duration_ns: Nanos
     bubble_ns: Nanos = 0
     """Sum of the measured bubbles of this step."""
+    unpublished: Small = 0
+    """Bubbles of this step announced to no one: the step is held back (see
+    :func:`~freeride.transport.frames.hello_ack_topic`), so the manager counts them from here."""
+    unpublished_ns: Nanos = 0
+    """Their measured time (part of :attr:`bubble_ns`)."""
 
 
 class Heartbeat(Message, frozen=True, tag="heartbeat"):

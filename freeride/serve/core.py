@@ -119,8 +119,12 @@ class ManagerCore:
                     elif not scheduler.wants_bubbles and scheduler.bubbles_endpoint in self._following:
                         self.refresh_following()  # learned, and nothing here to grant: stop at once
             case p.StepFinished(rank=rank, step=step, duration_ns=duration, bubble_ns=bubble):
-                self.ranks.step_finished(rank, duration_ns=duration, bubble_ns=bubble)
+                info = self.ranks.step_finished(rank, duration_ns=duration, bubble_ns=bubble)
                 self.costs.step_finished(rank, step, duration)
+                scheduler = self.schedulers.get(info.name) if event.unpublished and info is not None else None
+                if scheduler is not None and scheduler.bubbles_endpoint in self._following:
+                    # a held-back step's bubbles, which its rank announced to no one: counted as if followed
+                    scheduler.ledger.unpublished(event.unpublished, event.unpublished_ns)
             case p.Heartbeat(rank=rank):
                 self.ranks.heartbeat(rank)
             case p.Goodbye():

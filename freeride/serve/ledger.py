@@ -229,6 +229,12 @@ class DeviceLedger:
         elif withheld == "backed_off" and not granted:
             self.backed_off_ns = _sat(self.backed_off_ns, duration_ns)
 
+    def unpublished(self, bubbles: int, duration_ns: int) -> None:
+        """Count ``bubbles`` of a held-back step that its rank announced to no one (their time, all held back)."""
+        self.bubbles += bubbles
+        self.bubble_ns = _sat(self.bubble_ns, duration_ns)
+        self.held_back_ns = _sat(self.held_back_ns, duration_ns)
+
     def rank_gone(self) -> None:
         """The rank training here is gone: its span is trained time, the next rank's starts anew."""
         if self._first_event_ns:

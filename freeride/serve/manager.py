@@ -43,6 +43,7 @@ from freeride.transport import (
     HelloAcks,
     WorkerHub,
     ZapHandler,
+    hello_ack_topic,
     new_async_context,
 )
 
@@ -124,7 +125,10 @@ class Manager(ManagerCore):
             self._zap = ZapHandler(self._ctx, curve_clients=curve.clients if curve else frozenset())
             self._receiver = EventReceiver(self._ctx, self.config.endpoints.events, curve=curve)
             self._follower = BubbleFollower(self._ctx)
-            self._acks = HelloAcks(self._ctx)
+            # with the rule of the held-back steps: the ranks publish none of their bubbles (unless tracing,
+            # where every bubble is drawn)
+            held = self.config.holdback if self.config.trace is None else None
+            self._acks = HelloAcks(self._ctx, topic=hello_ack_topic(held))
             self._hub = WorkerHub(self._ctx, self.config.endpoints.workers)
             self._control = ControlServer(self._ctx, self.config.endpoints.control, curve=curve)
             if self.config.trace is not None:

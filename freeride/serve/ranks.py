@@ -244,16 +244,22 @@ class Ranks:
         trainer = self._ranks.get(rank)
         return trainer.last_end if trainer is not None else None
 
-    def step_finished(self, rank: int, *, duration_ns: int = 0, bubble_ns: int = 0) -> None:
-        """A training step ended: what it lasted and how much of it was bubbles teach placement."""
+    def step_finished(self, rank: int, *, duration_ns: int = 0, bubble_ns: int = 0) -> DeviceInfo | None:
+        """A training step ended: what it lasted and how much of it was bubbles teach placement.
+
+        Returns:
+            The rank's device (None: the rank or its device is not known).
+        """
         trainer = self._seen(rank)
-        if trainer is not None and trainer.device in self.devices:
-            info = self.devices[trainer.device]
-            info.train_steps += 1
-            trainer.steps += 1
-            if trainer.steps > 1 and duration_ns > 0:  # the first step warms up: its bubbles mislead
-                info.step_ns = min(p.I64_MAX, info.step_ns + duration_ns)
-                info.step_bubble_ns = min(p.I64_MAX, info.step_bubble_ns + min(max(0, bubble_ns), duration_ns))
+        if trainer is None or trainer.device not in self.devices:
+            return None
+        info = self.devices[trainer.device]
+        info.train_steps += 1
+        trainer.steps += 1
+        if trainer.steps > 1 and duration_ns > 0:  # the first step warms up: its bubbles mislead
+            info.step_ns = min(p.I64_MAX, info.step_ns + duration_ns)
+            info.step_bubble_ns = min(p.I64_MAX, info.step_bubble_ns + min(max(0, bubble_ns), duration_ns))
+        return info
 
     def heartbeat(self, rank: int) -> None:
         self._seen(rank)

@@ -38,7 +38,7 @@ the runtime directory), :mod:`~freeride.transport.guard` (who may connect),
 from freeride.transport.client import ControlClient, ManagerUnreachable
 from freeride.transport.emitter import BubblePublisher, EventEmitter
 from freeride.transport.endpoints import MAX_IPC_PATH, Endpoints, bubbles_endpoint, default_runtime_dir, nobody_listens
-from freeride.transport.frames import BadFrame
+from freeride.transport.frames import BadFrame, hello_ack_topic
 from freeride.transport.guard import ZapHandler, curve_keypair, zap_verdict
 from freeride.transport.owner import new_async_context
 from freeride.transport.server import (
@@ -71,6 +71,7 @@ __all__ = [
     "bubbles_endpoint",
     "curve_keypair",
     "default_runtime_dir",
+    "hello_ack_topic",
     "new_async_context",
     "nobody_listens",
     "wait_readable",

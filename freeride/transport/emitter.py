@@ -16,7 +16,7 @@ import zmq
 from freeride import protocol as p
 from freeride.auth import CurveClientKeys, KeysMissing, Refused, check_private_dir
 from freeride.transport.endpoints import nobody_listens
-from freeride.transport.frames import BUBBLE_END, BUBBLE_START, HELLO_ACK, encoder
+from freeride.transport.frames import BUBBLE_END, BUBBLE_START, HELLO_ACK, BadFrame, encoder, read_hello_ack
 from freeride.transport.guard import guard_client
 
 __all__ = ["BubblePublisher", "EventEmitter"]
@@ -182,6 +182,8 @@ class BubblePublisher:
         self._pid = os.getpid()
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = zmq.Context(io_threads=1)
         self._acked = False
+        self.holdback: p.Holdback | None = None
+        """The held-back steps the manager's acknowledgement named (``None``: none; see :func:`hello_ack_topic`)."""
         sock = self._ctx.socket(zmq.XPUB)
         sock.setsockopt(zmq.SNDHWM, sndhwm)
         sock.setsockopt(zmq.LINGER, 0)
@@ -201,6 +203,9 @@ class BubblePublisher:
     def acknowledged(self, *, look: bool = False) -> bool:
         """Whether a manager subscribes to :data:`HELLO_ACK` here: it knows this rank.
 
+        The subscription's topic also carries the manager's rule of held-back
+        steps (:attr:`holdback`, see :func:`~freeride.transport.frames.hello_ack_topic`).
+
         Until it does, and with ``look``, this reads the subscriptions queued
         since (a few bytes each, only topics new or left: a handful in a rank's
         life); a manager that went away has left the topic. Never blocks or
@@ -214,8 +219,10 @@ class BubblePublisher:
         try:
             while True:
                 frame = sock.recv(zmq.NOBLOCK)
-                if frame[1:] == HELLO_ACK:
+                if frame[1:].startswith(HELLO_ACK):
                     self._acked = frame[:1] == b"\x01"
+                    rule = read_hello_ack(frame[1:]) if self._acked else None
+                    self.holdback = None if isinstance(rule, BadFrame) else rule
         except zmq.Again:
             pass
         except Exception:  # the training step must never see our errors

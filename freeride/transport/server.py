@@ -184,12 +184,16 @@ class HelloAcks:
     to endpoints the manager derived itself, inside its private runtime directory.
     """
 
-    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, *, topic: bytes = HELLO_ACK) -> None:
+        """``topic``: :data:`HELLO_ACK`, or what :func:`~freeride.transport.frames.hello_ack_topic` makes of the
+        manager's held-back steps (the ranks then publish no bubble of theirs)."""
+        if not topic.startswith(HELLO_ACK):
+            raise ValueError(f"an acknowledgement topic starts with {HELLO_ACK!r}, got {topic[:8]!r}")
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.RCVHWM, 1)  # nothing is published on the topic: nothing to keep
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 500)
-        sock.setsockopt(zmq.SUBSCRIBE, HELLO_ACK)
+        sock.setsockopt(zmq.SUBSCRIBE, topic)
         self._sock: zmq.asyncio.Socket | None = sock
         self.connected: set[str] = set()
         """The endpoints connected now."""

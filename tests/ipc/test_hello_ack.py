@@ -110,3 +110,22 @@ async def test_a_manager_answers_every_rank_it_knows_followed_or_not(manager: Ma
     finally:
         session.close()
     await wait_until(lambda: acks.connected == set(), 10, "the rank's answer to go with it")
+
+
+async def test_the_answer_names_the_managers_held_back_steps_and_the_rank_holds_back_the_same(
+    manager: Manager,
+) -> None:
+    """The acknowledgement's topic carries the rule of held-back steps (decision D61); the rank fills in
+    its job's name and so holds back exactly the steps the manager grants to no one."""
+    session = _session(manager.config.endpoints.events)
+    try:
+        deadline = time.monotonic() + 10
+        while not session.hello_acknowledged:
+            assert time.monotonic() < deadline, "no answer from the manager"
+            await _train(session, 0.05)
+        assert manager.config.holdback.enabled
+        held = {step for step in range(3000) if session.held(step)}
+        withheld = {step for step in range(3000) if manager.costs.withheld(0, step, 0) == "held_back"}
+        assert held == withheld and len(held) > 50
+    finally:
+        session.close()

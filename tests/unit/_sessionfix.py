@@ -10,9 +10,11 @@ __all__ = ["Recorder"]
 class Recorder:
     """Stands in for the EventEmitter and the BubblePublisher: keeps what would have been sent, in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, holdback: p.Holdback | None = None) -> None:
         self.events: list[p.BackendEvent] = []
         self.dropped = self.sent = 0
+        self.holdback = holdback
+        """The rule of held-back steps a manager's acknowledgement named (a publisher's)."""
 
     def wait_connected(self, timeout_ms: int) -> bool:
         return True

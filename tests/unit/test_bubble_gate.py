@@ -3,7 +3,7 @@
 The CUDA driver's stream memory operations are replaced by
 ``tests/standins/fake_stream_ops.py`` (threads that run each stream's queue in
 order) because no CUDA exists on CPU machines; the gate word is the real shared
-page. The same protocol on a real device: ``tests/gpu/test_bubble_gate.py``.
+page. The same protocol on a real device: ``tests/gpu/test_bubble_gate_cuda.py``.
 """
 
 from __future__ import annotations

@@ -146,3 +146,30 @@ def test_a_goodbye_whose_bubble_end_never_comes_is_taken_after_a_wait(
     assert mgr.live_backends() == [0], "taken by the watchdog"
     mgr.finish_goodbyes()
     assert mgr.live_backends() == [] and mgr.followed == set()
+
+
+def test_the_bubbles_of_a_held_back_step_count_from_its_report_where_the_rank_is_followed(tmp_path: Path) -> None:
+    """A rank publishes no bubble of a held-back step (tests/unit/test_session_holdback.py): its step report
+    says how many there were and how long, and the manager counts them as it would have counted them seen."""
+    mgr = Following(tmp_path)
+    ep0, ep1 = mgr.rank(0), mgr.rank(1)
+    mgr.bubbles(0, MIN_BUBBLES_SEEN + 1)  # learned, nothing placed: rank 0 no longer followed
+    assert mgr.followed == {ep1} and ep0
+    before = {d.device: d for d in mgr.status().devices}
+
+    def held_step(rank: int) -> None:
+        mgr.on_event(
+            p.StepFinished(rank=rank, stage=rank, step=50, t_ns=1, duration_ns=100 * MS, bubble_ns=30 * MS,
+                           unpublished=2, unpublished_ns=30 * MS)
+        )  # fmt: skip
+
+    held_step(0)
+    held_step(1)
+    after = {d.device: d for d in mgr.status().devices}
+    assert (after["cpu:1"].bubbles, after["cpu:1"].bubble_ns, after["cpu:1"].held_back_ns) == (
+        before["cpu:1"].bubbles + 2,
+        before["cpu:1"].bubble_ns + 30 * MS,
+        before["cpu:1"].held_back_ns + 30 * MS,
+    )
+    assert after["cpu:0"].bubbles == before["cpu:0"].bubbles, "not followed: its bubbles are not counted at all"
+    assert after["cpu:0"].held_back_ns == before["cpu:0"].held_back_ns
