@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 from _events import EventTap
+from _quiet import quietest, require_quiet
 
 from freeride import protocol as p
 from freeride.backends.launch import launch_env
@@ -58,6 +59,8 @@ class Run:
     stderr: str = ""
     profile: Path | None = None
     """Where the ranks wrote their observations (profile mode)."""
+    other_work: float = 0.0
+    """The share of the cores' time other work took during the run (see ``_quiet``)."""
 
     def results(self) -> list[tuple[int, int, bool, Any, Any]]:
         """Every (rank, step, eval, loss, grad norm) the job computed."""
@@ -160,12 +163,18 @@ def short_dir() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def gaps_run(short_dir: Path) -> Run:
-    """The two-rank job with FreeRide attached (profile mode), its events collected."""
-    endpoint = f"ipc://{short_dir}/ev"
-    profile = short_dir / "profile"
-    env = launch_env(plain_env(), events=endpoint, mode="profile", profile_dir=profile)
-    run = asyncio.run(launch(GAPS_JOB, env, ranks=2, events=endpoint))
-    run.profile = profile
+    """The two-rank job with FreeRide attached (profile mode), its events collected; made again once if
+    other work took the cores meanwhile (the announcements' checks are of timing precision)."""
+
+    def attempt(i: int) -> Run:
+        endpoint = f"ipc://{short_dir}/ev{i}"
+        profile = short_dir / f"profile{i}"
+        env = launch_env(plain_env(), events=endpoint, mode="profile", profile_dir=profile)
+        run = asyncio.run(launch(GAPS_JOB, env, ranks=2, events=endpoint))
+        run.profile = profile
+        return run
+
+    run, run.other_work = quietest(attempt)
     return run
 
 
@@ -195,6 +204,7 @@ def test_finalize_tail_is_announced_where_the_last_stage_waits(gaps_run: Run) ->
     last = gaps_run.steps[1][SETTLED:]
     finalize = [tuple(r["finalize"]) for r in last]
     assert all(d >= 5 * MS for _, d in finalize), f"the last stage hardly waited in finalize: {finalize}"
+    require_quiet(gaps_run.other_work, "the finalize tail's announcements")
     _check_announced(gaps_run.bubbles(1), finalize, "finalize of rank 1")
     # stage 0 runs the last backward: in its finalize it waits only for the all-reduce itself
     first = [tuple(r["finalize"]) for r in gaps_run.steps[0][SETTLED:]]
@@ -206,10 +216,6 @@ def test_evaluation_calls_are_announced_with_their_own_plan(gaps_run: Run) -> No
     """Forward-only calls: the last stage waits for stage 0's first forward, and that is what is announced."""
     evals = gaps_run.evals[1]
     assert len(evals) == STEPS // EVAL_EVERY
-    waits = [(int(a), int(d)) for r in evals for a, d in r["recv"]]
-    _check_announced(gaps_run.bubbles(1), waits, "evaluation of rank 1")
-    # training's plan kept working after the evaluation calls (each call has its own plan)
-    assert "no longer announced" not in gaps_run.stderr
     finished = [e for e in gaps_run.events if isinstance(e, p.StepFinished)]
     assert sorted(e.rank for e in finished) == [0] * 15 + [1] * 15  # 10 training and 5 evaluation calls
     # the profile describes training steps only
@@ -217,6 +223,11 @@ def test_evaluation_calls_are_announced_with_their_own_plan(gaps_run: Run) -> No
     observations = read_observations(gaps_run.profile)
     assert [o.rank for o in observations] == [0, 1]
     assert all(len(o.steps) == STEPS for o in observations)
+    require_quiet(gaps_run.other_work, "the evaluation calls' announcements")
+    waits = [(int(a), int(d)) for r in evals for a, d in r["recv"]]
+    _check_announced(gaps_run.bubbles(1), waits, "evaluation of rank 1")
+    # training's plan kept working after the evaluation calls (each call has its own plan)
+    assert "no longer announced" not in gaps_run.stderr
 
 
 def test_training_and_evaluation_results_are_unchanged(gaps_run: Run) -> None:

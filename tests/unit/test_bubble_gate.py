@@ -8,7 +8,6 @@ page. The same protocol on a real device: ``tests/gpu/test_bubble_gate_cuda.py``
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import threading
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _files import load
 
 from freeride.gpu.bubblegate import (
     BubbleGate,
@@ -28,12 +28,7 @@ from freeride.gpu.bubblegate import (
 
 
 def _standin() -> Any:
-    path = Path(__file__).resolve().parents[1] / "standins" / "fake_stream_ops.py"
-    spec = importlib.util.spec_from_file_location("fake_stream_ops", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("tests/standins/fake_stream_ops.py", "fake_stream_ops")
 
 
 FakeStreamOps: Any = _standin().FakeStreamOps

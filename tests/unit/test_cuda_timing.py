@@ -7,13 +7,12 @@ thread of the timeline is real; the tests wait for what it sends, never sleep.
 
 from __future__ import annotations
 
-import importlib.util
 import threading
-from pathlib import Path
 from types import ModuleType
 from typing import cast
 
 import pytest
+from _files import load
 
 from freeride import protocol as p
 from freeride.backends.cuda_timing import DeviceTimeline, choose_timing, timing_from_env
@@ -27,12 +26,7 @@ MS = 1_000_000
 
 
 def _standin() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "standins" / "fake_cuda.py"
-    spec = importlib.util.spec_from_file_location("fake_cuda", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("tests/standins/fake_cuda.py", "fake_cuda")
 
 
 fake_cuda = _standin()

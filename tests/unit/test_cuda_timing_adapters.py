@@ -11,9 +11,7 @@ recorded at.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 from types import ModuleType
 from typing import Any, cast
 
@@ -22,6 +20,7 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch
+from _files import load
 from test_deepspeed_adapter import T_B, T_F, Clock, FakeEngine, Recorder  # tests/unit is on sys.path
 
 from freeride import protocol as p
@@ -38,12 +37,7 @@ MS = 1_000_000
 
 
 def _standin() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "standins" / "fake_cuda.py"
-    spec = importlib.util.spec_from_file_location("fake_cuda_adapters", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("tests/standins/fake_cuda.py", "fake_cuda_adapters")
 
 
 fake_cuda = _standin()

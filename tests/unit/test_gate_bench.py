@@ -6,22 +6,16 @@ from intervals, which are checked here on hand-made ones.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import pytest
+from _files import load
 
 US = 1_000
 
 
 def _bench() -> Any:
-    path = Path(__file__).resolve().parents[2] / "tools" / "gpu" / "gate_bench.py"
-    spec = importlib.util.spec_from_file_location("gate_bench", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("tools/gpu/gate_bench.py", "gate_bench")
 
 
 gate_bench = _bench()

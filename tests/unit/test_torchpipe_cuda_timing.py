@@ -11,13 +11,12 @@ event completes at the device time it is recorded at.
 
 from __future__ import annotations
 
-import importlib.util
 import threading
-from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any, cast
 
 import pytest
+from _files import load
 from test_deepspeed_adapter import Clock, Recorder  # tests/unit is on sys.path
 
 from freeride import protocol as p
@@ -54,12 +53,7 @@ class StepRecorder(Recorder):
 
 
 def _standin() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "standins" / "fake_cuda.py"
-    spec = importlib.util.spec_from_file_location("fake_cuda_torchpipe", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("tests/standins/fake_cuda.py", "fake_cuda_torchpipe")
 
 
 fake_cuda = _standin()
