@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import msgspec
 
 from freeride import protocol as p
+from freeride.holdback import HoldbackSchedule
 from freeride.host.schedstat import ThreadRunDelay
-from freeride.serve.holdback import HoldbackSchedule
 from freeride.transport import BubblePublisher, Endpoints, EventEmitter, bubbles_endpoint, default_runtime_dir
 
 __all__ = [

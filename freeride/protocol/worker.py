@@ -113,7 +113,7 @@ class Holdback(Message, frozen=True, tag="holdback"):
     Steps from :attr:`start_step` on are cut into blocks of :attr:`block_steps`, and
     the blocks into cycles of :attr:`every` blocks, doubling every
     :attr:`doubling_cycles` cycles up to :attr:`max_every`; in each cycle one
-    block is held back (see :mod:`freeride.serve.holdback`, which owns the rule).
+    block is held back (see :mod:`freeride.holdback`, which owns the rule).
     """
 
     job: Name = ""

@@ -1,7 +1,7 @@
 """The training jobs' measured costs, and what the device schedulers may grant because of them.
 
 One :class:`_Job` per training job this manager hears from (by the ``job`` of
-its ranks' Hello): its held-back steps (:mod:`freeride.serve.holdback`), its
+its ranks' Hello): its held-back steps (:mod:`freeride.holdback`), its
 cost meter (:mod:`freeride.serve.meter`) and its slowdown budget
 (:mod:`freeride.serve.budget`). A device's scheduler asks :meth:`TrainingCosts.withheld`
 before it grants a bubble; the manager hands every finished step to
@@ -18,9 +18,9 @@ from typing import Literal
 import msgspec
 
 from freeride import protocol as p
+from freeride.holdback import HoldbackSchedule
 from freeride.observe.stats import median_interval
 from freeride.serve.budget import SlowdownBudget, granted
-from freeride.serve.holdback import HoldbackSchedule
 from freeride.serve.meter import CostMeter
 from freeride.serve.ranks import MAX_RANKS
 

@@ -109,7 +109,7 @@ class DeviceLedger:
         self.left_out = 0
         """Bubbles that got no grant because the guard found bubbles that short too costly."""
         self.held_back_ns = 0
-        """Bubble time held back to measure the job's cost (see :mod:`freeride.serve.holdback`)."""
+        """Bubble time held back to measure the job's cost (see :mod:`freeride.holdback`)."""
         self.backed_off_ns = 0
         """Bubble time left out for the job's slowdown budget (see :mod:`freeride.serve.budget`)."""
         self.first_seen_ns = clock.now_ns()
@@ -365,7 +365,7 @@ class LedgerView:
 
     @property
     def held_back_ns(self) -> int:
-        """Bubble time held back to measure the job's cost (see :mod:`freeride.serve.holdback`)."""
+        """Bubble time held back to measure the job's cost (see :mod:`freeride.holdback`)."""
         return self.ledger.held_back_ns
 
     @property

@@ -1,6 +1,6 @@
 """What side work costs a training job, measured on the job's own step times.
 
-Each cycle of the job's :class:`~freeride.serve.holdback.HoldbackSchedule` has
+Each cycle of the job's :class:`~freeride.holdback.HoldbackSchedule` has
 a pair of adjacent blocks of steps, one held back (no side work) and one
 harvested. When both have run, the pair gives one figure: the harvested
 block's mean step time over the held block's, minus one, over the ranks that
@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from freeride.holdback import HoldbackSchedule
 from freeride.observe.stats import MedianInterval, median_interval
-from freeride.serve.holdback import HoldbackSchedule
 from freeride.serve.ranks import MAX_RANKS
 
 __all__ = ["MAX_PENDING", "WINDOW", "CostMeter"]

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from freeride import protocol as p
-from freeride.serve.holdback import HoldbackSchedule
+from freeride.holdback import HoldbackSchedule
 from freeride.transport import BadFrame, BubbleListener, WorkerLink, wait_readable
 
 __all__ = ["Arming", "BubbleFeed", "RankFeed"]

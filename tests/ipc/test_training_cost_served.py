@@ -20,11 +20,11 @@ from conftest import NO_BUDGET, running_manager, wait_until
 from freeride import protocol as p
 from freeride.backends.sim import SimConfig, SimPipeline
 from freeride.cli.status import format_status
+from freeride.holdback import HoldbackSchedule
 from freeride.observe.base import Observer
 from freeride.observe.report import ReportOptions, build_report
 from freeride.observe.timeline import load_trace
 from freeride.serve.config import ServeConfig
-from freeride.serve.holdback import HoldbackSchedule
 from freeride.transport import Endpoints
 
 HOLDBACK = p.Holdback(block_steps=2, every=4, max_every=4)

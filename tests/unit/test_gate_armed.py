@@ -362,7 +362,7 @@ def test_an_armed_worker_lets_a_bubble_the_guard_leaves_out_pass_and_takes_the_n
 
 
 def test_an_armed_worker_lets_a_held_back_step_pass_and_takes_the_first_bubble_after_it() -> None:
-    from freeride.serve.holdback import HoldbackSchedule
+    from freeride.holdback import HoldbackSchedule
     from freeride.worker.armed import Arming
 
     holdback = p.Holdback(job="j", block_steps=2, every=4, max_every=4)

@@ -19,7 +19,7 @@ from _sessionfix import Recorder
 
 from freeride import protocol as p
 from freeride.backends.session import BackendConfig, BackendSession
-from freeride.serve.holdback import HoldbackSchedule
+from freeride.holdback import HoldbackSchedule
 from freeride.transport import BubblePublisher, EventEmitter
 from freeride.transport.frames import HELLO_ACK, BadFrame, hello_ack_topic, read_hello_ack
 

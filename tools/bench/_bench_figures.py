@@ -11,7 +11,7 @@ from _bench_options import SKIP_STEPS
 from _bench_report import RunResult
 
 from freeride import protocol as p
-from freeride.serve.holdback import HoldbackSchedule
+from freeride.holdback import HoldbackSchedule
 
 __all__ = ["StepFigures", "holdback_of", "parse_steps", "with_figures"]
 

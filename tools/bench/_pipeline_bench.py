@@ -168,8 +168,9 @@ def _one_run(
     match planned.kind:
         case "alone":
             cmd = job.cmd(steps)
-        case "hooked":  # no manager there: the adapter's emits all drop
-            cmd = freeride_cmd("launch", "--runtime-dir", str(runtime / "nobody"), "--", *job.cmd(steps))
+        case "hooked":  # no manager, and none started: the adapter's emits all drop
+            nobody = str(runtime / "nobody")
+            cmd = freeride_cmd("launch", "--no-manager", "--runtime-dir", nobody, "--", *job.cmd(steps))
         case "with":
             cmd = freeride_cmd("launch", "--runtime-dir", str(runtime), "--", *job.cmd(steps))
     # each run its own job for the manager's meter: its held-back steps are drawn anew
