@@ -49,10 +49,12 @@ from freeride.profile import StepRecord
 __all__ = [
     "ENV_TIMING",
     "Accuracy",
+    "Calibration",
     "DeviceApi",
     "DeviceEvent",
     "DeviceTimeline",
     "Timing",
+    "calibrate",
     "choose_timing",
     "p2p_backend",
     "timeline_for",
@@ -222,6 +224,45 @@ def torch_device_api() -> DeviceApi:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """A device event whose time on the host's monotonic clock is known to within :attr:`error_ns`."""
+
+    event: DeviceEvent
+    host_ns: int
+    """When the device reached :attr:`event`, on the host's clock (the middle of the readings around it)."""
+    error_ns: int
+    """Half the width of the host readings around it: the bound on its error."""
+    taken_ns: int
+    """The host reading after it (when it was taken)."""
+
+    def host_time(self, event: DeviceEvent) -> int:
+        """When the device reached ``event`` (of the same device), on the host's monotonic clock."""
+        return self.host_ns + round(self.event.elapsed_time(event) * 1e6)
+
+
+def calibrate(
+    api: DeviceApi, stream: Any, *, tries: int = _CALIBRATION_TRIES, clock: Callable[[], int] = time.monotonic_ns
+) -> Calibration:
+    """Tie the device's clock to the host's through an event on ``stream``, a stream with nothing queued.
+
+    Such an event completes as soon as it is recorded: the host readings around
+    it bound when that was; the narrowest pair of ``tries`` wins.
+    """
+    best: tuple[int, int, DeviceEvent] | None = None
+    for _ in range(max(1, tries)):
+        event = api.event()
+        t0 = clock()
+        event.record(stream)
+        event.synchronize()
+        t1 = clock()
+        if best is None or t1 - t0 < best[1] - best[0]:
+            best = (t0, t1, event)
+    assert best is not None  # at least one try
+    t0, t1, event = best
+    return Calibration(event=event, host_ns=(t0 + t1) // 2, error_ns=(t1 - t0) // 2, taken_ns=t1)
+
+
 @dataclass(slots=True)
 class Accuracy:
     """How the device timeline's bubbles compare with what was announced."""
@@ -315,9 +356,7 @@ class DeviceTimeline:
         self._closed = False
         self.accuracy = Accuracy()
         self._cal_stream: Any = None
-        self._cal_event: DeviceEvent | None = None
-        self._cal_host_ns = 0
-        self._cal_at_ns = 0
+        self._cal: Calibration | None = None
         self._thread = threading.Thread(target=self._loop, name="freeride-device-timeline", daemon=True)
         self._thread.start()
         # registered after the session's own: runs first at exit, so the helper thread
@@ -462,26 +501,9 @@ class DeviceTimeline:
     def _host_ns(self, event: DeviceEvent) -> int:
         """When the device reached ``event``, on the host's monotonic clock."""
         now = self._clock()
-        if self._cal_event is None or now - self._cal_at_ns > _RECALIBRATE_NS:
-            self._calibrate()
-        assert self._cal_event is not None  # set by _calibrate
-        return self._cal_host_ns + round(self._cal_event.elapsed_time(event) * 1e6)
-
-    def _calibrate(self) -> None:
-        # an event on an idle stream of our own completes as soon as it is recorded:
-        # the host readings around it bound when that was; the narrowest pair wins
-        if self._cal_stream is None:
-            self._cal_stream = self._api.stream()
-        best: tuple[int, int, DeviceEvent] | None = None
-        for _ in range(_CALIBRATION_TRIES):
-            event = self._api.event()
-            t0 = self._clock()
-            event.record(self._cal_stream)
-            event.synchronize()
-            t1 = self._clock()
-            if best is None or t1 - t0 < best[1] - best[0]:
-                best = (t0, t1, event)
-        assert best is not None  # at least one try
-        t0, t1, event = best
-        self._cal_event, self._cal_host_ns, self._cal_at_ns = event, (t0 + t1) // 2, t1
-        self.accuracy.calibration_ns = (t1 - t0) // 2
+        if self._cal is None or now - self._cal.taken_ns > _RECALIBRATE_NS:
+            if self._cal_stream is None:
+                self._cal_stream = self._api.stream()  # idle: only calibration events go there
+            self._cal = calibrate(self._api, self._cal_stream, clock=self._clock)
+            self.accuracy.calibration_ns = self._cal.error_ns
+        return self._cal.host_time(event)

@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 __all__ = [
-    "CLOSED",
     "HOST",
     "OPEN",
     "BubbleGate",
@@ -64,7 +63,6 @@ OPEN = 1
 """The flag a side stream's wait tests: set from a bubble's start to its end."""
 HOST = 2
 """Set when the host wrote the word (a release or a reset), not a training stream."""
-CLOSED = 0
 _SEQ_SHIFT = 2
 _SEQ_MASK = (1 << (32 - _SEQ_SHIFT)) - 1
 _WORD_BYTES = 4

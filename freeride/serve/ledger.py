@@ -233,7 +233,7 @@ class DeviceLedger:
         """Count ``bubbles`` of a held-back step that its rank announced to no one (their time, all held back)."""
         self.bubbles += bubbles
         self.bubble_ns = _sat(self.bubble_ns, duration_ns)
-        self.held_back_ns = _sat(self.held_back_ns, duration_ns)
+        self.withheld_ended("held_back", duration_ns, granted=False)
 
     def rank_gone(self) -> None:
         """The rank training here is gone: its span is trained time, the next rank's starts anew."""

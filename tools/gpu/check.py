@@ -397,18 +397,17 @@ def section_two_gpu(config: CheckConfig) -> str:
 
 
 def _gate_row(label: str, r: dict[str, object]) -> str:
-    def get(key: str, sub: str) -> float:
-        part = r.get(key)
-        value = part.get(sub) if isinstance(part, dict) else None
+    def num(key: str, sub: str = "") -> float:
+        value = r.get(key)
+        if sub:
+            value = value.get(sub) if isinstance(value, dict) else None
         return float(value) if isinstance(value, int | float) else float("nan")
 
-    use, over = r.get("bubble_use"), r.get("overrun_of_bubble_time")
     return (
-        f"| {label} | {get('start_lag_us', 'p50'):.1f} / {get('start_lag_us', 'p99'):.1f} | "
-        f"{get('first_kernel_us', 'delay_p50'):.1f} / {get('first_kernel_us', 'delay_p99'):.1f} | "
-        f"{100 * float(use) if isinstance(use, float) else float('nan'):.1f} % | "
-        f"{100 * float(over) if isinstance(over, float) else float('nan'):.2f} % | "
-        f"{r.get('piece_us', float('nan')):.0f} | {r.get('clock_error_us', float('nan'))} |"
+        f"| {label} | {num('start_lag_us', 'p50'):.1f} / {num('start_lag_us', 'p99'):.1f} | "
+        f"{num('first_kernel_us', 'delay_p50'):.1f} / {num('first_kernel_us', 'delay_p99'):.1f} | "
+        f"{100 * num('bubble_use'):.1f} % | {100 * num('overrun_of_bubble_time'):.2f} % | "
+        f"{num('piece_us'):.0f} | {num('clock_error_us'):.1f} |"
     )
 
 

@@ -43,6 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from freeride.backends.cuda_timing import Calibration, calibrate, torch_device_api  # noqa: E402
 from freeride.gpu.bubblegate import BubbleGate, GateWord, cuda_stream_ops  # noqa: E402
 
 __all__ = ["main"]
@@ -58,25 +59,9 @@ def _q(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, round(p * (len(ordered) - 1)))]
 
 
-class _HostClock:
-    """Device event times on the host's monotonic clock (the narrowest of several host pairs around an event)."""
-
-    def __init__(self, torch: Any) -> None:
-        stream = torch.cuda.Stream()
-        best: tuple[int, int, Any] | None = None
-        for _ in range(9):
-            event = torch.cuda.Event(enable_timing=True, blocking=True)
-            t0 = time.monotonic_ns()
-            event.record(stream)
-            event.synchronize()
-            t1 = time.monotonic_ns()
-            if best is None or t1 - t0 < best[1] - best[0]:
-                best = (t0, t1, event)
-        assert best is not None
-        self.event, self.host_ns, self.error_ns = best[2], (best[0] + best[1]) // 2, (best[1] - best[0]) // 2
-
-    def ns(self, event: Any) -> int:
-        return self.host_ns + round(float(self.event.elapsed_time(event)) * 1e6)
+def _host_clock(torch: Any) -> Calibration:
+    """Device event times on the host's monotonic clock (as the device timeline calibrates; nine tries)."""
+    return calibrate(torch_device_api(), torch.cuda.Stream(), tries=9)
 
 
 class _Side:
@@ -233,13 +218,13 @@ def _child(ns: argparse.Namespace) -> int:
     torch.cuda.synchronize()
     gate = BubbleGate(GateWord.attach(Path(ns.gate)), cuda_stream_ops())
     side = _Side(torch, gate, ns.piece_size, ns.piece_matmuls)
-    clock = _HostClock(torch)
+    clock = _host_clock(torch)
     side.start()
     print("ready", flush=True)
     sys.stdin.read()  # the trainer is done and has released the gate, or is gone
     gate.release()  # as a manager does for a rank that left: what waits drains
     side.stop()
-    times = [(clock.ns(b), clock.ns(e)) for b, e in side.pieces]
+    times = [(clock.host_time(b), clock.host_time(e)) for b, e in side.pieces]
     print(json.dumps({"pieces": times, "error_ns": clock.error_ns}), flush=True)
     gate.close()
     return 0
@@ -255,7 +240,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
         path = Path(tmp) / "gate"
         word = GateWord.create(path)
         gate = BubbleGate(word, ops)
-        clock = _HostClock(torch)
+        clock = _host_clock(torch)
         child: subprocess.Popen[str] | None = None
         side: _Side | None = None
         if ns.side == "process":
@@ -274,7 +259,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
         gate.release()  # what still waits drains
         if side is not None:
             side.stop()
-            pieces = [(clock.ns(b), clock.ns(e)) for b, e in side.pieces]
+            pieces = [(clock.host_time(b), clock.host_time(e)) for b, e in side.pieces]
             error_ns = 0  # one context: elapsed_time between events is exact, the offset cancels
         else:
             assert child is not None and child.stdin is not None and child.stdout is not None
@@ -283,7 +268,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
             child.wait(60)
             pieces = [(int(b), int(e)) for b, e in reply["pieces"]]
             error_ns = clock.error_ns + int(reply["error_ns"])
-        bubbles = [(clock.ns(o), clock.ns(r), clock.ns(f), s) for o, r, f, s in result["bubbles"]]
+        bubbles = [(clock.host_time(o), clock.host_time(r), clock.host_time(f), s) for o, r, f, s in result["bubbles"]]
         gate.close()
     out = _summarise(bubbles, pieces, error_ns)
     out.update(
