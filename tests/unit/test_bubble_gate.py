@@ -129,13 +129,15 @@ def test_a_bubble_that_ends_early_leaves_the_next_pieces_for_the_next_bubble(wor
     gate = BubbleGate(word, ops)
     train, side = ops.stream(), ops.stream()
     log = Log()
-    first_running, first_may_end, second_compute = threading.Event(), threading.Event(), threading.Event()
+    first_running, first_may_end, first_ended = threading.Event(), threading.Event(), threading.Event()
+    second_compute = threading.Event()
 
     def first_piece() -> None:
         log.add("piece 1 start")
         first_running.set()
         assert first_may_end.wait(10)
         log.add("piece 1 end")
+        first_ended.set()
 
     for piece in (first_piece, log.kernel("piece 2"), log.kernel("piece 3")):
         gate.wait_on(side)
@@ -145,6 +147,7 @@ def test_a_bubble_that_ends_early_leaves_the_next_pieces_for_the_next_bubble(wor
     gate.close_on(train)  # the data came early: the bubble is over while piece 1 still runs
     ops.synchronize(train)
     first_may_end.set()
+    assert first_ended.wait(10)  # the piece that started in the bubble runs to its end
     ops.launch(train, second_compute.wait)
     ops.launch(train, log.kernel("compute"))
     gate.open_on(train)
