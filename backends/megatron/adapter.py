@@ -34,7 +34,8 @@ import os
 import time
 from typing import Any
 
-from freeride.backends.cuda_timing import DeviceApi, DeviceTimeline, Timing, track_steps
+from freeride.backends.cuda_timing import DeviceTimeline, Timing, track_steps
+from freeride.backends.device_clock import DeviceApi
 from freeride.backends.launch import read_mode
 from freeride.backends.megatron import _compat
 from freeride.backends.megatron._device import RankDevice

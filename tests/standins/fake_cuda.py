@@ -18,7 +18,7 @@ import threading
 from collections import deque
 from typing import Any
 
-from freeride.backends.cuda_timing import DeviceApi
+from freeride.backends.device_clock import DeviceApi
 
 __all__ = ["FakeEvent", "FakeGpu", "FakeStream"]
 

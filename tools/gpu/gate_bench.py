@@ -43,7 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from freeride.backends.cuda_timing import Calibration, calibrate, torch_device_api  # noqa: E402
+from freeride.backends.device_clock import Calibration, calibrate, torch_device_api  # noqa: E402
 from freeride.gpu.bubblegate import BubbleGate, GateWord, cuda_stream_ops  # noqa: E402
 
 __all__ = ["main"]
