@@ -18,7 +18,8 @@ outside FreeRide's).
 
 Checked: bubbles reach the manager from every stage, the announced bubbles
 cover the measured waits and lie inside them (within 10 %), the losses are
-those of the run without FreeRide, and the side tasks get steps. The waits
+those of the run without FreeRide (2-rank cases: every schedule; the 4-rank
+runs train as many steps), and the side tasks get steps. The waits
 covered are the schedule's: those at the places in the step (the n-th wait of
 a rank's step) whose median wait lasts 4 ms or more. A loaded 2-core machine
 also stalls a rank now and then elsewhere, for milliseconds; such a stall is
@@ -29,6 +30,7 @@ against the 10 %.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -65,6 +67,10 @@ STEPS = 16
 ONE_LAUNCH_STEPS = 30
 """More: the side tasks start while the job trains, and the waits settle after that."""
 ONE_LAUNCH_SETTLED = 12
+UNREFERENCED_RANKS = 4
+"""Cases with this many ranks check no losses against a run without FreeRide: every schedule's losses
+are checked with 2 ranks, and a 4-rank run's start (four processes importing torch on two cores) takes
+as long as its 30 steps."""
 REFERENCE_STEPS = 3
 PROFILE_STEPS = 4
 SETTLED = 6
@@ -213,8 +219,8 @@ def _submit_now(runtime_dir: Path, devices: list[str]) -> None:
 
 @pytest.mark.parametrize("case", ONE_LAUNCH, ids=_ids(ONE_LAUNCH))
 def test_one_launch_bubbles_match_waits_and_side_tasks_run_in_them(case: Case, runtime_dir: Path) -> None:
-    reference = _reference(case)
     ranks = case[1]
+    reference = [] if ranks == UNREFERENCED_RANKS else _reference(case)
     trace_path = runtime_dir / "trace.json"
     out, err = runtime_dir / "train.out", runtime_dir / "train.err"
     cmd = freeride_cmd(
@@ -266,6 +272,7 @@ def _check(
     # training computes what it computes alone
     losses = _losses(stdout)
     assert len(losses) == steps and losses[: len(reference)] == reference, (case, losses, reference)
+    assert all(math.isfinite(loss) for loss in losses), (case, losses)
 
     # bubbles reached the manager from every stage, and the side tasks ran in them
     by_device = {d.device: d for d in reply.devices}
