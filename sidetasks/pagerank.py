@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from freeride.gpu.graphs import GraphApi, StepGraph
 from freeride.sidetask import TaskContext
 from freeride.sidetasks._common import DeviceTask, check_fingerprint, joinable, synchronize
 from freeride.sidetasks._options import check_at_least, check_file, target_ns
@@ -91,7 +92,9 @@ class PageRank(DeviceTask):
     ``iters_per_step`` (1), ``target_ms`` (5.0, see below), ``dtype``
     ("float64" or "float32"), ``output`` ("": keep the result in memory only;
     else a file, relative to the task's work directory, that receives
-    ``{"labels", "ranks"}`` via ``torch.save`` when done).
+    ``{"labels", "ranks"}`` via ``torch.save`` when done), ``cuda_graph``
+    (True: on a CUDA device each step's iterations run as one captured CUDA
+    graph, see below).
 
     Packing: iterations are independent units, so a step may join several
     (kinds ``i2``, ``i4``, ...: that many times ``iters_per_step``). Inside a
@@ -102,6 +105,15 @@ class PageRank(DeviceTask):
     paid once per piece instead of once per iteration, while a bubble that
     ends early still finds at most a short step running. 0 keeps one step
     per ``iters_per_step`` iterations.
+
+    CUDA graphs: on a GPU an iteration is a handful of small kernels and a
+    host read of the residual, so an eager step is launch-bound. With
+    ``cuda_graph`` a step of ``k`` iterations is one graph
+    (:class:`~freeride.gpu.graphs.StepGraph`, one per ``k``) that updates the
+    rank vector in place and reads the residual once, at the step's end: a
+    step may then run past convergence by the rest of its iterations (the
+    ranks only converge further). Where capture fails the step runs eagerly
+    and the log says why.
 
     Metrics: ``residual``, ``iterations``, ``converged``, ``max_rank``,
     ``nodes``, ``edges``.
@@ -125,6 +137,7 @@ class PageRank(DeviceTask):
         target_ms: float = 5.0,
         dtype: str = "float64",
         output: str = "",
+        cuda_graph: bool = True,
     ) -> None:
         super().__init__()
         check_at_least(1, nodes=nodes)
@@ -159,6 +172,13 @@ class PageRank(DeviceTask):
         self._dangling = torch.empty(0)
         self._workdir = Path.cwd()
         self._saved = False
+        self.cuda_graph = cuda_graph
+        self.graph_api: GraphApi | None = None
+        """The CUDA graph calls (None: ``torch.cuda``'s on a CUDA device); a stand-in runs the graphed path on CPU."""
+        self._graphs: dict[int, StepGraph] = {}
+        """One graph per count of iterations a step runs."""
+        self._next = torch.empty(0)
+        self._residual_dev = torch.empty(0)
 
     def _build(self, ctx: TaskContext) -> None:
         self._workdir = ctx.workdir
@@ -222,13 +242,49 @@ class PageRank(DeviceTask):
         self._piece = units
         return self.step_kind()
 
+    def _graphed(self) -> bool:
+        return self.cuda_graph and (self.device.type == "cuda" or self.graph_api is not None)
+
+    def _iterate_in_place(self, count: int, x: torch.Tensor, new: torch.Tensor, residual: torch.Tensor) -> None:
+        """``count`` iterations on ``x``'s own storage (the rank vector), the residual left in ``residual``."""
+        n = self.nodes
+        for _ in range(count):
+            dangling_mass = torch.dot(self._dangling, x)
+            new.copy_(torch.mv(self._matrix, x)).add_(dangling_mass / n).mul_(self.alpha).add_((1.0 - self.alpha) / n)
+            residual.copy_(torch.sum(torch.abs(new - x)))
+            x.copy_(new)
+
+    def _run_graphed(self, count: int) -> None:
+        if self._next.shape != self.ranks.shape or self._next.device != self.ranks.device:
+            self._next = torch.empty_like(self.ranks)
+            self._residual_dev = torch.zeros((), dtype=self.ranks.dtype, device=self.ranks.device)
+            self._graphs.clear()
+        graph = self._graphs.get(count)
+        if graph is None:
+            # the buffers are bound now, as a capture fixes them: a graph works on these tensors for good
+            buffers = (self.ranks, self._next, self._residual_dev)
+            graph = self._graphs[count] = StepGraph(
+                lambda: self._iterate_in_place(count, *buffers),
+                device=self.device,
+                name=f"pagerank step of {count} iterations",
+                api=self.graph_api,
+            )
+        graph.run()
+        self.iterations += count
+        self.residual = float(self._residual_dev)  # the step's one host read: it waits for the device
+
     def step(self) -> None:
         units, self._piece = self._piece, 1
         self._ran.add(units)
-        for _ in range(units * self.iters_per_step):
-            if self.done():
-                break
-            self._iterate()
+        if self._graphed():
+            count = min(units * self.iters_per_step, self.max_iters - self.iterations)
+            if count > 0 and not self.done():
+                self._run_graphed(count)
+        else:
+            for _ in range(units * self.iters_per_step):
+                if self.done():
+                    break
+                self._iterate()
         synchronize(self.device)
         if self.done() and self.output and not self._saved:
             path = self._workdir / self.output
@@ -262,13 +318,16 @@ class PageRank(DeviceTask):
     def _capture(self) -> dict[str, Any]:
         return {
             "fingerprint": self._fingerprint(),
-            "ranks": self.ranks,
+            # a graphed step updates the ranks in place: the checkpoint keeps its own copy
+            "ranks": self.ranks.clone() if self._graphs else self.ranks,
             "iterations": self.iterations,
             "residual": self.residual,
         }
 
     def _restore(self, state: dict[str, Any]) -> None:
         check_fingerprint(state, self._fingerprint())
-        self.ranks = state["ranks"].to(self.device, self.dtype)
+        # a copy: a graphed step updates the ranks in place, and the state stays the caller's
+        self.ranks = state["ranks"].to(self.device, self.dtype, copy=True)
+        self._graphs.clear()  # captured on the vector this one replaces
         self.iterations = int(state["iterations"])
         self.residual = float(state["residual"])

@@ -1,3 +1,3 @@
-"""GPU plumbing: the MPS daemon, NVML readings and side-task memory caps."""
+"""GPU plumbing: the MPS daemon, NVML readings, side-task memory caps, the bubble gate and steps as CUDA graphs."""
 
 __all__: list[str] = []
