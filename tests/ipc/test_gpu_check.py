@@ -34,8 +34,10 @@ def test_dry_run_writes_a_report_of_every_section(tmp_path: Path) -> None:
     assert "# FreeRide GPU check (CPU (dry run))" in report
     assert "the figures are CPU figures" in report
     assert "result: all sections ran" in report
-    for section in ("## a. Pipeline stage", "## b. MPS memory cap", "## c. Tail", "## d. NVML", "## f. Side work"):
+    sections = ("## a. Pipeline stage", "## b. MPS memory cap", "## c. Tail", "## d. NVML", "## f. Side work", "## g.")
+    for section in sections:
         assert section in report
+    assert "needs a CUDA device" in report  # the GPU tests ran, and skipped
     assert "| graph-sgd | host |" in report  # on CPU the stage's waits block the host
     assert "-> fails alone" in report and "-> goes on" in report
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in report

@@ -19,6 +19,8 @@ f. Side work released by the device (``gate_bench.py``): the lag from a
    bubble's start to the first side kernel and the delay of the trainer's first
    kernel after it, side work in the trainer's process, in a second one, and
    in a second one under MPS.
+g. The suite's GPU tests (``pytest tests/gpu``): the device timeline, the bubble
+   gate, steps as CUDA graphs, the GPU paths, each against the real device.
 
 ``--dry-run`` runs the same path on CPU (one pinned core plays the GPU; MPS,
 the tail and NVML are reported as not available), fast enough for CI.
@@ -29,8 +31,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -146,6 +150,19 @@ def section_tail(config: CheckConfig) -> str:
     return f"```\n{out.strip()}\n```"
 
 
+def section_tests(config: CheckConfig) -> str:
+    """The suite's GPU tests (``tests/gpu``): what CPU machines check through stand-ins, on the device."""
+    cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider", "--durations=0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    summary = f"`{shlex.join(cmd[1:])}`: exit {done.returncode}"
+    body = f"{summary}\n\n```\n{(done.stdout + done.stderr)[-4000:].strip()}\n```"
+    if done.returncode not in (0, 5):  # 5: nothing collected
+        raise RuntimeError(body)
+    if config.dry_run:
+        return body + "\n\nOn CPU every test there skips, saying it needs a CUDA device."
+    return body
+
+
 def section_nvml(config: CheckConfig) -> str:
     from freeride.gpu.nvml import NvmlMonitor
 
@@ -220,6 +237,7 @@ def run_check(config: CheckConfig) -> int:
         ("b. MPS memory cap and SM cap", lambda: section_mps(config, report)),
         ("d. NVML against torch", lambda: section_nvml(config)),
         ("f. Side work released by the device (bubble gate)", lambda: section_gate(config, report)),
+        ("g. The suite's GPU tests", lambda: section_tests(config)),
         ("a. Pipeline stage with side tasks in its bubbles", lambda: section_pipeline(config, report)),
         ("c. Tail after SIGSTOP (sync_every)", lambda: section_tail(config)),
     ]

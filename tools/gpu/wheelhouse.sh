@@ -14,8 +14,9 @@ PY=${PYTHON:-.venv/bin/python}
 OUT=${FREERIDE_WHEELS:-.whl}
 mkdir -p "$OUT"
 
-# Not on the GPU machine (it has torch, nvidia-ml-py, uvloop, prometheus-client, rich).
-CORE=(pyzmq msgspec)
+# Not on the GPU machine (it has torch, nvidia-ml-py, uvloop, prometheus-client, rich); the test
+# tools run the suite's GPU tests (check section g).
+CORE=(pyzmq msgspec pytest pytest-asyncio pluggy iniconfig packaging pygments)
 # The real pipelines; pip is told --no-deps, so every dependency is named.
 TWO_GPU=(megatron-core hjson ninja py-cpuinfo pydantic pydantic-core annotated-types typing-inspection
     typing-extensions einops msgpack psutil tqdm packaging numpy)
