@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 __all__ = ["mps_missing", "section_gate", "section_mps"]
 
 GATE_BENCH = Path(__file__).resolve().parent / "gate_bench.py"
+SM_SHARES = (25, 50, 75)
+"""The side work's share of the SMs tried, by a green context and by MPS (issue: settle the default by measurement)."""
+SHARE_BUBBLES = 200
+"""Bubbles of each kind in a run of the SM-share variants (400 in the main rows)."""
 
 _ALLOC = """
 import os, sys, torch
@@ -197,8 +201,13 @@ def section_gate(config: CheckConfig, report: Report) -> str:
     if why:
         raise RuntimeError(f"the bubble gate cannot be used on this GPU: {why}")
     rows, raw = [], []
+    short = ["--bubbles", str(SHARE_BUBBLES)]
     runs: list[tuple[str, list[str], dict[str, str]]] = [
         ("side stream, same process", ["--side", "stream"], dict(os.environ)),
+        *(
+            (f"green context, {pct} % of SMs", ["--side", "green", "--sm-percent", str(pct), *short], dict(os.environ))
+            for pct in SM_SHARES
+        ),
         ("side process, no MPS", ["--side", "process"], dict(os.environ)),
     ]
     tmp = Path(tempfile.mkdtemp(prefix="frgate-mps-"))
@@ -207,10 +216,20 @@ def section_gate(config: CheckConfig, report: Report) -> str:
         daemon, _ = start_mps(tmp)
     try:
         if daemon is not None:
-            env = {**os.environ, **daemon.client_env(0, 8 << 30)}
-            runs.append(("side process, MPS client", ["--side", "process"], env))
+            client = daemon.client_env(0, 8 << 30)
+            side_only = [arg for key, value in client.items() for arg in ("--side-env", f"{key}={value}")]
+            runs.append(("side process, MPS client; trainer outside MPS", ["--side", "process", *side_only], {}))
+            for pct in SM_SHARES:
+                share = ["--side-env", f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={pct}"]
+                label = f"side process, MPS client at {pct} % of SMs; trainer outside MPS"
+                runs.append((label, ["--side", "process", *side_only, *share, *short], {}))
+            runs.append(("side process and trainer, both MPS clients", ["--side", "process"], client))
         for label, args, env in runs:
-            out = run_command([sys.executable, str(GATE_BENCH), *args], env=env, timeout_s=120)
+            try:  # one variant that cannot run (no green contexts in this torch, say) leaves the others
+                out = run_command([sys.executable, str(GATE_BENCH), *args], env={**os.environ, **env}, timeout_s=120)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                rows.append(f"| {label} | FAILED: {str(exc).strip().splitlines()[-1][:200]} | | | | | |")
+                continue
             result = json.loads(out.strip().splitlines()[-1])
             rows.append(_gate_row(label, result))
             raw.append(json.dumps(result))
@@ -222,7 +241,7 @@ def section_gate(config: CheckConfig, report: Report) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
     table = [
         "Gate opened and closed by the training stream; side pieces queued ahead behind it "
-        "(`python tools/gpu/gate_bench.py --side stream|process`). Start lag: bubble start to the first side "
+        "(`python tools/gpu/gate_bench.py --side stream|green|process`). Start lag: bubble start to the first side "
         "piece on the device; trainer delay: its first kernel after the bubble, with side work minus without "
         "(p50 / p99 of each, us); use and overrun: side time inside / outside bubbles over bubble time; clock "
         "error: bound on the two processes' calibration (0: one context).",

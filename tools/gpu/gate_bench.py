@@ -17,12 +17,18 @@ Measured per bubble, on the device's timeline:
   side-piece time outside bubbles over bubble time.
 
 ``--side process`` runs the side work in a second process (under MPS when
-``CUDA_MPS_PIPE_DIRECTORY`` is set for it): its event times are put on the
-host's monotonic clock by a calibration pair in each process, and the error
-bound of the two pairs is printed. ``--side stream`` keeps it in the trainer's
-process (one context: exact). Prints one JSON object.
+``CUDA_MPS_PIPE_DIRECTORY`` is set for it; ``--side-env`` sets variables in
+that process only, so that the trainer stays outside MPS while the side
+process is an MPS client with, say, ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25``):
+its event times are put on the host's monotonic clock by a calibration pair in
+each process, and the error bound of the two pairs is printed. ``--side
+stream`` keeps it in the trainer's process (one context: exact); ``--side
+green`` too, on the stream of a green context holding ``--sm-percent`` of the
+device's SMs (``torch.cuda.green_contexts``, where the torch in use has them).
+Prints one JSON object.
 
     python tools/gpu/gate_bench.py --side stream --bubbles 400
+    python tools/gpu/gate_bench.py --side green --sm-percent 25
 """
 
 from __future__ import annotations
@@ -67,11 +73,11 @@ def _host_clock(torch: Any) -> Calibration:
 class _Side:
     """Side pieces queued ahead on a low-priority stream, each behind the gate; their device intervals."""
 
-    def __init__(self, torch: Any, gate: BubbleGate, size: int, per_piece: int) -> None:
+    def __init__(self, torch: Any, gate: BubbleGate, size: int, per_piece: int, stream: Any = None) -> None:
         self._torch = torch
         self._gate = gate
         least = torch.cuda.Stream.priority_range()[0]
-        self.stream = torch.cuda.Stream(priority=least)
+        self.stream = torch.cuda.Stream(priority=least) if stream is None else stream
         self._a = torch.randn(size, size, device="cuda")
         self._per_piece = per_piece
         self.pieces: list[tuple[Any, Any]] = []
@@ -210,6 +216,28 @@ def _summarise(
     }
 
 
+def _green_stream(torch: Any, percent: int) -> tuple[Any, int]:
+    """A stream of a new green context holding ``percent`` of the device's SMs, and how many SMs that is."""
+    from torch.cuda import green_contexts
+
+    if not green_contexts.SUPPORTED:
+        raise RuntimeError(f"torch {torch.__version__} was built without green contexts")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    count = max(1, round(sms * percent / 100))
+    context: Any = green_contexts.GreenContext.create(num_sms=count, device_id=0)
+    return context.Stream(), count
+
+
+def _side_env(pairs: list[str]) -> dict[str, str]:
+    env = dict(os.environ)
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"gate_bench: --side-env expects KEY=VALUE, got {pair!r}")
+        env[key] = value
+    return env
+
+
 def _child(ns: argparse.Namespace) -> int:
     """The side process: pieces behind the gate until stdin closes, then their times on the host clock."""
     import torch
@@ -243,15 +271,20 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
         clock = _host_clock(torch)
         child: subprocess.Popen[str] | None = None
         side: _Side | None = None
+        side_env = _side_env(ns.side_env)
+        green_sms = 0
         if ns.side == "process":
             cmd = [sys.executable, __file__, "--child", "--gate", str(path)]
             cmd += ["--piece-size", str(ns.piece_size), "--piece-matmuls", str(ns.piece_matmuls)]
-            child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ)
+            child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=side_env)
             assert child.stdout is not None and child.stdin is not None
             if child.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"side process failed to start (exit {child.wait(30)})")
         else:
-            side = _Side(torch, gate, ns.piece_size, ns.piece_matmuls)
+            stream = None
+            if ns.side == "green":
+                stream, green_sms = _green_stream(torch, ns.sm_percent)
+            side = _Side(torch, gate, ns.piece_size, ns.piece_matmuls, stream)
             side.start()
         t0 = time.monotonic()
         result = _trainer(torch, gate, ns, _plan(ns))
@@ -273,7 +306,12 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     out = _summarise(bubbles, pieces, error_ns)
     out.update(
         side=ns.side,
-        mps=bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")) and ns.side == "process",
+        mps=bool(side_env.get("CUDA_MPS_PIPE_DIRECTORY")) and ns.side == "process",
+        trainer_mps=bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
+        side_sm_percent=int(side_env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100"))
+        if ns.side == "process"
+        else (ns.sm_percent if ns.side == "green" else 100),
+        green_sms=green_sms,
         bubble_ms=list(ns.bubble_ms),
         wall_s=round(wall_s, 2),
         piece_us=statistics.median((e - b) / 1e3 for b, e in pieces) if pieces else float("nan"),
@@ -283,7 +321,15 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--side", choices=("stream", "process"), default="stream")
+    ap.add_argument("--side", choices=("stream", "green", "process"), default="stream")
+    ap.add_argument("--sm-percent", type=int, default=50, help="green: the share of the SMs its context holds")
+    ap.add_argument(
+        "--side-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="process: set in the side process only (CUDA_MPS_PIPE_DIRECTORY, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)",
+    )
     ap.add_argument("--bubbles", type=int, default=400, help="bubbles with side work (as many without)")
     ap.add_argument("--bubble-ms", type=float, nargs=2, default=(0.5, 3.0), help="receive length range (ms)")
     ap.add_argument("--train-size", type=int, default=2048)
@@ -294,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--gate", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
+    if not 1 <= ns.sm_percent <= 100:
+        ap.error(f"--sm-percent must be in 1..100, got {ns.sm_percent}")
+    _side_env(ns.side_env)  # a malformed pair says so before CUDA starts
     if ns.child:
         return _child(ns)
     print(json.dumps(run(ns)))
