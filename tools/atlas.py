@@ -10,7 +10,9 @@ stand-in (one pinned core per stage; sleeping layers stand in for kernels):
    training script, the mean over stages of the profiled bubble share;
 3. **used**: ``freeride serve --profile`` with one graph-SGD side task pinned to
    each stage's device, ``freeride launch`` of the same job, and the share of
-   the announced bubble time the side tasks computed in (``freeride status``).
+   the bubble time offered to them (neither held back for the cost meter nor
+   backed off by the slowdown budget) the side tasks computed in (``freeride
+   status``, "used").
 
 It writes a markdown table and one picture per case (one step, per stage)::
 
@@ -203,8 +205,8 @@ def _used(case: Case, profile_path: Path, devices: list[str], runtime_dir: Path,
         if done.returncode != 0:
             raise RuntimeError(f"launch exited with {done.returncode}: {done.stderr.strip()[-300:]}")
         reply = _status(runtime_dir)
-        bubble = sum(d.bubble_ns for d in reply.devices)
-        return sum(d.used_ns for d in reply.devices) / bubble if bubble else 0.0
+        offered = sum(d.offered_ns for d in reply.devices)  # neither held back for the cost meter nor backed off
+        return sum(d.used_ns for d in reply.devices) / offered if offered else 0.0
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(serve.pid, signal.SIGTERM)
