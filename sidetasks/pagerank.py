@@ -319,7 +319,7 @@ class PageRank(DeviceTask):
         return {
             "fingerprint": self._fingerprint(),
             # a graphed step updates the ranks in place: the checkpoint keeps its own copy
-            "ranks": self.ranks.clone() if self._graphs else self.ranks,
+            "ranks": self.ranks.clone() if self._graphed() else self.ranks,
             "iterations": self.iterations,
             "residual": self.residual,
         }

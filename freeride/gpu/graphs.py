@@ -59,7 +59,6 @@ class _TorchGraphs:
     def __init__(self, device: torch.device) -> None:
         self._device = device
         self._stream: Any = None
-        self._pool: Any = None
 
     def warm(self, work: Callable[[], None]) -> None:
         cuda: Any = torch.cuda
@@ -75,9 +74,8 @@ class _TorchGraphs:
         cuda: Any = torch.cuda
         cuda.synchronize(self._device)
         graph = cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = cuda.graph_pool_handle()  # one pool for every graph of the task: they never run at once
-        with cuda.device(self._device), cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        # a private memory pool per graph: graphs of one task replay in any order, which a shared pool forbids
+        with cuda.device(self._device), cuda.graph(graph, capture_error_mode="thread_local"):
             work()
         captured: CapturedGraph = graph
         return captured
