@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from freeride.gpu.graphs import GraphApi, StepGraph
-from freeride.sidetask import TaskContext
+from freeride.sidetask import GraphApi, StepGraph, TaskContext
 from freeride.sidetasks._common import DeviceTask, check_fingerprint, joinable, synchronize
 from freeride.sidetasks._options import check_at_least, check_file, target_ns
 
@@ -109,7 +108,7 @@ class PageRank(DeviceTask):
     CUDA graphs: on a GPU an iteration is a handful of small kernels and a
     host read of the residual, so an eager step is launch-bound. With
     ``cuda_graph`` a step of ``k`` iterations is one graph
-    (:class:`~freeride.gpu.graphs.StepGraph`, one per ``k``) that updates the
+    (:class:`~freeride.sidetask.graphs.StepGraph`, one per ``k``) that updates the
     rank vector in place and reads the residual once, at the step's end: a
     step may then run past convergence by the rest of its iterations (the
     ranks only converge further). Where capture fails the step runs eagerly

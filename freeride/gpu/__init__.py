@@ -1,3 +1,3 @@
-"""GPU plumbing: the MPS daemon, NVML readings, side-task memory caps, the bubble gate and steps as CUDA graphs."""
+"""GPU plumbing: the MPS daemon, NVML readings, side-task memory caps and the bubble gate."""
 
 __all__: list[str] = []

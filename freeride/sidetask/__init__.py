@@ -63,21 +63,29 @@ bubble back, still answers a stop (it is checkpointed, not killed) and keeps
 its status fresh. ``gate.remaining()`` says how much of the current grant is
 left, and ``gate.report(loss=...)`` publishes metrics between checkpoints.
 
+On a GPU, a step whose kernels are small and many can run as one captured
+CUDA graph: :class:`StepGraph` wraps its device work, captures it after two
+eager runs and replays it, and runs it eagerly (saying why) where capture fails.
+
 The modules: :mod:`~freeride.sidetask.task` (the task, its gate and context),
-:mod:`~freeride.sidetask.estimates` (step-time estimates) and
-:mod:`~freeride.sidetask.alone` (running a task without a manager).
+:mod:`~freeride.sidetask.estimates` (step-time estimates),
+:mod:`~freeride.sidetask.alone` (running a task without a manager) and
+:mod:`~freeride.sidetask.graphs` (steps as CUDA graphs).
 """
 
 from freeride.sidetask.alone import UnboundedGate, run_alone
 from freeride.sidetask.estimates import StepCost, StepEstimates, StepEstimator
+from freeride.sidetask.graphs import GraphApi, StepGraph
 from freeride.sidetask.task import IterativeTask, StepGate, TaskContext, TaskStopped
 
 __all__ = [
+    "GraphApi",
     "IterativeTask",
     "StepCost",
     "StepEstimates",
     "StepEstimator",
     "StepGate",
+    "StepGraph",
     "TaskContext",
     "TaskStopped",
     "UnboundedGate",

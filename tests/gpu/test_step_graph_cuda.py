@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from freeride.gpu.graphs import WARMUP_RUNS, StepGraph
 from freeride.sidetask import TaskContext
+from freeride.sidetask.graphs import WARMUP_RUNS, StepGraph
 from freeride.sidetasks.pagerank import PageRank
 
 pytestmark = pytest.mark.gpu

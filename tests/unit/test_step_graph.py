@@ -17,8 +17,8 @@ import torch
 from _files import load
 from _sidetaskfix import cpu_context, deterministic_one_thread  # noqa: F401 - autouse fixture
 
-from freeride.gpu.graphs import WARMUP_RUNS, StepGraph
 from freeride.sidetask import run_alone
+from freeride.sidetask.graphs import WARMUP_RUNS, StepGraph
 from freeride.sidetasks.pagerank import PageRank
 
 FakeGraphApi: Any = load("tests/standins/fake_cuda_graph.py", "fake_cuda_graph").FakeGraphApi
@@ -29,7 +29,7 @@ MS = 1_000_000
 def test_a_step_warms_up_then_is_captured_once_and_replayed(caplog: pytest.LogCaptureFixture) -> None:
     api, ran = FakeGraphApi(), []
     graph = StepGraph(lambda: ran.append(1), device=CUDA, name="the step", api=api)
-    with caplog.at_level(logging.INFO, logger="freeride.gpu.graphs"):
+    with caplog.at_level(logging.INFO, logger="freeride.sidetask.graphs"):
         for _ in range(WARMUP_RUNS + 3):
             graph.run()
     assert api.calls == ["warm"] * WARMUP_RUNS + ["capture", "replay", "replay", "replay"]
@@ -41,7 +41,7 @@ def test_a_step_warms_up_then_is_captured_once_and_replayed(caplog: pytest.LogCa
 def test_a_step_that_cannot_be_captured_runs_eagerly_and_says_why_once(caplog: pytest.LogCaptureFixture) -> None:
     api, ran = FakeGraphApi(fail=RuntimeError("operation not permitted when stream is capturing\nmore")), []
     graph = StepGraph(lambda: ran.append(1), device=CUDA, name="the step", api=api, warmup=1)
-    with caplog.at_level(logging.WARNING, logger="freeride.gpu.graphs"):
+    with caplog.at_level(logging.WARNING, logger="freeride.sidetask.graphs"):
         for _ in range(4):
             graph.run()
     assert api.calls == ["warm", "capture"]  # no second try: the step stays as it could always run
@@ -128,7 +128,7 @@ async def test_a_pagerank_step_that_cannot_be_captured_still_computes_the_ranks(
     await run_alone(plain, steps=1000, ctx=cpu_context(tmp_path))
     failing = _pagerank(max_iters=40)
     failing.graph_api = FakeGraphApi(fail=RuntimeError("CUDA error: operation not supported when capturing"))
-    with caplog.at_level(logging.WARNING, logger="freeride.gpu.graphs"):
+    with caplog.at_level(logging.WARNING, logger="freeride.sidetask.graphs"):
         await run_alone(failing, steps=1000, ctx=cpu_context(tmp_path))
     assert failing.iterations == 40 and torch.equal(failing.ranks, plain.ranks)
     assert "pagerank step of 1 iterations runs eagerly: capture failed: RuntimeError" in caplog.text

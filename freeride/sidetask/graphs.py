@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import torch
+if TYPE_CHECKING:  # the task API imports no torch of its own: a task that uses this has it loaded
+    import torch
 
 __all__ = ["WARMUP_RUNS", "CapturedGraph", "GraphApi", "StepGraph", "torch_graph_api"]
 
@@ -61,6 +62,8 @@ class _TorchGraphs:
         self._stream: Any = None
 
     def warm(self, work: Callable[[], None]) -> None:
+        import torch
+
         cuda: Any = torch.cuda
         if self._stream is None:
             self._stream = cuda.Stream(self._device)
@@ -71,6 +74,8 @@ class _TorchGraphs:
         current.wait_stream(self._stream)
 
     def capture(self, work: Callable[[], None]) -> CapturedGraph:
+        import torch
+
         cuda: Any = torch.cuda
         cuda.synchronize(self._device)
         graph = cuda.CUDAGraph()
