@@ -202,13 +202,14 @@ def section_gate(config: CheckConfig, report: Report) -> str:
         raise RuntimeError(f"the bubble gate cannot be used on this GPU: {why}")
     rows, raw = [], []
     short = ["--bubbles", str(SHARE_BUBBLES)]
+    # (label, arguments, environment added for the whole run: trainer and side process)
     runs: list[tuple[str, list[str], dict[str, str]]] = [
-        ("side stream, same process", ["--side", "stream"], dict(os.environ)),
+        ("side stream, same process", ["--side", "stream"], {}),
         *(
-            (f"green context, {pct} % of SMs", ["--side", "green", "--sm-percent", str(pct), *short], dict(os.environ))
+            (f"green context, {pct} % of SMs", ["--side", "green", "--sm-percent", str(pct), *short], {})
             for pct in SM_SHARES
         ),
-        ("side process, no MPS", ["--side", "process"], dict(os.environ)),
+        ("side process, no MPS", ["--side", "process"], {}),
     ]
     tmp = Path(tempfile.mkdtemp(prefix="frgate-mps-"))
     daemon = None

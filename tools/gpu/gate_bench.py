@@ -271,7 +271,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
         clock = _host_clock(torch)
         child: subprocess.Popen[str] | None = None
         side: _Side | None = None
-        side_env = _side_env(ns.side_env)
+        side_env: dict[str, str] = ns.side_environ
         green_sms = 0
         if ns.side == "process":
             cmd = [sys.executable, __file__, "--child", "--gate", str(path)]
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     if not 1 <= ns.sm_percent <= 100:
         ap.error(f"--sm-percent must be in 1..100, got {ns.sm_percent}")
-    _side_env(ns.side_env)  # a malformed pair says so before CUDA starts
+    ns.side_environ = _side_env(ns.side_env)  # parsed before CUDA starts: a malformed pair says so at once
     if ns.child:
         return _child(ns)
     print(json.dumps(run(ns)))
