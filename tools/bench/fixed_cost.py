@@ -1,19 +1,22 @@
 """What FreeRide costs a training job with no side work: the hooks alone, and the hooks with a manager beside them.
 
-Runs the simulated 2-stage job of ``tools/bench/_sim_job.py`` in rounds of five
-runs, their order rotating from round to round: alone (twice: the A/A noise
+Runs a 2-stage training job (the simulated one of ``tools/bench/_sim_job.py``,
+or with ``--job deepspeed`` ``tools/train/deepspeed_gpt.py`` with the arguments
+after ``--``) in rounds of five runs, their order rotating from round to round: alone (twice: the A/A noise
 floor), hooked with no manager (``freeride launch --no-manager``: every event is
 dropped at once), hooked beside an idle ``freeride serve`` (started once, before
 the first round, with no side task), and under a plain ``freeride launch``,
 which starts a manager of its own for the run::
 
     python tools/bench/fixed_cost.py --rounds 8 --steps 60
+    python tools/bench/fixed_cost.py --job deepspeed --rounds 8 --steps 60 -- --hidden 256 --seq 64 --micro-batch-size 8
 
 and prints, per comparison, the median slowdown of the paired runs and its
 order-statistic 95 % interval (``_stats.paired_slowdown``): the hooks' cost
 (hooked vs alone), an idle manager's (served vs hooked), both (served vs
-alone, launched vs alone), against the A/A floor. The job's figure is rank 0's median step time
-past the first steps. Run it alone on the machine (``flock
+alone, launched vs alone), against the A/A floor. A run's figures are rank 0's
+median step time past the first steps and, where the job reports it, the
+ranks' CPU time per step (``_bench_figures.parse_steps``). Run it alone on the machine (``flock
 /tmp/freeride-bench.lock``): two benchmarks at once measure each other.
 """
 
@@ -29,7 +32,8 @@ import time
 from pathlib import Path
 
 from _bench_commands import freeride_cmd, plain_env, run_cmd  # tools/bench is the script's directory
-from _bench_figures import parse_steps
+from _bench_figures import StepFigures, parse_steps
+from _bench_tasks import ROOT
 from _pipeline_bench import manager_status, stop_serve, wait_for_serve
 from _stats import Estimate, paired_slowdown
 
@@ -37,16 +41,30 @@ from freeride.transport import Endpoints
 
 __all__ = ["main"]
 
-SCRIPT = Path(__file__).resolve().parent / "_sim_job.py"
+SCRIPTS = {
+    "sim": Path(__file__).resolve().parent / "_sim_job.py",
+    "deepspeed": Path(__file__).resolve().parents[2] / "tools" / "train" / "deepspeed_gpt.py",
+}
+"""The jobs ``--job`` names."""
 KINDS = ("alone", "alone-again", "hooked", "served", "launched")
 """The runs of a round; the order rotates by one each round, so each kind runs in each place as often."""
+COMPARISONS = (
+    ("A/A: alone vs alone", "alone", "alone-again"),
+    ("hooks, no manager, vs alone", "alone", "hooked"),
+    ("an idle `freeride serve`, vs the hooks alone", "hooked", "served"),
+    ("hooks and an idle `freeride serve`, vs alone", "alone", "served"),
+    ("`freeride launch` starting its own manager, vs alone", "alone", "launched"),
+)
+"""What the report compares: its row's name, the first run's kind, the second's."""
 
 
 def _job(steps: int, ns: argparse.Namespace) -> list[str]:
+    command = [sys.executable, str(SCRIPTS[ns.job]), "--spawn", "2", "--steps", str(steps)]
+    if ns.job == "deepspeed":
+        return [*command, *ns.train_args]
     return [
-        sys.executable, str(SCRIPT), "--spawn", "2", "--steps", str(steps), "--schedule", ns.schedule,
-        "--microbatches", str(ns.microbatches), "--forward", ns.forward, "--backward", ns.backward,
-        "--compute", "cpu",
+        *command, "--schedule", ns.schedule, "--microbatches", str(ns.microbatches), "--forward", ns.forward,
+        "--backward", ns.backward, "--compute", "cpu", *ns.train_args,
     ]  # fmt: skip
 
 
@@ -75,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--forward", default="10ms")
     ap.add_argument("--backward", default="20ms")
+    ap.add_argument("--job", default="sim", choices=sorted(SCRIPTS), help="the training job (default sim)")
+    ap.add_argument("train_args", nargs="*", help="after --: more arguments for the job's script")
     ns = ap.parse_args(argv)
     if ns.rounds < 1 or ns.steps < 8:
         ap.error("--rounds must be >= 1 and --steps >= 8")
@@ -94,30 +114,31 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_for_serve("the manager", 60, lambda: bool(manager_status(endpoints)), serve, log)
         run_cmd(_command("served", job, runtime))  # warm-up, left out: caches, and the manager learns the bubbles
-        steps: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        runs: dict[str, list[StepFigures]] = {kind: [] for kind in KINDS}
         for r in range(ns.rounds):
             order = KINDS[r % len(KINDS) :] + KINDS[: r % len(KINDS)]
             for kind in order:
                 stdout, _ = run_cmd(_command(kind, job, runtime))
-                steps[kind].append(parse_steps(stdout).step_ms)
-            print(f"round {r}: " + ", ".join(f"{k} {steps[k][-1]:.2f} ms" for k in KINDS), file=sys.stderr)
+                runs[kind].append(parse_steps(stdout))
+            print(f"round {r}: " + ", ".join(f"{k} {runs[k][-1].step_ms:.2f} ms" for k in KINDS), file=sys.stderr)
         events = manager_status(endpoints).events
     finally:
         stop_serve(serve)
         shutil.rmtree(runtime, ignore_errors=True)
 
-    def pairs(a: str, b: str) -> list[tuple[float, float]]:
-        return list(zip(steps[a], steps[b], strict=True))
-
-    print(f"Simulated job: `{' '.join(['python', 'tools/bench/_sim_job.py', *job[2:]])}`; {ns.rounds} rounds, ")
+    shown = Path(job[1]).resolve().relative_to(ROOT)
+    print(f"Job: `{' '.join(['python', str(shown), *job[2:]])}`; {ns.rounds} rounds, ")
     print(f"started {started}, load {load:.2f} -> {os.getloadavg()[0]:.2f}; `freeride serve` took {events} events.\n")
-    print("| comparison | median slowdown | 95 % interval | pairs |")
-    print("|---|---|---|---|")
-    print(_line("A/A: alone vs alone", paired_slowdown(pairs("alone", "alone-again"))))
-    print(_line("hooks, no manager, vs alone", paired_slowdown(pairs("alone", "hooked"))))
-    print(_line("an idle `freeride serve`, vs the hooks alone", paired_slowdown(pairs("hooked", "served"))))
-    print(_line("hooks and an idle `freeride serve`, vs alone", paired_slowdown(pairs("alone", "served"))))
-    print(_line("`freeride launch` starting its own manager, vs alone", paired_slowdown(pairs("alone", "launched"))))
+    has_cpu = all(f.cpu_ms is not None for kind in KINDS for f in runs[kind])
+    cpu_head = (" ranks' CPU time: median | interval |", "---|---|") if has_cpu else ("", "")
+    print("| comparison | median slowdown | 95 % interval | pairs |" + cpu_head[0])
+    print("|---|---|---|---|" + cpu_head[1])
+    for name, a, b in COMPARISONS:
+        line = _line(name, paired_slowdown([(x.step_ms, y.step_ms) for x, y in zip(runs[a], runs[b], strict=True)]))
+        if has_cpu:
+            cpu = paired_slowdown([(x.cpu_ms or 0.0, y.cpu_ms or 0.0) for x, y in zip(runs[a], runs[b], strict=True)])
+            line += f" {cpu.median:+.2%} | {cpu.low:+.2%} .. {cpu.high:+.2%} |".replace("%", " %")
+        print(line)
     return 0
 
 
