@@ -97,3 +97,17 @@ def test_a_case_with_more_stages_than_cores_is_not_run(
     row = atlas.run_case(case, out=tmp_path, steps=2, used_steps=2, with_used=True, timeout_s=1)
     assert row.note == "needs 4 cores (one per stage), this machine has 2"
     assert row.theory == pytest.approx(3 / 7) and row.measured is None and not list(tmp_path.iterdir())
+
+
+def test_rows_left_for_want_of_cores_do_not_fail_the_run_and_a_failed_row_does(
+    atlas: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(atlas.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert atlas.main(["--only", "sim-1f1b-p4", "--out", str(tmp_path)]) == 0
+    assert "needs 4 cores" in capsys.readouterr().out
+
+    def failing(case: object, **_: object) -> object:
+        return atlas.Row(case=case, theory=None, note="profile failed (1): boom")
+
+    monkeypatch.setattr(atlas, "run_case", failing)
+    assert atlas.main(["--only", "sim-1f1b-p2-m4", "--out", str(tmp_path)]) == 1
