@@ -36,10 +36,13 @@ class Probes:
         """Bubbles a task's estimate kept it out of in all, and why the last time (for status)."""
         self._kept_out: set[int] = set()
         """Tasks kept out of the current bubble (each counted once per bubble)."""
+        self._tails: set[int] = set()
+        """Fillers counted as shut out of the current bubble's tail (once per bubble)."""
 
     def bubble_started(self, expected_ns: int) -> None:
         """A bubble expected to last ``expected_ns`` (factor applied) started."""
         self._kept_out.clear()
+        self._tails.clear()
         self._recent_expected.append(expected_ns)
 
     def no_fit(self, task_id: int) -> tuple[int, str]:
@@ -59,6 +62,18 @@ class Probes:
         starved = self._starved.get(task_id, 0) + (1 if fresh else 0)
         self._starved[task_id] = starved
         return fresh and starved >= PROBE_AFTER_BUBBLES and self.long_bubble()
+
+    def tail_refused(self, task_id: int) -> None:
+        """A filler's estimate kept it out of what was left of this bubble (or it gave that back unused).
+
+        A filler never gets a bubble's start in turn, where :meth:`due` counts the
+        others: without this, one whose estimate fits no tail would never run the
+        step that corrects the estimate. Counted once a bubble, as a start is.
+        """
+        if task_id in self._tails:
+            return
+        self._tails.add(task_id)
+        self._starved[task_id] = self._starved.get(task_id, 0) + 1
 
     def due_next(self, task_id: int) -> bool:
         """Whether the task is due a probe if shut out of one more bubble's start (which only a Grant gives)."""

@@ -334,6 +334,8 @@ class DeviceScheduler(LedgerView):
                 self._probes.passed_over(task.task_id)
             elif done.steps > 0:
                 self._probes.reset(task.task_id)
+            elif task.fill and done.reason == "no_fit":
+                self._probes.tail_refused(task.task_id)  # a tail it found no piece for
             if done.reason in ("no_fit", "finished", "idle") and self._bubble is not None:
                 self._grant_next(fresh=fresh)
         elif state is not None and self._bubble is not None and state.bubble_t_ns != self._bubble.t_ns:
@@ -407,7 +409,7 @@ class DeviceScheduler(LedgerView):
             return  # the budget leaves bubbles out, and the worker could not tell which
         stuck = self._stuck(self._clock.now_ns())
         n = len(self.tasks)
-        in_turn = ((k, self.tasks[(self._rr + k) % n]) for k in self._turns())
+        in_turn = ((k, self.tasks[(self._rr + k) % n]) for k in self._turns(start=True))
         k = arming.arm_first(
             ((k, task) for k, task in in_turn if task.task_id not in stuck),
             grant_id=self._next_grant,
@@ -435,10 +437,21 @@ class DeviceScheduler(LedgerView):
             self._returned(armed.task, armed.early)
         return True
 
-    def _turns(self) -> list[int]:
-        """Offsets from the task served last, in the order tasks get their turn: fillers after every other."""
+    def _turns(self, *, start: bool = False) -> list[int]:
+        """Offsets from the task served last, in the order tasks get their turn: fillers after every other.
+
+        At a bubble's ``start`` a filler due a probe comes first: it gets no start otherwise
+        (see :meth:`Probes.tail_refused`).
+        """
         n = len(self.tasks)
-        return sorted(range(n), key=lambda k: self.tasks[(self._rr + k) % n].fill)
+
+        def rank(k: int) -> int:
+            task = self.tasks[(self._rr + k) % n]
+            if not task.fill:
+                return 1
+            return 0 if start and self._probes.due_next(task.task_id) else 2
+
+        return sorted(range(n), key=rank)
 
     def _grant_next(self, *, fresh: bool) -> None:
         if self._bubble is None or self._holder is not None or not self.tasks or self._left_out or self._withheld:
@@ -452,13 +465,19 @@ class DeviceScheduler(LedgerView):
         now = self._clock.now_ns()
         stuck = self._stuck(now)
         n = len(self.tasks)
-        for k in self._turns():
+        for k in self._turns(start=fresh):
             task = self.tasks[(self._rr + k) % n]
             if not task.runnable or task.task_id in self._tried or task.task_id in stuck:
                 continue
             estimate = task.estimate_ns
             probe = packing = False
-            if task.packs and remaining >= PACK_ROOM_NS and (estimate > remaining or estimate < 0):
+            tail = task.fill and not fresh
+            if fresh and task.fill and self._probes.due_next(task.task_id):
+                # shut out of the tails (its turns come first at a start for this): one step, as a probe
+                probe = self._probes.due(task.task_id, fresh=True)
+                if not probe:
+                    continue
+            elif task.packs and remaining >= PACK_ROOM_NS and (estimate > remaining or estimate < 0):
                 # Its worker offers the largest piece that fits, or gives the grant back at once. A
                 # pending piece that cannot be split (a partitioned task's optimizer chunk, say) may
                 # never fit: counted as for any task (a grant with steps resets it), it gets its probe.
@@ -469,9 +488,13 @@ class DeviceScheduler(LedgerView):
                 # bubble after bubble gets one step at the start of a bubble now and then.
                 probe = self._probes.due(task.task_id, fresh=fresh)
                 self._probes.count_no_fit(task.task_id, estimate, remaining)
+                if tail:
+                    self._probes.tail_refused(task.task_id)
                 if not probe:
                     continue
             elif estimate < 0 and not (fresh and self._probes.long_bubble()):
+                if tail:
+                    self._probes.tail_refused(task.task_id)
                 continue  # a task whose step time is unknown probes only at the start of a long bubble
             if not packing or probe:
                 self._probes.reset(task.task_id)

@@ -19,7 +19,7 @@ class SpinSteps(IterativeTask):
     step_time = -1.0
     warm_up = False  # its log of step intervals is what tests read: no rehearsal outside bubbles
 
-    def __init__(self, *, step_ms: float = 2.0, max_steps: int = 0, log: str = "") -> None:
+    def __init__(self, *, step_ms: float = 2.0, max_steps: int = 0, log: str = "", cpu_trace_ms: float = 0.0) -> None:
         self.step_ns = int(step_ms * 1e6)
         self.max_steps = max_steps
         self.count = 0
@@ -27,6 +27,9 @@ class SpinSteps(IterativeTask):
         self.intervals: list[tuple[int, int]] = []
         self.cpu: list[int] = []
         """CPU time of each step, as the process's CPU clock measured it."""
+        self.trace_ns = int(cpu_trace_ms * 1e6)
+        self.traces: list[list[tuple[int, int]]] = []
+        """With ``cpu_trace_ms``: per step, (monotonic, process CPU) readings that far apart, and its first and last."""
 
     async def setup(self, ctx: TaskContext) -> None:
         self.ctx = ctx
@@ -35,18 +38,33 @@ class SpinSteps(IterativeTask):
         c0 = time.process_time_ns()
         t0 = time.monotonic_ns()
         end = t0 + self.step_ns
-        while time.monotonic_ns() < end:
-            pass
+        trace = [(t0, c0)] if self.trace_ns else []
+        next_reading = t0 + self.trace_ns
+        while (now := time.monotonic_ns()) < end:
+            if trace and now >= next_reading:
+                trace.append((now, time.process_time_ns()))
+                next_reading = now + self.trace_ns
         self.count += 1
-        self.intervals.append((t0, time.monotonic_ns()))
-        self.cpu.append(time.process_time_ns() - c0)
+        t1, c1 = time.monotonic_ns(), time.process_time_ns()
+        self.intervals.append((t0, t1))
+        self.cpu.append(c1 - c0)
+        if trace:
+            self.traces.append([*trace, (t1, c1)])
         if self.log and len(self.intervals) % 50 == 0:
             self._flush()
 
     def _flush(self) -> None:
         tmp = self.log + ".tmp"
         Path(tmp).write_text(
-            json.dumps({"pid": os.getpid(), "count": self.count, "intervals": self.intervals, "cpu": self.cpu})
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "count": self.count,
+                    "intervals": self.intervals,
+                    "cpu": self.cpu,
+                    "traces": self.traces,
+                }
+            )
         )
         os.replace(tmp, self.log)
 

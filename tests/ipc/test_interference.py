@@ -12,6 +12,7 @@ worked out from that log and compared with what the manager reports.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import time
@@ -29,6 +30,8 @@ from freeride.transport import Endpoints, EventEmitter
 
 MS = 1_000_000
 DEVICE = "cpu:0"
+TRACE_MS = 0.5
+"""How often the task reads its CPU clock during a step: what it ran after a bubble's end is read, not spread."""
 
 
 @pytest.fixture
@@ -46,15 +49,15 @@ async def manager(runtime_dir: Path) -> AsyncIterator[Manager]:
 
 async def _run(
     manager: Manager, log: Path, *, step_ms: float, announced_ms: int, real_ms: int, gap_ms: int
-) -> list[int]:
-    """Submit a spinning task, drive 12 bubbles, cancel it; the bubbles' real ends (ns)."""
+) -> list[tuple[int, int]]:
+    """Submit a spinning task, drive 12 bubbles, cancel it; the bubbles' real starts and ends (ns)."""
     core = max(os.sched_getaffinity(0))
     manager.declare_device(DEVICE, stage=0, spare_memory=1 << 30, cpu_affinity=[core])
     reply = manager.submit(
         p.IterativeSpec(
             target="_tasks:SpinSteps",
             device=DEVICE,
-            options={"step_ms": step_ms, "log": str(log)},
+            options={"step_ms": step_ms, "log": str(log), "cpu_trace_ms": TRACE_MS},
             step_time_ns=int(step_ms * MS),
         )
     )
@@ -62,7 +65,7 @@ async def _run(
     task = manager.tasks[reply.task_id]
     await wait_until(lambda: task.state == "running", 60, "the task set up")
     emitter = EventEmitter(manager.config.endpoints.events)
-    ends: list[int] = []
+    bubbles: list[tuple[int, int]] = []
     try:
         hello = p.Hello(
             protocol_version=p.PROTOCOL_VERSION,
@@ -87,7 +90,7 @@ async def _run(
             emitter.emit(
                 p.BubbleEnded(rank=0, stage=0, device=DEVICE, step=index, index=0, t_ns=t1, duration_ns=t1 - t0)
             )
-            ends.append(t1)
+            bubbles.append((t0, t1))
             await asyncio.sleep(gap_ms / 1000)  # the stage computes
         emitter.emit(p.Goodbye(rank=0, dropped=0, t_ns=time.monotonic_ns()))
     finally:
@@ -96,25 +99,40 @@ async def _run(
     await wait_until(lambda: task.steps >= 1, 10, "the reports")
     assert isinstance(await manager.cancel(task.task_id), p.Cancelled)
     await wait_until(lambda: log.exists() and task.state == "cancelled", 30, "the task's log")
-    return ends
+    return bubbles
 
 
-def _after_ends(log: Path, ends: list[int]) -> tuple[int, int]:
-    """(CPU the task ran after bubble ends, steps) from the task's own log."""
+def _cpu_at(trace: list[list[int]], t: int) -> float:
+    """The process's CPU clock at ``t`` within a step, between the two readings around it."""
+    for (ta, ca), (tb, cb) in itertools.pairwise(trace):
+        if ta <= t <= tb:
+            return ca + (cb - ca) * (t - ta) / (tb - ta) if tb > ta else float(cb)
+    return float(trace[-1][1] if t > trace[-1][0] else trace[0][1])
+
+
+def _after_ends(log: Path, bubbles: list[tuple[int, int]]) -> tuple[int, int]:
+    """(CPU the task ran after bubble ends, steps) from the task's own log.
+
+    A step belongs to the last bubble that started before it: a grant is given at a bubble's start,
+    and a worker that learns of the end only after it has started a step (the end came while the
+    grant was on its way) runs that whole step after the end. What a step ran after the end is read
+    from its CPU clock every TRACE_MS, not spread over its wall time: a worker kept off its core
+    inside the bubble runs more of the step after the end.
+    """
     data = json.loads(log.read_text())
-    after = 0
-    for (t0, t1), cpu in zip(data["intervals"], data["cpu"], strict=True):
-        end = next((e for e in ends if e > t0), None)  # the end of the bubble the step started in
+    after = 0.0
+    for (t0, t1), trace in zip(data["intervals"], data["traces"], strict=True):
+        end = max((e for s, e in bubbles if s <= t0), default=None)  # the end of the bubble the step ran in
         if end is not None and t1 > end:
-            after += round(cpu * (t1 - max(t0, end)) / (t1 - t0))  # its CPU, spread evenly over its wall time
-    return after, len(data["intervals"])
+            after += _cpu_at(trace, t1) - _cpu_at(trace, max(t0, end))
+    return round(after), len(data["intervals"])
 
 
 async def test_steps_that_run_past_the_bubble_end_are_charged_their_compute(manager: Manager, tmp_path: Path) -> None:
     log = tmp_path / "steps.json"
     load = OtherWork()
-    ends = await _run(manager, log, step_ms=40, announced_ms=80, real_ms=10, gap_ms=60)
-    expected, steps = _after_ends(log, ends)
+    bubbles = await _run(manager, log, step_ms=40, announced_ms=80, real_ms=10, gap_ms=60)
+    expected, steps = _after_ends(log, bubbles)
     reported = manager.schedulers[DEVICE].interference_ns
     assert steps >= 8 and expected > steps * 15 * MS  # each step ran ~30 ms past its bubble's end
     assert reported > 0
@@ -130,8 +148,8 @@ async def test_steps_that_run_past_the_bubble_end_are_charged_their_compute(mana
 
 async def test_a_task_that_never_overruns_is_charged_nothing(manager: Manager, tmp_path: Path) -> None:
     log = tmp_path / "steps.json"
-    ends = await _run(manager, log, step_ms=3, announced_ms=40, real_ms=40, gap_ms=20)
-    expected, steps = _after_ends(log, ends)
+    bubbles = await _run(manager, log, step_ms=3, announced_ms=40, real_ms=40, gap_ms=20)
+    expected, steps = _after_ends(log, bubbles)
     reported = manager.schedulers[DEVICE].interference_ns
     assert steps >= 12 and expected < 2 * MS
     assert reported <= 2 * MS  # what steps near an end ran past it, if the stand-in rank's sleep was late

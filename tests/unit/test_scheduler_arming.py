@@ -496,3 +496,24 @@ def test_an_end_handled_late_takes_wall_times_not_the_cpu_clock_read_then() -> N
     # the step ran 3 ms past the end: by wall times that is the interference
     h.report(t1, done(t1, arm.grant_id, reason="revoked", busy=23 * MS, cpu_start=0, cpu=23 * MS, end=b.t_ns + 23 * MS))
     assert h.sched.status(_info()).interference_ns == 3 * MS
+
+
+def test_a_filler_due_a_probe_leaves_the_next_bubble_unarmed_and_gets_its_start() -> None:
+    """The long-step task is armed for every bubble; the filler's estimate fits none of the tails it leaves.
+    Once the filler is due a probe, the next bubble is armed for no one, and its start is the filler's."""
+    h = Harness()
+    big = h.task(1, 8 * MS)
+    filler = h.task(2, 5 * MS, fill=True)
+    for i in range(PROBE_AFTER_BUBBLES - 1):
+        arm = h.arms()[-1]
+        assert arm[0] == big.task_id, i
+        ev = h.started(20 * MS)
+        h.clock.advance(16 * MS)
+        h.report(big, done(big, arm[1].grant_id, busy=16 * MS))  # 4 ms left: the filler's 5 ms do not fit
+        assert not [g for t, g in h.grants() if t == filler.task_id]
+        h.ended(ev, 20 * MS)
+    arms = len(h.arms())
+    ev = h.started(20 * MS)
+    assert len(h.arms()) == arms  # nobody was armed for this bubble
+    task_id, grant = h.grants()[-1]
+    assert task_id == filler.task_id and grant.probe

@@ -4,9 +4,11 @@ end of a bubble, and when a packing task is probed.
 
 from __future__ import annotations
 
+import pytest
 from test_scheduler import MS, Harness, done
 
 from freeride.serve.scheduler import PROBE_AFTER_BUBBLES
+from freeride.serve.tasks import TaskRecord
 
 
 def test_a_filler_takes_a_bubble_only_after_the_other_tasks_gave_it_back() -> None:
@@ -80,4 +82,66 @@ def test_a_packing_task_that_runs_pieces_is_never_probed() -> None:
         grant = h.grants()[-1][1]
         assert not grant.probe
         h.report(t, done(t, grant, busy=10 * MS))  # a piece that fit
+        h.ended(b, 20 * MS)
+
+
+def _starve_filler(h: Harness, big: TaskRecord, filler: TaskRecord, bubbles: int, *, first: int = 0) -> None:
+    """Bubbles whose start goes to ``big`` and whose 4 ms tail ``filler``'s 5 ms estimate does not fit."""
+    for i in range(first, first + bubbles):
+        b = h.started(20 * MS, index=i)
+        assert h.grants()[-1][0] == big.task_id, i
+        h.clock.advance(16 * MS)
+        h.report(big, done(big, h.grants()[-1][1], busy=16 * MS))
+        if h.grants()[-1][0] == filler.task_id:  # a packing filler is offered the tail: it finds no piece
+            h.report(filler, done(filler, h.grants()[-1][1]))
+        h.ended(b, 20 * MS)
+
+
+@pytest.mark.parametrize("packs", [False, True])
+def test_a_filler_whose_estimate_keeps_it_out_of_every_tail_gets_a_probe_at_a_bubble_start(packs: bool) -> None:
+    """A filler only gets what the other tasks leave of a bubble. One whose estimate (too high, or of a kind
+    not measured yet) fits no tail was shut out for good: it never reached a bubble's start, where a probe
+    corrects an estimate. It is counted as shut out at every tail its estimate kept it from, and once due
+    gets one step at the start of a long bubble, ahead of the others."""
+    h = Harness()
+    big = h.task(1, 8 * MS)
+    filler = h.task(2, 5 * MS, fill=True)
+    filler.packs = packs
+    _starve_filler(h, big, filler, PROBE_AFTER_BUBBLES - 1)
+    b = h.started(20 * MS, index=PROBE_AFTER_BUBBLES)  # the PROBE_AFTER_BUBBLES-th it is kept out of
+    task_id, grant = h.grants()[-1]
+    assert task_id == filler.task_id and grant.probe
+    filler.estimate_ns = 1 * MS  # its step, measured at last
+    h.clock.advance(1 * MS)
+    h.report(filler, done(filler, grant, busy=1 * MS))
+    assert h.grants()[-1][0] == big.task_id  # the rest of the bubble: the other task's again
+    h.clock.advance(16 * MS)
+    h.report(big, done(big, h.grants()[-1][1], busy=16 * MS))
+    h.ended(b, 20 * MS)
+    # from here the filler fits the tails, and the bubbles' starts are the other task's
+    for i in range(PROBE_AFTER_BUBBLES + 1, 3 * PROBE_AFTER_BUBBLES):
+        b = h.started(20 * MS, index=i)
+        assert h.grants()[-1][0] == big.task_id
+        h.clock.advance(16 * MS)
+        h.report(big, done(big, h.grants()[-1][1], busy=16 * MS))
+        task_id, grant = h.grants()[-1]
+        assert task_id == filler.task_id and not grant.probe
+        h.clock.advance(3 * MS)
+        h.report(filler, done(filler, grant, busy=3 * MS))
+        h.ended(b, 20 * MS)
+
+
+def test_a_filler_that_fits_the_tails_is_never_probed() -> None:
+    h = Harness()
+    big = h.task(1, 8 * MS)
+    filler = h.task(2, 1 * MS, fill=True)
+    for i in range(3 * PROBE_AFTER_BUBBLES):
+        b = h.started(20 * MS, index=i)
+        assert h.grants()[-1][0] == big.task_id
+        h.clock.advance(16 * MS)
+        h.report(big, done(big, h.grants()[-1][1], busy=16 * MS))
+        task_id, grant = h.grants()[-1]
+        assert task_id == filler.task_id and not grant.probe
+        h.clock.advance(3 * MS)
+        h.report(filler, done(filler, grant, busy=3 * MS))
         h.ended(b, 20 * MS)
