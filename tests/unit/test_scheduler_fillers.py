@@ -97,6 +97,20 @@ def _starve_filler(h: Harness, big: TaskRecord, filler: TaskRecord, bubbles: int
         h.ended(b, 20 * MS)
 
 
+def _filler_in_the_tails(h: Harness, big: TaskRecord, filler: TaskRecord, indices: range) -> None:
+    """Bubbles whose start goes to ``big`` and whose 4 ms tail ``filler`` takes, with no probe."""
+    for i in indices:
+        b = h.started(20 * MS, index=i)
+        assert h.grants()[-1][0] == big.task_id
+        h.clock.advance(16 * MS)
+        h.report(big, done(big, h.grants()[-1][1], busy=16 * MS))
+        task_id, grant = h.grants()[-1]
+        assert task_id == filler.task_id and not grant.probe
+        h.clock.advance(3 * MS)
+        h.report(filler, done(filler, grant, busy=3 * MS))
+        h.ended(b, 20 * MS)
+
+
 @pytest.mark.parametrize("packs", [False, True])
 def test_a_filler_whose_estimate_keeps_it_out_of_every_tail_gets_a_probe_at_a_bubble_start(packs: bool) -> None:
     """A filler only gets what the other tasks leave of a bubble. One whose estimate (too high, or of a kind
@@ -119,29 +133,11 @@ def test_a_filler_whose_estimate_keeps_it_out_of_every_tail_gets_a_probe_at_a_bu
     h.report(big, done(big, h.grants()[-1][1], busy=16 * MS))
     h.ended(b, 20 * MS)
     # from here the filler fits the tails, and the bubbles' starts are the other task's
-    for i in range(PROBE_AFTER_BUBBLES + 1, 3 * PROBE_AFTER_BUBBLES):
-        b = h.started(20 * MS, index=i)
-        assert h.grants()[-1][0] == big.task_id
-        h.clock.advance(16 * MS)
-        h.report(big, done(big, h.grants()[-1][1], busy=16 * MS))
-        task_id, grant = h.grants()[-1]
-        assert task_id == filler.task_id and not grant.probe
-        h.clock.advance(3 * MS)
-        h.report(filler, done(filler, grant, busy=3 * MS))
-        h.ended(b, 20 * MS)
+    _filler_in_the_tails(h, big, filler, range(PROBE_AFTER_BUBBLES + 1, 3 * PROBE_AFTER_BUBBLES))
 
 
 def test_a_filler_that_fits_the_tails_is_never_probed() -> None:
     h = Harness()
     big = h.task(1, 8 * MS)
     filler = h.task(2, 1 * MS, fill=True)
-    for i in range(3 * PROBE_AFTER_BUBBLES):
-        b = h.started(20 * MS, index=i)
-        assert h.grants()[-1][0] == big.task_id
-        h.clock.advance(16 * MS)
-        h.report(big, done(big, h.grants()[-1][1], busy=16 * MS))
-        task_id, grant = h.grants()[-1]
-        assert task_id == filler.task_id and not grant.probe
-        h.clock.advance(3 * MS)
-        h.report(filler, done(filler, grant, busy=3 * MS))
-        h.ended(b, 20 * MS)
+    _filler_in_the_tails(h, big, filler, range(3 * PROBE_AFTER_BUBBLES))
