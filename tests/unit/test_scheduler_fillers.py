@@ -85,9 +85,9 @@ def test_a_packing_task_that_runs_pieces_is_never_probed() -> None:
         h.ended(b, 20 * MS)
 
 
-def _starve_filler(h: Harness, big: TaskRecord, filler: TaskRecord, bubbles: int, *, first: int = 0) -> None:
+def _starve_filler(h: Harness, big: TaskRecord, filler: TaskRecord, bubbles: int) -> None:
     """Bubbles whose start goes to ``big`` and whose 4 ms tail ``filler``'s 5 ms estimate does not fit."""
-    for i in range(first, first + bubbles):
+    for i in range(bubbles):
         b = h.started(20 * MS, index=i)
         assert h.grants()[-1][0] == big.task_id, i
         h.clock.advance(16 * MS)

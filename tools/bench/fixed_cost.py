@@ -36,6 +36,7 @@ from _bench_figures import StepFigures, parse_steps
 from _bench_tasks import ROOT
 from _pipeline_bench import manager_status, stop_serve, wait_for_serve
 from _stats import Estimate, paired_slowdown
+from deepspeed_overhead import SCRIPT as DEEPSPEED_SCRIPT
 
 from freeride.transport import Endpoints
 
@@ -43,7 +44,7 @@ __all__ = ["main"]
 
 SCRIPTS = {
     "sim": Path(__file__).resolve().parent / "_sim_job.py",
-    "deepspeed": Path(__file__).resolve().parents[2] / "tools" / "train" / "deepspeed_gpt.py",
+    "deepspeed": DEEPSPEED_SCRIPT,
 }
 """The jobs ``--job`` names."""
 KINDS = ("alone", "alone-again", "hooked", "served", "launched")
@@ -134,9 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| comparison | median slowdown | 95 % interval | pairs |" + cpu_head[0])
     print("|---|---|---|---|" + cpu_head[1])
     for name, a, b in COMPARISONS:
-        line = _line(name, paired_slowdown([(x.step_ms, y.step_ms) for x, y in zip(runs[a], runs[b], strict=True)]))
+        pairs = list(zip(runs[a], runs[b], strict=True))
+        line = _line(name, paired_slowdown([(x.step_ms, y.step_ms) for x, y in pairs]))
         if has_cpu:
-            cpu = paired_slowdown([(x.cpu_ms or 0.0, y.cpu_ms or 0.0) for x, y in zip(runs[a], runs[b], strict=True)])
+            cpu = paired_slowdown([(x.cpu_ms or 0.0, y.cpu_ms or 0.0) for x, y in pairs])
             line += f" {cpu.median:+.2%} | {cpu.low:+.2%} .. {cpu.high:+.2%} |".replace("%", " %")
         print(line)
     return 0
