@@ -14,24 +14,59 @@ from freeride.units import format_ns, parse_duration_ns
 if TYPE_CHECKING:
     from freeride.backends.sim import SimConfig
 
-__all__ = ["add_parsers", "cmd_demo", "cmd_sim"]
+__all__ = ["add_parsers", "add_pipeline_options", "cmd_demo", "cmd_sim", "pipeline_argv", "sim_config"]
 
 
-def _sim_config(args: argparse.Namespace, endpoint: str) -> SimConfig:
-    """The simulated job of ``freeride sim`` and ``freeride demo``, from their shared flags."""
+COMPUTE_HELP = (
+    "sleep: a stage waits out its compute time; spin: it burns its core until a wall deadline; cpu: until it had its"
+    " compute time on the core (a side task sharing the core then delays it, as a side kernel delays a GPU)"
+)
+
+
+def add_pipeline_options(parser: argparse.ArgumentParser, *, compute: str) -> None:
+    """Add the simulated pipeline's shape and compute options (those :func:`sim_config` reads) to ``parser``."""
+    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved)")
+    parser.add_argument("--forward", default="10ms", help="forward time per micro-batch and stage (default 10ms)")
+    parser.add_argument("--backward", default="20ms", help="backward time per micro-batch and stage (default 20ms)")
+    parser.add_argument(
+        "--compute", default=compute, choices=["sleep", "spin", "cpu"], help=f"{COMPUTE_HELP} (default {compute})"
+    )
+
+
+def pipeline_argv(args: argparse.Namespace) -> tuple[str, ...]:
+    """The options of :func:`add_pipeline_options` in ``args``, as a command line gives them."""
+    return (
+        *("--schedule", args.schedule, "--microbatches", str(args.microbatches), "--chunks", str(args.chunks)),
+        *("--forward", args.forward, "--backward", args.backward, "--compute", args.compute),
+    )
+
+
+def sim_config(args: argparse.Namespace, *, endpoint: str, stages: int, steps: int) -> SimConfig:
+    """The simulated job that the options of :func:`add_pipeline_options` in ``args`` describe.
+
+    Raises:
+        ValueError: a duration that does not parse.
+    """
     from freeride.backends.sim import SimConfig
 
     return SimConfig(
         endpoint=endpoint,
         schedule=args.schedule,
-        num_stages=args.stages,
+        num_stages=stages,
         num_microbatches=args.microbatches,
         num_chunks=args.chunks,
         forward_s=parse_duration_ns(args.forward) / 1e9,
         backward_s=parse_duration_ns(args.backward) / 1e9,
-        steps=args.steps,
+        steps=steps,
         compute=args.compute,
     )
+
+
+def _sim_config(args: argparse.Namespace, endpoint: str) -> SimConfig:
+    """The simulated job of ``freeride sim`` and ``freeride demo``."""
+    return sim_config(args, endpoint=endpoint, stages=args.stages, steps=args.steps)
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
@@ -66,19 +101,9 @@ def add_parsers(subs: Subparsers) -> None:
         s = subs.add_parser(name, help=helptext)
         if name == "sim":
             common.add_runtime(s)
-        s.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+        add_pipeline_options(s, compute="sleep")
         s.add_argument("--stages", type=int, default=2)
-        s.add_argument("--microbatches", type=int, default=4)
-        s.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved)")
         s.add_argument("--steps", type=int, default=60 if name == "demo" else 100)
-        s.add_argument("--forward", default="10ms", help="forward time per micro-batch and stage")
-        s.add_argument("--backward", default="20ms", help="backward time per micro-batch and stage")
-        s.add_argument(
-            "--compute",
-            default="sleep",
-            choices=["sleep", "spin", "cpu"],
-            help="spin burns the stage's core until a wall deadline; cpu until the stage had its compute time",
-        )
         if name == "demo":
             s.add_argument("--task", default="graph-sgd", help="sample side task per stage (see submit --list)")
             s.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="side-task option")

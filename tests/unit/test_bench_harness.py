@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 from _benchfix import fixture_harness, fixture_mod  # noqa: F401 - fixtures
 
+from freeride.cli.sim import add_pipeline_options, sim_config
+
 
 def _options(harness: ModuleType, argv: list[str]) -> Any:
     ap = argparse.ArgumentParser()
@@ -89,21 +91,20 @@ def test_scripts_pass_their_options(
     capsys.readouterr()
 
 
-def test_sim_job_gets_its_shape(mod: Callable[[str], ModuleType]) -> None:
-    sim = mod("sim_overhead")
-    ns = argparse.Namespace(schedule="1f1b", microbatches=4, forward="5ms", backward="10ms", compute="spin")
-    assert sim.sim_job_args(ns) == (
-        "--schedule",
-        "1f1b",
-        "--microbatches",
-        "4",
-        "--forward",
-        "5ms",
-        "--backward",
-        "10ms",
-        "--compute",
-        "spin",
-    )
+def test_the_sim_job_gets_the_shape_its_benchmark_was_given(
+    mod: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    module = mod("sim_overhead")
+    jobs: list[Any] = []
+    monkeypatch.setattr(module, "bench", lambda job, *_a, **_k: jobs.append(job) or "## section")
+    shape = ["--schedule", "interleaved", "--chunks", "2", "--microbatches", "6", "--forward", "5ms"]
+    assert module.main([*shape, "--backward", "7ms", "--compute", "spin"]) == 0
+    parser = argparse.ArgumentParser()
+    add_pipeline_options(parser, compute="cpu")  # as the job's script reads them
+    config = sim_config(parser.parse_args(list(jobs[0].args)), endpoint="", stages=2, steps=3)
+    assert (config.schedule, config.num_chunks, config.num_microbatches) == ("interleaved", 2, 6)
+    assert (config.forward_s, config.backward_s, config.compute) == (0.005, 0.007, "spin")
+    capsys.readouterr()
 
 
 # -- the plan of runs ------------------------------------------------------------------

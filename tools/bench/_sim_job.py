@@ -31,9 +31,9 @@ from pathlib import Path
 from freeride.backends.schedule import Durations, bubbles, build_schedule, simulate
 from freeride.backends.session import ENV_EVENTS
 from freeride.backends.sim import SimConfig, SimPipeline, StageResult
+from freeride.cli.sim import add_pipeline_options, sim_config
 from freeride.profile import BubbleProfile, Profile, StageProfile, write_profile
 from freeride.transport import Endpoints
-from freeride.units import parse_duration_ns
 
 __all__ = ["main", "sim_profile"]
 
@@ -85,31 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spawn", type=int, default=2, help="pipeline stages (one process each)")
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
-    ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved)")
-    ap.add_argument("--forward", default="10ms", help="forward time per micro-batch and stage")
-    ap.add_argument("--backward", default="20ms", help="backward time per micro-batch and stage")
-    ap.add_argument(
-        "--compute",
-        default="cpu",
-        choices=["sleep", "spin", "cpu"],
-        help="cpu: burn the core until the stage had its compute time (default); spin: until a wall deadline",
-    )
+    add_pipeline_options(ap, compute="cpu")
     ap.add_argument("--profile-out", metavar="FILE", help="also write a bubble profile of the job")
     ns = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="frsim-") as nobody:
-        config = SimConfig(
-            endpoint=os.environ.get(ENV_EVENTS) or Endpoints.ipc(Path(nobody)).events,
-            schedule=ns.schedule,
-            num_stages=ns.spawn,
-            num_microbatches=ns.microbatches,
-            num_chunks=ns.chunks,
-            forward_s=parse_duration_ns(ns.forward) / 1e9,
-            backward_s=parse_duration_ns(ns.backward) / 1e9,
-            steps=ns.steps,
-            compute=ns.compute,
-        )
+        endpoint = os.environ.get(ENV_EVENTS) or Endpoints.ipc(Path(nobody)).events
+        config = sim_config(ns, endpoint=endpoint, stages=ns.spawn, steps=ns.steps)
         with SimPipeline(config) as sim:
             results = sim.join()
     if len(results) < ns.spawn or any(len(r.step_ns) < ns.steps for r in results):

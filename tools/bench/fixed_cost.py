@@ -37,13 +37,15 @@ from _bench_tasks import ROOT
 from _pipeline_bench import manager_status, stop_serve, wait_for_serve
 from _stats import Estimate, paired_slowdown
 from deepspeed_overhead import SCRIPT as DEEPSPEED_SCRIPT
+from sim_overhead import SCRIPT as SIM_SCRIPT
 
+from freeride.cli.sim import add_pipeline_options, pipeline_argv
 from freeride.transport import Endpoints
 
 __all__ = ["main"]
 
 SCRIPTS = {
-    "sim": Path(__file__).resolve().parent / "_sim_job.py",
+    "sim": SIM_SCRIPT,
     "deepspeed": DEEPSPEED_SCRIPT,
 }
 """The jobs ``--job`` names."""
@@ -63,10 +65,7 @@ def _job(steps: int, ns: argparse.Namespace) -> list[str]:
     command = [sys.executable, str(SCRIPTS[ns.job]), "--spawn", "2", "--steps", str(steps)]
     if ns.job == "deepspeed":
         return [*command, *ns.train_args]
-    return [
-        *command, "--schedule", ns.schedule, "--microbatches", str(ns.microbatches), "--forward", ns.forward,
-        "--backward", ns.backward, "--compute", "cpu", *ns.train_args,
-    ]  # fmt: skip
+    return [*command, *pipeline_argv(ns), *ns.train_args]
 
 
 def _command(kind: str, job: list[str], runtime: Path) -> list[str]:
@@ -90,10 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=8, help="rounds of five runs (default 8)")
     ap.add_argument("--steps", type=int, default=60, help="training steps per run (default 60)")
-    ap.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
-    ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--forward", default="10ms")
-    ap.add_argument("--backward", default="20ms")
+    add_pipeline_options(ap, compute="cpu")  # the simulated job's
     ap.add_argument("--job", default="sim", choices=sorted(SCRIPTS), help="the training job (default sim)")
     ap.add_argument("train_args", nargs="*", help="after --: more arguments for the job's script")
     ns = ap.parse_args(argv)

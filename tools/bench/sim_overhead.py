@@ -18,47 +18,23 @@ stage's wake-up). The job reports the stages' CPU time per step.
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
 from pathlib import Path
 
 from _pipeline_bench import Job, bench, bench_parser, parse_bench_args  # tools/bench is the script's directory
 
-__all__ = ["main", "sim_job_args"]
+from freeride.cli.sim import add_pipeline_options, pipeline_argv
+
+__all__ = ["main"]
 
 SCRIPT = Path(__file__).resolve().parent / "_sim_job.py"
-
-
-def sim_job_args(ns: argparse.Namespace) -> tuple[str, ...]:
-    """Arguments of ``_sim_job.py`` (besides ``--spawn`` and ``--steps``) from this script's flags."""
-    return (
-        "--schedule",
-        ns.schedule,
-        "--microbatches",
-        str(ns.microbatches),
-        "--forward",
-        ns.forward,
-        "--backward",
-        ns.backward,
-        "--compute",
-        ns.compute,
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = bench_parser(__doc__, steps=40)
-    ap.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
-    ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--forward", default="10ms", help="forward time per micro-batch and stage (default 10ms)")
-    ap.add_argument("--backward", default="20ms", help="backward time per micro-batch and stage (default 20ms)")
-    ap.add_argument(
-        "--compute",
-        default="cpu",
-        choices=["cpu", "spin", "sleep"],
-        help="cpu: a stage computes until it has had its CPU time (default, GPU-faithful); spin: until a wall deadline",
-    )
+    add_pipeline_options(ap, compute="cpu")
     ns, task, options = parse_bench_args(ap, argv)
     command = shlex.join(["python", "tools/bench/sim_overhead.py", *argv])
     if ns.microbatches < 1:
@@ -66,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     job = Job(
         title="## Simulated pipeline: side tasks in its bubbles",
         script=SCRIPT,
-        args=sim_job_args(ns),
+        args=pipeline_argv(ns),
         profiles_itself=True,
     )
     print(bench(job, task, options, command=command))
