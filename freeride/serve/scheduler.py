@@ -16,8 +16,9 @@ come after every other task: they take what is left of a bubble once the
 others gave it back, so short steps fill the ends that long ones cannot. When
 the bubble ends the grant is revoked.
 
-The scheduler decides and its collaborators keep the rest: the arm out
-(:mod:`~freeride.serve.arming`), the accounting of bubble time and its use,
+The scheduler decides and its collaborators keep the rest: the order of
+turns and what each task may be offered (:mod:`~freeride.serve.turns`), the
+arm out (:mod:`~freeride.serve.arming`), the accounting of bubble time and its use,
 which feeds the device's :class:`~freeride.serve.guard.InterferenceGuard`
 (:mod:`~freeride.serve.ledger`), the tasks shut out and due a probe
 (:mod:`~freeride.serve.probes`) and the steps frozen as slow
@@ -44,9 +45,9 @@ from freeride.serve.ledger import MIN_BUBBLES_SEEN, RECENT_BUBBLES, DeviceLedger
 from freeride.serve.probes import PROBE_AFTER_BUBBLES, PROBE_BUBBLE_SHARE, Probes
 from freeride.serve.slowsteps import Overdue, SlowSteps
 from freeride.serve.tasks import TaskRecord
+from freeride.serve.turns import Turns
 
 __all__ = [
-    "PACK_ROOM_NS",
     "PROBE_AFTER_BUBBLES",
     "PROBE_BUBBLE_SHARE",
     "RECENT_BUBBLES",
@@ -56,9 +57,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-PACK_ROOM_NS = 200_000
-"""A packing task is granted what is left of a bubble down to this much, whatever its whole step needs."""
 
 
 class DeviceScheduler(LedgerView):
@@ -120,7 +118,7 @@ class DeviceScheduler(LedgerView):
         self._holder: int | None = None
         self._grants: dict[int, GrantState] = {}
         self._next_grant = 1
-        self._rr = 0
+        self._turns = Turns(self._probes)
         self.slow = SlowSteps(clock=clock)
         """Steps too slow for their bubble, frozen between bubbles; while one runs, it has the bubbles."""
 
@@ -408,8 +406,7 @@ class DeviceScheduler(LedgerView):
         if costs is not None and not costs.may_arm(rank):
             return  # the budget leaves bubbles out, and the worker could not tell which
         stuck = self._stuck(self._clock.now_ns())
-        n = len(self.tasks)
-        in_turn = ((k, self.tasks[(self._rr + k) % n]) for k in self._turns(start=True))
+        in_turn = self._turns.order(self.tasks, start=True)
         k = arming.arm_first(
             ((k, task) for k, task in in_turn if task.task_id not in stuck),
             grant_id=self._next_grant,
@@ -419,7 +416,7 @@ class DeviceScheduler(LedgerView):
         )
         if k is not None:
             self._next_grant += 1
-            self._rr = (self._rr + k + 1) % n
+            self._turns.served(k, len(self.tasks))
 
     def _honour_arm(self) -> bool:
         """Make the armed task the holder of the bubble just started; False if none is armed."""
@@ -437,80 +434,32 @@ class DeviceScheduler(LedgerView):
             self._returned(armed.task, armed.early)
         return True
 
-    def _turns(self, *, start: bool = False) -> list[int]:
-        """Offsets from the task served last, in the order tasks get their turn: fillers after every other.
-
-        At a bubble's ``start`` a filler due a probe comes first: it gets no start otherwise
-        (see :meth:`Probes.tail_refused`).
-        """
-        n = len(self.tasks)
-
-        def rank(k: int) -> int:
-            task = self.tasks[(self._rr + k) % n]
-            if not task.fill:
-                return 1
-            return 0 if start and self._probes.due_next(task.task_id) else 2
-
-        return sorted(range(n), key=rank)
-
     def _grant_next(self, *, fresh: bool) -> None:
         if self._bubble is None or self._holder is not None or not self.tasks or self._left_out or self._withheld:
             return
         if self.slow.active:
             return  # a slow step has the bubbles to itself until it ends
         margin = self.guard.margin_ns
-        remaining = room_ns(self._clock.now_ns(), self._deadline_ns, margin)
+        now = self._clock.now_ns()
+        remaining = room_ns(now, self._deadline_ns, margin)
         if remaining <= 0:
             return
-        now = self._clock.now_ns()
-        stuck = self._stuck(now)
-        n = len(self.tasks)
-        for k in self._turns(start=fresh):
-            task = self.tasks[(self._rr + k) % n]
-            if not task.runnable or task.task_id in self._tried or task.task_id in stuck:
-                continue
-            estimate = task.estimate_ns
-            probe = packing = False
-            tail = task.fill and not fresh
-            if fresh and task.fill and self._probes.due_next(task.task_id):
-                # shut out of the tails (its turns come first at a start for this): one step, as a probe
-                probe = self._probes.due(task.task_id, fresh=True)
-                if not probe:
-                    continue
-            elif task.packs and remaining >= PACK_ROOM_NS and (estimate > remaining or estimate < 0):
-                # Its worker offers the largest piece that fits, or gives the grant back at once. A
-                # pending piece that cannot be split (a partitioned task's optimizer chunk, say) may
-                # never fit: counted as for any task (a grant with steps resets it), it gets its probe.
-                packing = True
-                probe = self._probes.due(task.task_id, fresh=fresh)
-            elif estimate > remaining:
-                # An estimate is only corrected by running steps: a task shut out of
-                # bubble after bubble gets one step at the start of a bubble now and then.
-                probe = self._probes.due(task.task_id, fresh=fresh)
-                self._probes.count_no_fit(task.task_id, estimate, remaining)
-                if tail:
-                    self._probes.tail_refused(task.task_id)
-                if not probe:
-                    continue
-            elif estimate < 0 and not (fresh and self._probes.long_bubble()):
-                if tail:
-                    self._probes.tail_refused(task.task_id)
-                continue  # a task whose step time is unknown probes only at the start of a long bubble
-            if not packing or probe:
-                self._probes.reset(task.task_id)
+        passed = self._tried | self._stuck(now)
+        for offer in self._turns.offers(self.tasks, remaining_ns=remaining, fresh=fresh, passed=passed):
+            task = offer.task
             grant_id = self._next_grant
             self._next_grant += 1
             self._tried.add(task.task_id)
-            self._rr = (self._rr + k + 1) % n
             grant = p.Grant(
                 grant_id=grant_id,
                 bubble_t_ns=self._bubble.t_ns,
                 deadline_ns=self._deadline_ns,
-                probe=probe,
+                probe=offer.probe,
                 margin_ns=margin,
             )
             if task.runner is None or not task.runner.grant(grant):
                 continue
+            self._turns.served(offer.turn, len(self.tasks))
             state = GrantState(
                 task=task,
                 bubble_t_ns=self._bubble.t_ns,
