@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 __all__ = ["add_parsers", "add_pipeline_options", "cmd_demo", "cmd_sim", "pipeline_argv", "sim_config"]
 
 
-COMPUTE_HELP = (
+_COMPUTE_HELP = (
     "sleep: a stage waits out its compute time; spin: it burns its core until a wall deadline; cpu: until it had its"
     " compute time on the core (a side task sharing the core then delays it, as a side kernel delays a GPU)"
 )
@@ -31,7 +31,7 @@ def add_pipeline_options(parser: argparse.ArgumentParser, *, compute: str) -> No
     parser.add_argument("--forward", default="10ms", help="forward time per micro-batch and stage (default 10ms)")
     parser.add_argument("--backward", default="20ms", help="backward time per micro-batch and stage (default 20ms)")
     parser.add_argument(
-        "--compute", default=compute, choices=["sleep", "spin", "cpu"], help=f"{COMPUTE_HELP} (default {compute})"
+        "--compute", default=compute, choices=["sleep", "spin", "cpu"], help=f"{_COMPUTE_HELP} (default {compute})"
     )
 
 
