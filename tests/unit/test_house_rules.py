@@ -10,32 +10,25 @@ where there is one.
 from __future__ import annotations
 
 import ast
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ("freeride", "backends", "sidetasks", "tools", "tests")
+from test_package_names import ROOT, _sources
+
 MAX_LINES = 500
 MAX_TOP_MODULES = 10
 PACKAGES = {"freeride": "freeride", "backends": "freeride.backends", "sidetasks": "freeride.sidetasks"}
 """Folder -> the import package it installs as."""
 
 
-def _python_files(folder: Path) -> Iterator[Path]:
-    for top, dirs, files in os.walk(folder):  # links not followed: freeride/backends is backends/
-        dirs[:] = [d for d in dirs if d != "__pycache__" and not d.startswith(".")]
-        yield from (Path(top) / f for f in files if f.endswith(".py"))
-
-
 def _modules() -> dict[str, Path]:
     modules = {}
-    for folder, package in PACKAGES.items():
-        for path in _python_files(ROOT / folder):
-            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+    for path in _sources():
+        folder, *parts = path.relative_to(ROOT).with_suffix("").parts
+        if folder in PACKAGES:
             if parts[-1] == "__init__":
                 parts = parts[:-1]
-            modules[".".join((package, *parts))] = path
+            modules[".".join((PACKAGES[folder], *parts))] = path
     return modules
 
 
@@ -120,11 +113,10 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_source_file_is_over_500_lines() -> None:
     long = {}
-    for folder in FOLDERS:
-        for path in _python_files(ROOT / folder):
-            lines = len(path.read_text().splitlines())
-            if lines > MAX_LINES:
-                long[str(path.relative_to(ROOT))] = lines
+    for path in _sources():
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_LINES:
+            long[str(path.relative_to(ROOT))] = lines
     assert long == {}, f"split these by a seam of their own: {long}"
 
 
