@@ -1,5 +1,9 @@
 """Which training steps get no side work, so that the job's own step times measure what side work costs.
 
+Also which bubbles a job's slowdown budget leaves out (:func:`granted`): the
+manager and the armed workers apply both rules, so that a worker that starts on
+the rank's own bubble events skips what the manager grants to no one.
+
 The steps of a job are cut into blocks of :attr:`~freeride.protocol.Holdback.block_steps`
 steps, and the blocks into cycles. In each cycle one pair of adjacent blocks is
 chosen at random, and one of the two, by a fair coin, is *held back*: no side
@@ -30,7 +34,7 @@ from typing import Literal
 
 from freeride import protocol as p
 
-__all__ = ["HoldbackSchedule", "Slot"]
+__all__ = ["HoldbackSchedule", "Slot", "granted"]
 
 
 Role = Literal["held", "harvested"]
@@ -105,3 +109,19 @@ class HoldbackSchedule:
             return 0.0
         block = max(0, step - c.start_step) // c.block_steps
         return 1.0 / self._cycle_of_block(block)[2]
+
+
+def granted(share: float, step: int, index: int) -> bool:
+    """Whether bubble ``index`` of ``step`` is granted while only ``share`` of a job's bubbles are.
+
+    A fixed rule of the step and the index, so that every device of a job, and
+    every armed worker, leaves out the same bubbles; a bubble granted at one
+    share is granted at every larger one. See :mod:`freeride.serve.budget`.
+    """
+    if share >= 1.0:
+        return True
+    if share <= 0.0:
+        return False
+    mixed = ((step * 0x9E3779B1) ^ (index * 0x85EBCA77)) & 0xFFFFFFFF
+    mixed = ((mixed ^ (mixed >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
+    return (mixed ^ (mixed >> 16)) / 2**32 < share

@@ -6,6 +6,12 @@ ipc:// sockets. The time is measured from the backend's ``BubbleStarted``
 timestamp (taken right before its send) to the first step the side task
 starts inside that bubble: one emit, two socket hops and two wake-ups.
 
+The manager runs with ``freeride serve``'s defaults: it holds side work back
+from some steps to measure the job's cost, and its slowdown budget leaves a
+share of bubbles out while that cost is above 0.5 %. Bubble time used is a
+share of all bubble time; ``held_back`` and ``backed_off`` say how much of it
+those two took (``--no-cost`` turns both off).
+
     .venv/bin/python tools/latency.py --bubbles 10000
 """
 
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import sys
@@ -32,9 +39,17 @@ TASK_OPTIONS: dict[str, str | int | float | bool] = {"users": 500, "items": 200,
 """Small SGD steps (well under a millisecond) that never finish: every bubble gets steps."""
 
 
-async def measure(bubbles: int, forward_ms: float, backward_ms: float, microbatches: int) -> dict[str, float]:
+async def measure(
+    bubbles: int, forward_ms: float, backward_ms: float, microbatches: int, *, cost: bool = True
+) -> dict[str, float]:
     runtime_dir = Path(tempfile.mkdtemp(prefix="fr-lat-"))
-    config = ServeConfig(endpoints=Endpoints.ipc(runtime_dir), state_dir=runtime_dir / "state", checkpoint_every_s=3600)
+    config = ServeConfig(
+        endpoints=Endpoints.ipc(runtime_dir),
+        state_dir=runtime_dir / "state",
+        checkpoint_every_s=3600,
+    )
+    if not cost:
+        config = dataclasses.replace(config, holdback=p.Holdback(every=0), slowdown_budget=0.0)
     # bubbles per step per stage in 1F1B with p=2: head or tail, fill, and (m-1)... count from a probe run below
     sim = SimConfig(
         endpoint=config.endpoints.events,
@@ -76,7 +91,8 @@ async def measure(bubbles: int, forward_ms: float, backward_ms: float, microbatc
     if failed:
         raise SystemExit("side tasks failed: " + "; ".join(failed))
     seen = sum(d.bubbles for d in status.devices)
-    used = sum(d.used_ns for d in status.devices) / max(1, sum(d.bubble_ns for d in status.devices))
+    bubble_ns = max(1, sum(d.bubble_ns for d in status.devices))
+    used = sum(d.used_ns for d in status.devices) / bubble_ns
     return {
         "bubbles": seen,
         "grants_with_a_step": len(values),
@@ -85,6 +101,8 @@ async def measure(bubbles: int, forward_ms: float, backward_ms: float, microbatc
         "p99_us": quantile(values, 0.99) / 1e3,
         "max_us": (values[-1] if values else 0) / 1e3,
         "bubble_time_used": used,
+        "held_back": sum(d.held_back_ns for d in status.devices) / bubble_ns,
+        "backed_off": sum(d.backed_off_ns for d in status.devices) / bubble_ns,
         "overruns": sum(d.overruns for d in status.devices),
         "wall_s": wall,
     }
@@ -96,19 +114,29 @@ def main() -> int:
     parser.add_argument("--forward-ms", type=float, default=2.0)
     parser.add_argument("--backward-ms", type=float, default=4.0)
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument(
+        "--no-cost",
+        action="store_true",
+        help="no held-back steps and no slowdown budget (serve --holdback-every 0 --slowdown-budget off):"
+        " the reaction path alone",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     import uvloop
 
-    r = uvloop.run(measure(args.bubbles, args.forward_ms, args.backward_ms, args.microbatches))
+    r = uvloop.run(measure(args.bubbles, args.forward_ms, args.backward_ms, args.microbatches, cost=not args.no_cost))
     if args.json:
         print(json.dumps(r))
     else:
-        print("| bubbles | grants with a step | p50 | p90 | p99 | max | bubble time used | overruns |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        print(
+            "| bubbles | grants with a step | p50 | p90 | p99 | max | bubble time used | held back | backed off"
+            " | overruns |"
+        )
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         print(
             f"| {r['bubbles']} | {r['grants_with_a_step']} | {r['p50_us']:.0f} µs | {r['p90_us']:.0f} µs | "
-            f"{r['p99_us']:.0f} µs | {r['max_us']:.0f} µs | {r['bubble_time_used']:.1%} | {r['overruns']} |"
+            f"{r['p99_us']:.0f} µs | {r['max_us']:.0f} µs | {r['bubble_time_used']:.1%} | {r['held_back']:.1%} | "
+            f"{r['backed_off']:.1%} | {r['overruns']} |"
         )
     return 0
 

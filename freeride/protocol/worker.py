@@ -105,6 +105,7 @@ class Stop(Message, frozen=True, tag="stop"):
 
 
 _Blocks = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+_Share = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 
 
 class Holdback(Message, frozen=True, tag="holdback"):
@@ -168,6 +169,9 @@ class Arm(Message, frozen=True, tag="arm"):
     """A bubble whose length so set is shorter than this is not the armed one: the worker waits for the next."""
     holdback: Holdback | None = None
     """The steps of the rank's job held back to measure its cost: a bubble of one of them is not the armed one."""
+    harvest_share: _Share = 1.0
+    """The share of the job's bubbles its slowdown budget lets be granted: a bubble it leaves out
+    (:func:`freeride.holdback.granted`) is not the armed one."""
 
 
 class Disarm(Message, frozen=True, tag="disarm"):

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from freeride import protocol as p
+from freeride.holdback import granted
 from freeride.serve.guard import InterferenceGuard
 from freeride.serve.ledger import DeviceLedger, GrantState
 from freeride.serve.tasks import TaskRecord
@@ -37,6 +38,8 @@ class Armed:
     grant_id: int
     guard: tuple[int, float, int] = (0, 1.0, 0)
     """The guard's margin, prediction factor and shortest bubble the arm carries."""
+    share: float = 1.0
+    """The harvest share of the job's slowdown budget the arm carries."""
     early: p.GrantDone | None = None
     """The grant's report, if it came before its bubble's start did."""
 
@@ -88,6 +91,7 @@ class DeviceArming:
         grant_id: int,
         guard: InterferenceGuard,
         holdback: Callable[[], p.Holdback | None],
+        harvest_share: float = 1.0,
         probe_due: Callable[[int], bool],
     ) -> int | None:
         """Arm the first task of ``candidates`` (turn offset, task) that takes an arm, as ``grant_id``.
@@ -114,10 +118,11 @@ class DeviceArming:
                 prediction_factor=guard.factor,
                 min_bubble_ns=guard.min_bubble_ns,
                 holdback=holdback(),
+                harvest_share=harvest_share,
             )
             if not task.runner.arm(arm):
                 continue  # the worker's socket refused
-            self.armed = Armed(task=task, grant_id=grant_id, guard=_carried(guard))
+            self.armed = Armed(task=task, grant_id=grant_id, guard=_carried(guard), share=harvest_share)
             return k
         return None
 
@@ -125,9 +130,14 @@ class DeviceArming:
         """Whether ``task``'s worker has shown it hears this rank (it took an armed grant from its event)."""
         return task.runner is not None and (task.task_id, task.runner.pid) in self._following
 
-    def stale(self, guard: InterferenceGuard) -> bool:
-        """Whether the arm out carries other values of ``guard``'s than it has now."""
-        return self.armed is not None and self.armed.guard != _carried(guard)
+    def stale(self, guard: InterferenceGuard, harvest_share: float) -> bool:
+        """Whether the arm out carries other values of ``guard``'s, or another harvest share, than hold now."""
+        armed = self.armed
+        return armed is not None and (armed.guard != _carried(guard) or armed.share != harvest_share)
+
+    def takes(self, bubble: p.BubbleStarted) -> bool:
+        """Whether the armed worker starts on ``bubble`` by the harvest share it carries (False: none armed)."""
+        return self.armed is not None and granted(self.armed.share, bubble.step, bubble.index)
 
     def disarm(self) -> None:
         """Withdraw the arm out, if any."""

@@ -13,32 +13,21 @@ cost (six give the range of all six): acting on its upper end alone before
 :attr:`SlowdownBudget.judge_pairs` would back off on noise.
 
 The bubbles a level leaves out are picked by a fixed rule of the step and the
-bubble's index (:func:`granted`), so that every device of a job leaves out the
-same ones.
+bubble's index (:func:`freeride.holdback.granted`), so that every device of a
+job, and every worker armed on one, leaves out the same ones.
 """
 
 from __future__ import annotations
 
 from freeride.observe.stats import MedianInterval
 
-__all__ = ["JUDGE_PAIRS", "LEVELS", "SlowdownBudget", "granted"]
+__all__ = ["JUDGE_PAIRS", "LEVELS", "SlowdownBudget"]
 
 JUDGE_PAIRS = 16
 """Pairs measured at a level before the upper end of its interval alone may step it down, or it may step up."""
 
 LEVELS = (1.0, 0.75, 0.5, 0.25, 0.0)
 """The share of bubbles granted at each level (0: all, the default)."""
-
-
-def granted(share: float, step: int, index: int) -> bool:
-    """Whether bubble ``index`` of ``step`` is granted when only ``share`` of bubbles are."""
-    if share >= 1.0:
-        return True
-    if share <= 0.0:
-        return False
-    mixed = ((step * 0x9E3779B1) ^ (index * 0x85EBCA77)) & 0xFFFFFFFF
-    mixed = ((mixed ^ (mixed >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
-    return (mixed ^ (mixed >> 16)) / 2**32 < share
 
 
 class SlowdownBudget:

@@ -18,9 +18,9 @@ from typing import Literal
 import msgspec
 
 from freeride import protocol as p
-from freeride.holdback import HoldbackSchedule
+from freeride.holdback import HoldbackSchedule, granted
 from freeride.observe.stats import median_interval
-from freeride.serve.budget import SlowdownBudget, granted
+from freeride.serve.budget import SlowdownBudget
 from freeride.serve.meter import CostMeter
 from freeride.serve.ranks import MAX_RANKS
 
@@ -114,9 +114,12 @@ class TrainingCosts:
             return "backed_off"
         return ""
 
-    def may_arm(self, rank: int) -> bool:
-        """Whether a worker may start on ``rank``'s own bubble events (only while every bubble is granted)."""
-        return self._of(rank).share >= 1.0
+    def harvest_share(self, rank: int) -> float:
+        """The share of ``rank``'s job's bubbles granted now (1.0 unless its budget backs harvesting off).
+
+        An armed worker carries it and leaves out the bubbles :meth:`withheld` calls ``backed_off``.
+        """
+        return self._of(rank).share
 
     def holdback(self, rank: int) -> p.Holdback | None:
         """The held-back steps of ``rank``'s job, for an armed worker to leave alone (``None``: none)."""

@@ -232,7 +232,8 @@ class DeviceScheduler(LedgerView):
         if self._withheld == "held_back":
             pass  # measuring the job's cost: an armed worker knows these steps and waits on
         elif self._withheld == "backed_off":
-            self._honour_arm()  # an arm from before the budget backed off is honoured: its worker may run
+            if self._arming.takes(ev):  # armed with a larger share than now: its worker may run
+                self._honour_arm()
         elif self._left_out:
             self.ledger.left_out += 1  # too short to be worth its risk (the guard's judgement): an armed task waits on
         elif not self._honour_arm():
@@ -263,8 +264,8 @@ class DeviceScheduler(LedgerView):
             self.guard.bubble_ended(
                 ev.t_ns, ev.duration_ns - waited, bubble.expected_ns, granted=self._granted_in_bubble
             )
-            if self._arming.stale(self.guard):
-                self._arming.disarm()  # armed with the guard's old margin, factor or shortest bubble: again
+            if self._arming.stale(self.guard, self._harvest_share()):
+                self._arming.disarm()  # armed with the guard's old margin, factor, shortest bubble or share: again
         self._arm_next()
 
     def on_task_changed(self, task: TaskRecord) -> None:
@@ -403,8 +404,9 @@ class DeviceScheduler(LedgerView):
         if self.slow.active:
             return
         costs, rank = self._costs, self._rank
-        if costs is not None and not costs.may_arm(rank):
-            return  # the budget leaves bubbles out, and the worker could not tell which
+        share = self._harvest_share()
+        if share <= 0.0:
+            return  # the budget grants no bubble
         stuck = self._stuck(self._clock.now_ns())
         in_turn = self._turns.order(self.tasks, start=True)
         k = arming.arm_first(
@@ -412,11 +414,16 @@ class DeviceScheduler(LedgerView):
             grant_id=self._next_grant,
             guard=self.guard,
             holdback=lambda: costs.holdback(rank) if costs is not None else None,
+            harvest_share=share,
             probe_due=self._probes.due_next,
         )
         if k is not None:
             self._next_grant += 1
             self._turns.served(k, len(self.tasks))
+
+    def _harvest_share(self) -> float:
+        """The share of bubbles the slowdown budget of the job training here lets be granted now."""
+        return self._costs.harvest_share(self._rank) if self._costs is not None else 1.0
 
     def _honour_arm(self) -> bool:
         """Make the armed task the holder of the bubble just started; False if none is armed."""

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from freeride import protocol as p
-from freeride.holdback import HoldbackSchedule
+from freeride.holdback import HoldbackSchedule, granted
 from freeride.transport import BadFrame, BubbleListener, WorkerLink, wait_readable
 
 __all__ = ["Arming", "BubbleFeed", "RankFeed"]
@@ -137,6 +137,8 @@ class Arming:
             return None  # too short for the guard: the manager grants it to no one, the arm waits for the next
         if self._holdback is not None and self._holdback.held(ev.step):
             return None  # held back to measure the job's cost: likewise granted to no one
+        if not granted(arm.harvest_share, ev.step, ev.index):
+            return None  # left out by the job's slowdown budget: likewise
         self.arm = None
         self._taken = p.Grant(
             grant_id=arm.grant_id,

@@ -381,6 +381,34 @@ def test_an_armed_worker_lets_a_held_back_step_pass_and_takes_the_first_bubble_a
     assert grant is not None and grant.bubble_t_ns == 900
 
 
+def test_an_armed_worker_lets_the_bubbles_its_jobs_budget_leaves_out_pass_and_takes_a_granted_one() -> None:
+    from freeride.holdback import granted
+    from freeride.worker.armed import Arming
+
+    bubbles = [(step, index) for step in range(2, 60) for index in range(3)]
+    left_out = [b for b in bubbles if not granted(0.5, *b)][:5]
+    kept = next(b for b in bubbles if granted(0.5, *b) and b > left_out[-1])
+    arming = Arming()
+    arming.armed(p.Arm(grant_id=5, endpoint="ipc:///x", after_ns=0, harvest_share=0.5))
+    # the manager grants none of the bubbles the budget leaves out: the arm waits for one it grants
+    for k, (step, index) in enumerate(left_out):
+        ev = p.BubbleStarted(rank=0, stage=0, device="cpu:0", step=step, index=index, t_ns=100 + k, expected_ns=9 * MS)
+        arming.seen(ev)
+        assert arming.take() is None and arming.arm is not None
+    step, index = kept
+    arming.seen(p.BubbleStarted(rank=0, stage=0, device="cpu:0", step=step, index=index, t_ns=900, expected_ns=9 * MS))
+    grant = arming.take()
+    assert grant is not None and (grant.grant_id, grant.bubble_t_ns) == (5, 900)
+
+
+def test_an_arm_carries_a_share_of_bubbles_between_none_and_all() -> None:
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(
+            msgspec.msgpack.encode(p.Arm(grant_id=1, endpoint="ipc:///x", after_ns=0, harvest_share=1.5)),
+            type=p.Arm,
+        )
+
+
 async def test_the_first_step_of_a_grant_lets_the_ranks_announcing_thread_block_first(tmp_path: Path) -> None:
     clock, wires = ManualClock(), Wires()
     courtesy = Courtesy(clock)

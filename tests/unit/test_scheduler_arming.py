@@ -302,7 +302,25 @@ def test_short_bubbles_that_overrun_are_left_out_by_the_guard_and_the_next_arm_s
     assert h.arms()[-1][1].min_bubble_ns == 4 * MS  # the next arm carries it to the worker
 
 
-def test_an_arm_carries_the_jobs_held_back_steps_and_none_is_sent_while_the_budget_backs_off() -> None:
+def _bubble(h: Harness, step: int, index: int, length_ns: int = 20 * MS) -> tuple[p.BubbleStarted, list[object]]:
+    """Bubble ``index`` of ``step``, from start to end; what the scheduler sent meanwhile."""
+    before = len(h.sent)
+    ev = p.BubbleStarted(
+        rank=0, stage=0, device="cpu:0", step=step, index=index, t_ns=h.clock.now_ns(), expected_ns=length_ns
+    )
+    h.sched.on_bubble_started(ev)
+    sent = [m for _, m in h.sent[before:]]
+    h.clock.advance(length_ns)
+    h.sched.on_bubble_ended(
+        p.BubbleEnded(
+            rank=0, stage=0, device="cpu:0", step=step, index=index, t_ns=h.clock.now_ns(), duration_ns=length_ns
+        )
+    )
+    return ev, sent
+
+
+def test_an_arm_carries_the_jobs_held_back_steps_and_the_share_of_bubbles_its_budget_grants() -> None:
+    from freeride.holdback import granted
     from freeride.serve.costs import TrainingCosts
 
     costs = TrainingCosts(p.Holdback(block_steps=2, every=4, max_every=4), budget=0.005)
@@ -310,17 +328,37 @@ def test_an_arm_carries_the_jobs_held_back_steps_and_none_is_sent_while_the_budg
     h = Harness()
     h.sched = DeviceScheduler("cpu:0", latency=h.latency, margin_ns=0, clock=h.clock, costs=costs)
     h.sched.follow_rank(ENDPOINT)
-    h.task(1, 2 * MS)
+    t1 = h.task(1, 2 * MS)
     [(_, arm)] = h.arms()
     assert arm.holdback == p.Holdback(job="job-7", block_steps=2, every=4, max_every=4)
-    # twelve pairs whose cost lies wholly above the budget: harvesting backs off, and arming stops with it
+    assert arm.harvest_share == 1.0
+    # twelve pairs whose cost lies wholly above the budget: harvesting backs off
     for step in range(2, 2 + 12 * 8):
         costs.step_finished(0, step, 150_000_000 if costs.withheld(0, step, 0) != "held_back" else 100_000_000)
-    assert costs.status()[0].harvest_share < 1.0 and not costs.may_arm(0)
-    h.sent.clear()
-    b = h.started(20 * MS)  # the armed task's bubble is honoured (its worker may run), and no new arm follows
-    h.ended(b, 20 * MS)
-    assert not h.arms()
+    share = costs.harvest_share(0)
+    assert 0.0 < share < 1.0 and costs.status()[0].harvest_share == share
+    # the arm out carries the old share: its worker may take the next bubble, which is honoured, and
+    # at that bubble's end the task is armed again with the share that holds now
+    bubbles = [(s, i) for s in range(200, 400) for i in range(2) if costs.withheld(0, s, i) != "held_back"]
+    left_out = [(s, i) for s, i in bubbles if not granted(share, s, i)]
+    kept = [(s, i) for s, i in bubbles if granted(share, s, i)]
+    assert left_out and kept
+    _, sent = _bubble(h, *left_out[0])
+    assert [type(m) for m in sent] == [p.Grant]  # honoured: the fallback Grant of a worker not yet heard
+    h.report(t1, done(t1, arm.grant_id, reason="revoked", busy=MS))
+    [*_, (_, rearmed)] = h.arms()
+    assert rearmed.grant_id != arm.grant_id and rearmed.harvest_share == share
+    # a bubble the budget leaves out goes to no one, and the arm stays out for the next one
+    for step, index in left_out[1:4]:
+        _, sent = _bubble(h, step, index)
+        assert sent == [], (step, index)  # no Grant, no Disarm, no new Arm
+    used = h.sched.status(_info()).used_ns
+    # a bubble the budget grants is the armed worker's (it hears the rank: no fallback Grant)
+    ev, sent = _bubble(h, *kept[0])
+    assert sent == []
+    h.report(t1, done(t1, rearmed.grant_id, reason="revoked", busy=3 * MS, end=ev.t_ns + 5 * MS))
+    assert h.sched.status(_info()).used_ns == used + 3 * MS  # settled as the bubble's grant
+    assert h.arms()[-1][1].grant_id > rearmed.grant_id  # and the next arm is out
 
 
 def test_a_worker_that_hears_the_rank_gets_no_fallback_grant_until_the_rank_or_the_worker_changes() -> None:

@@ -17,9 +17,9 @@ import pytest
 from test_scheduler import MS, Harness, done
 
 from freeride import protocol as p
-from freeride.holdback import HoldbackSchedule
+from freeride.holdback import HoldbackSchedule, granted
 from freeride.observe.stats import LatencyRecorder, median_interval
-from freeride.serve.budget import LEVELS, SlowdownBudget, granted
+from freeride.serve.budget import LEVELS, SlowdownBudget
 from freeride.serve.costs import TrainingCosts
 from freeride.serve.meter import CostMeter
 from freeride.serve.scheduler import DeviceScheduler
