@@ -236,6 +236,9 @@ class DeviceScheduler(LedgerView):
                 self._honour_arm()
         elif self._left_out:
             self.ledger.left_out += 1  # too short to be worth its risk (the guard's judgement): an armed task waits on
+        elif self._arming.armed is not None and not self._arming.takes(ev):
+            self._arming.disarm()  # armed with a smaller share than now: its worker lets this bubble pass
+            self._grant_next(fresh=True)
         elif not self._honour_arm():
             self._grant_next(fresh=True)
 
