@@ -361,41 +361,38 @@ def test_an_arm_carries_the_jobs_held_back_steps_and_the_share_of_bubbles_its_bu
     assert h.arms()[-1][1].grant_id > rearmed.grant_id  # and the next arm is out
 
 
-class _Costs:
-    """A stand-in of :class:`~freeride.serve.costs.TrainingCosts` whose harvest share the test sets."""
-
-    def __init__(self, share: float) -> None:
-        self.share = share
-
-    def withheld(self, rank: int, step: int, index: int) -> str:
-        from freeride.holdback import granted
-
-        return "" if granted(self.share, step, index) else "backed_off"
-
-    def harvest_share(self, rank: int) -> float:
-        return self.share
-
-    def holdback(self, rank: int) -> None:
-        return None
-
-
 def test_an_arm_with_a_smaller_share_than_now_is_withdrawn_at_a_bubble_it_leaves_out_and_the_bubble_granted() -> None:
     from freeride.holdback import granted
+    from freeride.serve.costs import TrainingCosts
 
-    costs = _Costs(0.25)
+    costs = TrainingCosts(p.Holdback(block_steps=2, every=4, max_every=4), budget=0.005)
+    costs.hello(0, "job-7")
     h = Harness()
-    h.sched = DeviceScheduler("cpu:0", latency=h.latency, margin_ns=0, clock=h.clock, costs=costs)  # type: ignore[arg-type]
+    h.sched = DeviceScheduler("cpu:0", latency=h.latency, margin_ns=0, clock=h.clock, costs=costs)
     h.sched.follow_rank(ENDPOINT)
-    h.task(1, 2 * MS)
-    [(_, arm)] = h.arms()
-    assert arm.harvest_share == 0.25
-    costs.share = 1.0  # the budget stepped back up: every bubble is granted again
-    step, index = next((s, i) for s in range(2, 100) for i in range(2) if not granted(0.25, s, i))
+    t1 = h.task(1, 2 * MS)
+    step = 2
+    while costs.harvest_share(0) == 1.0:  # pairs wholly above the budget: harvesting backs off
+        costs.step_finished(0, step, 150_000_000 if costs.withheld(0, step, 0) != "held_back" else 100_000_000)
+        step += 1
+    share = costs.harvest_share(0)
+    [(_, first)] = h.arms()
+    _bubble(h, step, 0)  # the arm out is honoured; at the bubble's end the task is armed again, with the share now
+    h.report(t1, done(t1, first.grant_id, reason="revoked", busy=MS))
+    [*_, (_, arm)] = h.arms()
+    assert arm.harvest_share == share < 1.0
+    while costs.harvest_share(0) < 1.0:  # pairs at no cost: it steps back up
+        costs.step_finished(0, step, 100_000_000)
+        step += 1
+    step, index = next((s, i) for s in range(step, step + 100) for i in range(2) if not granted(share, s, i))
+    assert costs.withheld(0, step, index) == ""  # granted now, left out by the arm's share
     _, sent = _bubble(h, step, index)
     # the worker lets this bubble pass by the share it carries: its arm is withdrawn and the bubble granted
-    assert [type(m) for m in sent] == [p.Disarm, p.Grant]
-    assert sent[0] == p.Disarm(grant_id=arm.grant_id)
-    assert h.arms()[-1][1].harvest_share == 1.0  # armed again, with the share that holds now
+    disarm, grant = sent[:2]
+    assert disarm == p.Disarm(grant_id=arm.grant_id)
+    assert isinstance(grant, p.Grant) and grant.grant_id > arm.grant_id
+    h.report(t1, done(t1, grant.grant_id, reason="revoked", busy=MS, armed=False))
+    assert h.arms()[-1][1].harvest_share == 1.0  # once it is back, armed again with the share that holds now
 
 
 def test_a_worker_that_hears_the_rank_gets_no_fallback_grant_until_the_rank_or_the_worker_changes() -> None:
