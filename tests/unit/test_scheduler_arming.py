@@ -10,7 +10,9 @@ from pathlib import Path
 
 from freeride import protocol as p
 from freeride.clock import ManualClock
+from freeride.holdback import granted
 from freeride.observe.stats import LatencyRecorder
+from freeride.serve.costs import TrainingCosts
 from freeride.serve.ranks import DeviceInfo
 from freeride.serve.scheduler import DeviceScheduler
 from freeride.serve.tasks import TaskRecord
@@ -319,16 +321,18 @@ def _bubble(h: Harness, step: int, index: int, length_ns: int = 20 * MS) -> tupl
     return ev, sent
 
 
-def test_an_arm_carries_the_jobs_held_back_steps_and_the_share_of_bubbles_its_budget_grants() -> None:
-    from freeride.holdback import granted
-    from freeride.serve.costs import TrainingCosts
-
+def _budgeted() -> tuple[TrainingCosts, Harness, TaskRecord]:
+    """A device whose rank trains in job ``job-7``, under a 0.5 % slowdown budget, with one task armed."""
     costs = TrainingCosts(p.Holdback(block_steps=2, every=4, max_every=4), budget=0.005)
     costs.hello(0, "job-7")
     h = Harness()
     h.sched = DeviceScheduler("cpu:0", latency=h.latency, margin_ns=0, clock=h.clock, costs=costs)
     h.sched.follow_rank(ENDPOINT)
-    t1 = h.task(1, 2 * MS)
+    return costs, h, h.task(1, 2 * MS)
+
+
+def test_an_arm_carries_the_jobs_held_back_steps_and_the_share_of_bubbles_its_budget_grants() -> None:
+    costs, h, t1 = _budgeted()
     [(_, arm)] = h.arms()
     assert arm.holdback == p.Holdback(job="job-7", block_steps=2, every=4, max_every=4)
     assert arm.harvest_share == 1.0
@@ -362,15 +366,7 @@ def test_an_arm_carries_the_jobs_held_back_steps_and_the_share_of_bubbles_its_bu
 
 
 def test_an_arm_with_a_smaller_share_than_now_is_withdrawn_at_a_bubble_it_leaves_out_and_the_bubble_granted() -> None:
-    from freeride.holdback import granted
-    from freeride.serve.costs import TrainingCosts
-
-    costs = TrainingCosts(p.Holdback(block_steps=2, every=4, max_every=4), budget=0.005)
-    costs.hello(0, "job-7")
-    h = Harness()
-    h.sched = DeviceScheduler("cpu:0", latency=h.latency, margin_ns=0, clock=h.clock, costs=costs)
-    h.sched.follow_rank(ENDPOINT)
-    t1 = h.task(1, 2 * MS)
+    costs, h, t1 = _budgeted()
     step = 2
     while costs.harvest_share(0) == 1.0:  # pairs wholly above the budget: harvesting backs off
         costs.step_finished(0, step, 150_000_000 if costs.withheld(0, step, 0) != "held_back" else 100_000_000)
