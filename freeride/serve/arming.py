@@ -91,7 +91,7 @@ class DeviceArming:
         grant_id: int,
         guard: InterferenceGuard,
         holdback: Callable[[], p.Holdback | None],
-        harvest_share: float = 1.0,
+        harvest_share: float,
         probe_due: Callable[[int], bool],
     ) -> int | None:
         """Arm the first task of ``candidates`` (turn offset, task) that takes an arm, as ``grant_id``.

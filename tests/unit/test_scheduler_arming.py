@@ -93,9 +93,9 @@ class Harness:
         t.account(d)
         self.sched.on_grant_done(t, d)
 
-    def started(self, expected_ns: int) -> p.BubbleStarted:
+    def started(self, expected_ns: int, *, step: int = 0, index: int = 0) -> p.BubbleStarted:
         ev = p.BubbleStarted(
-            rank=0, stage=0, device="cpu:0", step=0, index=0, t_ns=self.clock.now_ns(), expected_ns=expected_ns
+            rank=0, stage=0, device="cpu:0", step=step, index=index, t_ns=self.clock.now_ns(), expected_ns=expected_ns
         )
         self.sched.on_bubble_started(ev)
         return ev
@@ -107,8 +107,8 @@ class Harness:
                 rank=0,
                 stage=0,
                 device="cpu:0",
-                step=0,
-                index=0,
+                step=start.step,
+                index=start.index,
                 t_ns=start.t_ns + duration_ns,
                 duration_ns=duration_ns,
             )
@@ -307,17 +307,9 @@ def test_short_bubbles_that_overrun_are_left_out_by_the_guard_and_the_next_arm_s
 def _bubble(h: Harness, step: int, index: int, length_ns: int = 20 * MS) -> tuple[p.BubbleStarted, list[object]]:
     """Bubble ``index`` of ``step``, from start to end; what the scheduler sent meanwhile."""
     before = len(h.sent)
-    ev = p.BubbleStarted(
-        rank=0, stage=0, device="cpu:0", step=step, index=index, t_ns=h.clock.now_ns(), expected_ns=length_ns
-    )
-    h.sched.on_bubble_started(ev)
+    ev = h.started(length_ns, step=step, index=index)
     sent = [m for _, m in h.sent[before:]]
-    h.clock.advance(length_ns)
-    h.sched.on_bubble_ended(
-        p.BubbleEnded(
-            rank=0, stage=0, device="cpu:0", step=step, index=index, t_ns=h.clock.now_ns(), duration_ns=length_ns
-        )
-    )
+    h.ended(ev, length_ns)
     return ev, sent
 
 
