@@ -1,11 +1,11 @@
 """``tools/gpu/check.sh --dry-run``: the GPU check's own path on CPU, end to end, as CI runs it.
 
-One short run (one workload, one pair of five steps): the stage with emulated
-neighbours under a real ``freeride serve`` with a side task in its bubbles, the
-memory cap failing an over-cap task alone while training goes on, and the
-sections that need a GPU saying so. Nothing here depends on how fast the
-machine is: the test checks that every section ran and what the report names,
-not the figures.
+One short run (two workloads, one pair of five steps each, one A/A pair shown
+with both): the stage with emulated neighbours under a real ``freeride serve``
+with a side task in its bubbles, the memory cap failing an over-cap task alone
+while training goes on, and the sections that need a GPU saying so. Nothing here
+depends on how fast the machine is: the test checks that every section ran and
+what the report names, not the figures.
 """
 
 from __future__ import annotations
@@ -39,5 +39,11 @@ def test_dry_run_writes_a_report_of_every_section(tmp_path: Path) -> None:
         assert section in report
     assert "needs a CUDA device" in report  # the GPU tests ran, and skipped
     assert "| graph-sgd | host |" in report  # on CPU the stage's waits block the host
+    # the A/A pair runs with the first workload, and the second workload's section counts it too
+    later = report[report.index("### pagerank in the bubbles") :]
+    assert "| pagerank | host |" in report
+    assert "from the section 'graph-sgd in the bubbles of an emulated-neighbour stage'" in later
+    floors = [line for line in report.splitlines() if line.startswith("| A/A noise floor, step time")]
+    assert len(floors) == 2 and all(line.split(" | ")[3] == "1" for line in floors), floors
     assert "-> fails alone" in report and "-> goes on" in report
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in report

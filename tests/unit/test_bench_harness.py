@@ -141,6 +141,12 @@ def test_plan_with_hooks_and_without_controls(harness: ModuleType) -> None:
     assert sorted(r.pair_kind for r in runs if r.role == "a") == ["alone", "alone", "hooked", "hooked", "with", "with"]
 
 
+def test_plan_after_an_earlier_section_of_the_same_job_warms_up_with_side_tasks_only(harness: ModuleType) -> None:
+    runs = harness.plan(harness.BenchOptions(pairs=2, controls=0, warm_alone=False))
+    expected = [("with", "warmup"), ("alone", "a"), ("with", "b"), ("with", "b"), ("alone", "a")]
+    assert [(r.kind, r.role) for r in runs] == expected
+
+
 def test_plan_with_only_runs_with_side_tasks(harness: ModuleType) -> None:
     runs = harness.plan(_options(harness, ["--with-only", "3", "--pairs", "8"]))
     assert [(r.kind, r.role, r.pair) for r in runs] == [("with", "b", 0), ("with", "b", 1), ("with", "b", 2)]

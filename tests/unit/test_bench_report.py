@@ -181,6 +181,31 @@ def test_render_states_the_verdict_and_the_floor(report: ModuleType) -> None:
     assert "The A/A noise floor (alone vs. alone) is" in text
 
 
+def test_a_later_section_shows_and_counts_the_a_a_pairs_an_earlier_one_ran(
+    harness: ModuleType, report: ModuleType
+) -> None:
+    """The GPU check runs its A/A pairs with the first workload only: the job alone does not depend on the side
+    task. Each later workload's section counts them in its noise floor, after its own pairs, named as shown."""
+    first = harness.Benched("### pagerank in the bubbles", "", _runs(report, 0.0))
+    controls = first.controls()
+    assert [(r.pair, r.role, r.shown_from) for r in controls[:2]] == [
+        (8, "a", "### pagerank in the bubbles"),
+        (8, "b", "### pagerank in the bubbles"),
+    ]
+    assert len(controls) == 8 and all(r.pair_kind == "alone" for r in controls)
+    assert all(not r.shown_from for r in first.runs)  # the first section's own runs are not changed
+    own = [_with(report, -1, 120.0, 60.0, role="warmup")]
+    for pair in range(2):
+        own += [_run(report, "alone", "a", pair, "with", 100.0, 50.0), _with(report, pair, 101.0, 50.5)]
+    shown = harness._renumbered(controls, after=own)
+    assert sorted({r.pair for r in shown}) == [2, 3, 4, 5]
+    text = report.render(_section(report, [*own, *shown]))
+    floor = next(line for line in text.splitlines() if line.startswith("| A/A noise floor, step time"))
+    assert floor.split(" | ")[3] == "4"  # the four A/A pairs of the earlier section
+    assert "| slowdown, step time (with / alone) | +1.00 % |" in text
+    assert "| alone | 100.00 | 50.00 | - | - | - | - | from the section 'pagerank in the bubbles' |" in text
+
+
 def test_render_shows_interference_as_seconds_and_share(report: ModuleType) -> None:
     text = report.render(_section(report, _runs(report, 0.0)))
     # 8 counted runs with side tasks, 0.1 s of 10 s each; the warm-up is left out

@@ -80,6 +80,9 @@ class BenchOptions:
     holdback_every: int = 8
     """``serve --holdback-every``: one block of steps in this many gets no side work, so that the
     manager measures the job's cost on its own steps (its figure is reported beside the pairs')."""
+    warm_alone: bool = True
+    """Begin with a warm-up run alone (left out). Off where an earlier section has just run the same job on
+    the same machine, so that its first run's costs (caches, the device's start) are paid already."""
 
     def __post_init__(self) -> None:
         if self.with_only < 0:
@@ -208,7 +211,7 @@ def plan(options: BenchOptions) -> list[PlannedRun]:
     """
     if options.with_only:
         return [PlannedRun(kind="with", role="b", pair=i, pair_kind="with") for i in range(options.with_only)]
-    runs = [PlannedRun(kind="alone", role="warmup", pair=-1, pair_kind="alone")]
+    runs = [PlannedRun(kind="alone", role="warmup", pair=-1, pair_kind="alone")] if options.warm_alone else []
     if options.hooked:
         runs.append(PlannedRun(kind="hooked", role="warmup", pair=-1, pair_kind="hooked"))
     runs.append(PlannedRun(kind="with", role="warmup", pair=-1, pair_kind="with"))

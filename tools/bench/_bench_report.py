@@ -67,6 +67,9 @@ class RunResult:
     """The part of it the manager's own process used."""
     steps: int = 0
     """Training steps the run was asked for."""
+    shown_from: str = ""
+    """The title of the section that ran it, where a later section of the same job shows it too (its A/A pairs:
+    the job alone does not depend on the side task); "" for a section's own runs."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -193,6 +196,8 @@ def _run_rows(runs: Sequence[RunResult]) -> list[str]:
         else:
             use = over = inter = steps = "-"
         note = "; ".join(r.flags) if r.flags else ("left out" if r.role == "warmup" else "")
+        if r.shown_from:
+            note = f"from the section '{r.shown_from.lstrip('# ')}'" + (f"; {note}" if note else "")
         rows.append(
             f"| {i} | {pair} | {r.kind} | {r.step_ms:.2f} | {cpu} | {use} | {over} | {inter} | {steps} | {note} |"
         )

@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 # tools/bench is the script's directory: the harness's parts import by their bare names
@@ -62,6 +63,7 @@ from freeride.serve.guard import describe as describe_guard
 from freeride.transport import ControlClient, Endpoints, ManagerUnreachable
 
 __all__ = [
+    "Benched",
     "ManagerFailed",
     "SKIP_STEPS",
     "TASK_DEFAULTS",
@@ -77,6 +79,7 @@ __all__ = [
     "add_side_task_args",
     "side_tasks",
     "bench",
+    "bench_runs",
     "bench_options",
     "bench_schedules",
     "bench_parser",
@@ -208,13 +211,51 @@ def bench(
     ``freeride serve`` and each ``freeride submit`` (``--mps``, ``--sm-share 50``). Each side task
     of ``task`` (one, or a task and its filler) is submitted pinned to every stage's device.
     """
+    return bench_runs(
+        job, task, options, command=command, cpu_note=cpu_note, serve_args=serve_args, submit_args=submit_args
+    ).markdown
+
+
+@dataclass(frozen=True, slots=True)
+class Benched:
+    """One section of a benchmark: its markdown and the runs it measured (its own, not those shown from another)."""
+
+    title: str
+    markdown: str
+    runs: list[RunResult]
+
+    def controls(self) -> list[RunResult]:
+        """Its A/A pairs, for a later section of the same job to show (:func:`bench_runs`' ``shown``)."""
+        return [replace(r, shown_from=self.title) for r in self.runs if r.pair_kind == "alone" and r.role != "warmup"]
+
+
+def bench_runs(
+    job: Job,
+    task: SideTask | Sequence[SideTask],
+    options: BenchOptions,
+    *,
+    command: str = "",
+    cpu_note: str = "",
+    serve_args: Sequence[str] = (),
+    submit_args: Sequence[str] = (),
+    profile_path: Path | None = None,
+    shown: Sequence[RunResult] = (),
+) -> Benched:
+    """:func:`bench`, for a benchmark of one job with several side tasks in turn (the GPU check's workloads).
+
+    ``profile_path``: the job's profile, made once for every side task (``None``: profile it here).
+    ``shown``: runs of an earlier section of the same job to show and count with this one's, renumbered
+    after its own pairs: its A/A pairs (:meth:`Benched.controls`), since the job alone does not depend on the
+    side task. The manager and its state are this section's own.
+    """
     tasks = [task] if isinstance(task, SideTask) else list(task)
     load_before, started = os.getloadavg()[0], time.strftime("%Y-%m-%d %H:%M %Z")
     runtime = Path(tempfile.mkdtemp(prefix="frbench-", dir="/tmp"))
     endpoints = Endpoints.ipc(runtime)
     serve: subprocess.Popen[bytes] | None = None
     try:
-        profile_path = profile_job(job, runtime)
+        if profile_path is None:
+            profile_path = profile_job(job, runtime)
         profile = load_profile(profile_path)
         supported = _serve_knows_side_priority()
         trace = ["--trace", str(runtime / "trace.json")] if options.keep else []
@@ -267,11 +308,11 @@ def bench(
             side_priority=options.side_priority if supported else "low",
             priority_note="" if supported else _NO_SIDE_PRIORITY,
             profile=profile,
-            runs=runs,
+            runs=[*runs, *_renumbered(shown, after=runs)],
             final=manager_status(endpoints),
             cpu_note=cpu_note,
         )
-        return render(section)
+        return Benched(job.title, render(section), runs)
     finally:
         if serve is not None:
             stop_serve(serve)
@@ -279,6 +320,13 @@ def bench(
             print(f"runtime dir kept: {runtime}", file=sys.stderr)
         else:
             shutil.rmtree(runtime, ignore_errors=True)
+
+
+def _renumbered(shown: Sequence[RunResult], *, after: Sequence[RunResult]) -> list[RunResult]:
+    """Copies of ``shown``'s paired runs with pair numbers following those of ``after`` (warm-ups are left)."""
+    start = max((r.pair for r in after), default=-1) + 1
+    base = min((r.pair for r in shown if r.pair >= 0), default=0)
+    return [replace(r, pair=start + r.pair - base) for r in shown if r.pair >= 0]
 
 
 def bench_schedules(

@@ -32,6 +32,9 @@ class CheckConfig:
     """Where the markdown report goes."""
     workloads: tuple[str, ...]
     pairs: int
+    """Alone/with pairs per workload."""
+    controls: int
+    """A/A pairs (the noise floor), run with the first workload measured and shown with every workload."""
     steps: int
     budget_s: float
     """Sections of (a) that would start after this many seconds are skipped."""
@@ -39,8 +42,8 @@ class CheckConfig:
     stage_args: tuple[str, ...]
 
     def __post_init__(self) -> None:
-        if self.pairs < 1 or self.steps < 5 or self.budget_s <= 0:
-            raise ValueError("pairs must be >= 1, steps >= 5 and budget_s > 0")
+        if self.pairs < 1 or self.controls < 0 or self.steps < 5 or self.budget_s <= 0:
+            raise ValueError("pairs must be >= 1, controls >= 0, steps >= 5 and budget_s > 0")
 
 
 @dataclass(slots=True)

@@ -45,8 +45,9 @@ from _check_report import ROOT, STAGE, CheckConfig, Report, cuda_available, run_
 
 sys.path.insert(0, str(ROOT / "tools" / "bench"))  # the benchmark harness lives there
 
+from _bench_commands import profile_job
 from _check_sharing import mps_missing, section_gate, section_mps
-from _pipeline_bench import BenchOptions, Job, ManagerFailed, bench, side_task
+from _pipeline_bench import Benched, BenchOptions, Job, ManagerFailed, RunResult, SideTask, bench_runs, side_task
 
 __all__ = ["CheckConfig", "main"]
 
@@ -54,7 +55,9 @@ GPU_WORKLOADS = ("resnet18-train", "pagerank", "graph-sgd", "imaging", "resnet18
 """In the order they run: the ones the time budget leaves out come last."""
 GPU_STAGE = ("--device", "cuda", "--width", "4096", "--depth", "8", "--batch", "1024")
 """About 5 ms per forward in FP32 on an H100: bubbles of several ms, as in real stages."""
-DRY_WORKLOADS = ("graph-sgd",)
+DRY_WORKLOADS = ("graph-sgd", "pagerank")
+"""Two, so that the dry run takes the path of a later workload too (the A/A pairs of the first shown with it)."""
+CHECK = "tools/gpu/check.sh"
 
 # ----------------------------------------------------------------------- (a)
 
@@ -83,46 +86,80 @@ def _acc(records: list[dict[str, object]], key: str) -> float:
 
 
 def section_pipeline(config: CheckConfig, report: Report) -> str:
-    options = BenchOptions(pairs=config.pairs, controls=0, steps=config.steps)
     no_mps = mps_missing(config, report)
     serve_args: tuple[str, ...] = () if config.dry_run or no_mps else ("--mps",)
     parts, rows = [], []
     if no_mps:
         parts.append(f"`freeride serve` without `--mps`: MPS is not available here ({no_mps})")
-    for name in config.workloads:
-        if time.monotonic() - report.started > config.budget_s:
-            parts.append(f"{name}: skipped (time budget of {config.budget_s:.0f} s spent)")
-            continue
-        stats = Path(tempfile.mkdtemp(prefix="frcheck-stats-"))
-        job = Job(
-            title=f"### {name} in the bubbles of an emulated-neighbour stage",
-            script=STAGE,
-            args=(*config.stage_args, "--stats-out", str(stats)),
-            profiles_itself=True,
-        )
-        task = side_task(name, (), "2ms")
-        try:
-            parts.append(bench(job, task, options, command="tools/gpu/check.sh", serve_args=serve_args))
-        except ManagerFailed as exc:
-            if not serve_args:
-                raise
-            # the manager could not run with MPS: say why, and measure the bubbles without it
-            report.failures.append(f"a. freeride serve --mps ({name})")
-            parts.append(f"**`freeride serve --mps` FAILED**, the runs below are without MPS:\n\n```\n{exc}\n```")
-            serve_args = ()
-            for path in stats.glob("stage-*.json"):  # the failed attempt profiled too: from here as a first attempt
-                path.unlink()
-            parts.append(bench(job, task, options, command="tools/gpu/check.sh"))
-        alone, launched = _stats(stats)
-        shutil.rmtree(stats, ignore_errors=True)
-        f_alone, f_with = _median(alone, "forward_ms"), _median(launched, "forward_ms")
-        b_alone, b_with = _median(alone, "backward_ms"), _median(launched, "backward_ms")
-        timing = str(launched[0]["timing"]) if launched else "?"
-        rows.append(
-            f"| {name} | {timing} | {_acc(launched, 'announced'):.0f} | {_acc(launched, 'lag_p50_ms'):.3f} / "
-            f"{_acc(launched, 'lag_p99_ms'):.3f} | {_acc(launched, 'abs_error_p50_ms'):.3f} | "
-            f"{f_alone:.3f} -> {f_with:.3f} | {b_alone:.3f} -> {b_with:.3f} |"
-        )
+    # one profile of the stage for every workload; the A/A pairs run with the first workload measured and are
+    # shown with each (the stage alone does not depend on the side task), so the later ones need no warm-up alone
+    work = Path(tempfile.mkdtemp(prefix="frcheck-profile-"))
+    try:
+        profile = profile_job(Job(title="", script=STAGE, args=config.stage_args, profiles_itself=True), work)
+        floor: list[RunResult] = []
+        for name in config.workloads:
+            if time.monotonic() - report.started > config.budget_s:
+                parts.append(f"{name}: skipped (time budget of {config.budget_s:.0f} s spent)")
+                continue
+            first = not floor
+            options = BenchOptions(
+                pairs=config.pairs, controls=config.controls if first else 0, steps=config.steps, warm_alone=first
+            )
+            stats = Path(tempfile.mkdtemp(prefix="frcheck-stats-"))
+            job = Job(
+                title=f"### {name} in the bubbles of an emulated-neighbour stage",
+                script=STAGE,
+                args=(*config.stage_args, "--stats-out", str(stats)),
+                profiles_itself=True,
+            )
+            task = side_task(name, (), "2ms")
+
+            def measure(
+                serve_args: tuple[str, ...],
+                job: Job = job,
+                task: SideTask = task,
+                options: BenchOptions = options,
+                shown: list[RunResult] = floor,
+            ) -> Benched:
+                return bench_runs(
+                    job, task, options, command=CHECK, serve_args=serve_args, profile_path=profile, shown=shown
+                )
+
+            try:
+                try:
+                    benched = measure(serve_args)
+                except ManagerFailed as exc:
+                    if not serve_args:
+                        raise
+                    # the manager could not run with MPS: say why, and measure the bubbles without it
+                    report.failures.append(f"a. freeride serve --mps ({name})")
+                    parts.append(
+                        f"**`freeride serve --mps` FAILED**, the runs below are without MPS:\n\n```\n{exc}\n```"
+                    )
+                    serve_args = ()
+                    for path in stats.glob("stage-*.json"):  # the failed attempt's runs: from here as a first attempt
+                        path.unlink()
+                    benched = measure(serve_args)
+            except Exception as exc:  # one workload that cannot run fails its own part; the others still run
+                report.failures.append(f"a. {name}")
+                parts.append(f"{job.title}\n\n**FAILED**: {type(exc).__name__}: {str(exc)[-3000:]}")
+                shutil.rmtree(stats, ignore_errors=True)
+                continue
+            parts.append(benched.markdown)
+            if first:
+                floor = benched.controls()
+            alone, launched = _stats(stats)
+            shutil.rmtree(stats, ignore_errors=True)
+            f_alone, f_with = _median(alone, "forward_ms"), _median(launched, "forward_ms")
+            b_alone, b_with = _median(alone, "backward_ms"), _median(launched, "backward_ms")
+            timing = str(launched[0]["timing"]) if launched else "?"
+            rows.append(
+                f"| {name} | {timing} | {_acc(launched, 'announced'):.0f} | {_acc(launched, 'lag_p50_ms'):.3f} / "
+                f"{_acc(launched, 'lag_p99_ms'):.3f} | {_acc(launched, 'abs_error_p50_ms'):.3f} | "
+                f"{f_alone:.3f} -> {f_with:.3f} | {b_alone:.3f} -> {b_with:.3f} |"
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     table = [
         "Per run with side tasks (medians over runs): bubbles announced; lag from the device reaching a bubble to "
         "the host announcing it; |expected - measured| duration; the stage's own forward and backward pass "
@@ -221,7 +258,7 @@ def run_check(config: CheckConfig) -> int:
         f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}; host: {os.uname().nodename}; python {sys.version.split()[0]}",
         f"- {_device_line()}",
         f"- stage: `python tools/gpu/stage.py {' '.join(config.stage_args)}`; {config.pairs} pairs x "
-        f"{config.steps} steps per workload",
+        f"{config.steps} steps per workload, {config.controls} A/A pairs",
     ]
     if config.dry_run:
         header.append("- **dry run**: the figures are CPU figures; a GPU's are in docs/gpu-results.md")
@@ -274,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", nargs="+", help=f"side tasks (default {' '.join(GPU_WORKLOADS)})")
     ap.add_argument("--pairs", type=int, help="alone/with pairs per workload (default 3; dry run 1)")
     ap.add_argument("--steps", type=int, help="steps per run (default 15; dry run 5)")
+    ap.add_argument(
+        "--controls", type=int, help="A/A pairs, run with the first workload and shown with each (default 2; dry run 1)"
+    )
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting workloads after this long")
     ap.add_argument("--two-gpu", action="store_true", help="also the real DeepSpeed and Megatron pipelines")
     ns = ap.parse_args(argv)
@@ -284,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         out=ns.out,
         workloads=tuple(ns.workloads or (DRY_WORKLOADS if dry else GPU_WORKLOADS)),
         pairs=ns.pairs or (1 if dry else 3),
+        controls=(1 if dry else 2) if ns.controls is None else ns.controls,
         steps=ns.steps or (5 if dry else 15),
         budget_s=ns.budget_s,
         two_gpu=bool(ns.two_gpu),
