@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from freeride.backends.device_clock import Calibration, DeviceApi, DeviceEvent, calibrate, torch_device_api
+from freeride.backends.rank_gate import RankGate, rank_gate_for
 from freeride.backends.session import BackendSession
 from freeride.backends.tracker import StepTracker
 from freeride.profile import StepRecord
@@ -140,7 +141,9 @@ def timeline_for(
     backend = p2p_backend()
     mode = choose_timing(timing, device_type=device_type, p2p_backend=backend)
     logger.info("[attach] bubbles timed on the %s (%s, p2p %s, asked %s)", mode, device_type, backend or "?", timing)
-    return DeviceTimeline(session, api=api) if mode == "device" else None
+    if mode != "device":
+        return None
+    return DeviceTimeline(session, api=api, gate=rank_gate_for(session.config.endpoint, session.config.device))
 
 
 def track_steps(
@@ -257,6 +260,8 @@ class DeviceTimeline:
         session: Where events go.
         api: The CUDA calls (:func:`torch_device_api` by default).
         clock: The host's monotonic ns clock.
+        gate: The device's bubble gate (:mod:`freeride.backends.rank_gate`): opened right before each announced
+            wait for the side task the manager names, closed right after it. None: no gate.
     """
 
     def __init__(
@@ -265,8 +270,11 @@ class DeviceTimeline:
         *,
         api: DeviceApi | None = None,
         clock: Callable[[], int] = time.monotonic_ns,
+        gate: RankGate | None = None,
     ) -> None:
         self.session = session
+        self.gate = gate
+        self._gate_slot = 0  # training thread: the slot opened at the open wait's start
         self._api = torch_device_api() if api is None else api
         self._clock = clock
         self._queue: queue.SimpleQueue[_Begin | _End | _Call] = queue.SimpleQueue()
@@ -301,8 +309,12 @@ class DeviceTimeline:
         if self._skipped:
             self.accuracy.dropped += 1
             return
+        stream = self._api.current_stream()
+        if announce is not None and self.gate is not None:
+            # queued before the wait's event: the side task's step starts where the device gets here
+            self._gate_slot = self.gate.open_at(stream, announce[0], announce[1], self.session.held)
         event = self._event()
-        event.record(self._api.current_stream())
+        event.record(stream)
         self._put(_Begin(event, announce))
 
     def wait_finished(self, ticket: object) -> None:
@@ -312,8 +324,13 @@ class DeviceTimeline:
         self._open = False
         if self._closed or self._skipped:
             return
+        stream = self._api.current_stream()
         event = self._event()
-        event.record(self._api.current_stream())
+        event.record(stream)
+        if self._gate_slot:
+            assert self.gate is not None
+            self.gate.close_at(stream, self._gate_slot)  # queued after the wait: the device closes it there
+            self._gate_slot = 0
         self._put(_End(event, ticket))
 
     def drain(self) -> list[tuple[object, int]]:
@@ -407,6 +424,8 @@ class DeviceTimeline:
         if sent:
             self.accuracy.announced += 1
             self.accuracy.lag_ns.append(max(0, woke - t_ns))
+        if self.gate is not None:
+            self.gate.attach_due()  # here CUDA is current, and the training thread is not kept waiting
         return sent
 
     def _finish(self, begin: _Begin, end: _End, announced: bool) -> None:

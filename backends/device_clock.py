@@ -16,21 +16,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
+
+from freeride.gpu.streams import DeviceEvent
 
 __all__ = ["Calibration", "DeviceApi", "DeviceEvent", "calibrate", "torch_device_api"]
 
 _CALIBRATION_TRIES = 5
-
-
-class DeviceEvent(Protocol):
-    """What is used of a ``torch.cuda.Event``."""
-
-    def record(self, stream: Any = None) -> None: ...
-
-    def synchronize(self) -> None: ...
-
-    def elapsed_time(self, end_event: Any) -> float: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

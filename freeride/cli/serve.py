@@ -28,6 +28,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         backend_timeout_s=parse_duration_ns(args.backend_timeout) / 1e9,
         profile=Path(args.profile) if args.profile else None,
         mps=args.mps,
+        device_gate=args.device_gate,
         own_process=True,
         trace=Path(args.trace) if args.trace else None,
         metrics_port=args.metrics_port,
@@ -156,6 +157,12 @@ def add_parsers(subs: Subparsers) -> None:
     s.add_argument("--backend-timeout", default="30s", help="silence after which an unwatchable rank is dead")
     s.add_argument("--profile", metavar="FILE", help="bubble profile from `freeride profile`")
     s.add_argument("--mps", action="store_true", help="cap side tasks' GPU memory with NVIDIA MPS (GPU only)")
+    s.add_argument(
+        "--device-gate",
+        action="store_true",
+        help="let each GPU release side work itself: an armed side task queues its next step behind a gate the "
+        "training stream opens where the device reaches a bubble (GPU only; off: released through the host)",
+    )
     s.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of bubbles and side-task work")
     s.add_argument(
         "--metrics-port",

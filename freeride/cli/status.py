@@ -83,6 +83,7 @@ def format_status(status: p.StatusReply, *, verbose: bool = False) -> str:
             if d.typical_bubble_ns > 0
         )
     lines.extend(f"{printable(d.device):10} {printable(d.no_bubbles)}" for d in status.devices if d.no_bubbles)
+    lines.extend(f"{printable(d.device):10} released by the {printable(d.gate)}" for d in status.devices if d.gate)
     lines.extend(f"{printable(d.device):10} {WARM_UP}" for d in status.devices if _warming_up(d))
     lines.extend(printable(line) for line in cost_lines(status.costs, status.devices))
     lines.append("")

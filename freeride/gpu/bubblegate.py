@@ -19,7 +19,15 @@ latency. The bubble gate moves the release onto the device:
 * The host can write the word too: a manager **releases** the waiting work
   when the rank that would open the gate is gone, so that nothing waits forever.
 
-The word holds a sequence number (one per opening) above two flags: whether
+The page holds more than one gate word: word 0 (what a single gate uses, as
+the GPU check's benchmark does) and one per **slot** (1 .. :data:`SLOTS`), so
+that each side task of a device waits on a word of its own and an opening
+releases only the task it is meant for. Beside them the manager writes a
+**control** word (:meth:`GateWord.set_control`): which slot the training
+stream is to open at the next bubbles, and the shortest bubble worth opening
+for; a rank reads it on the host each time it reaches a bubble.
+
+Each word holds a sequence number (one per opening) above two flags: whether
 the gate is open, and whether the host rather than a stream wrote it. Waits
 test only the open flag (``CU_STREAM_WAIT_VALUE_AND``); the sequence number
 tells the host which bubble the device is in.
@@ -45,6 +53,7 @@ from typing import Any, Protocol
 __all__ = [
     "HOST",
     "OPEN",
+    "SLOTS",
     "BubbleGate",
     "GateState",
     "GateUnavailable",
@@ -53,6 +62,7 @@ __all__ = [
     "cuda_stream_ops",
     "decode",
     "encode",
+    "page_path",
     "probe",
     "stream_handle",
 ]
@@ -67,6 +77,25 @@ _SEQ_SHIFT = 2
 _SEQ_MASK = (1 << (32 - _SEQ_SHIFT)) - 1
 _WORD_BYTES = 4
 _PAGE = mmap.PAGESIZE
+_CONTROL = 8
+"""Byte offset of the manager's control word (64 bits: the shortest bubble worth opening for, above the slot)."""
+_FIRST_SLOT = 64
+"""Byte offset of slot 1's word (slot 0's is at the page's start)."""
+_HOLDER_BITS = 16
+SLOTS = min((_PAGE - _FIRST_SLOT) // _WORD_BYTES, (1 << _HOLDER_BITS) - 1)
+"""Slots of gate words in a page besides word 0: side tasks of one device that may use the gate."""
+
+
+def _offset(slot: int) -> int:
+    if not 0 <= slot <= SLOTS:
+        raise ValueError(f"a gate slot is 0 .. {SLOTS}, got {slot}")
+    return 0 if slot == 0 else _FIRST_SLOT + (slot - 1) * _WORD_BYTES
+
+
+def page_path(directory: Path, device: str) -> Path:
+    """Where the manager keeps ``device``'s gate page in its runtime ``directory`` (ranks and workers derive it)."""
+    safe = "".join(c if c.isalnum() else "-" for c in device)
+    return directory / f"gate-{safe}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,9 +137,10 @@ class GateWord:
             self._map = mmap.mmap(fd, _PAGE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        self._word: ctypes.c_uint32 | None = ctypes.c_uint32.from_buffer(self._map)
-        self.address = ctypes.addressof(self._word)
-        """The word's host address (page-aligned: the page is registered with CUDA whole)."""
+        self._words: Any = (ctypes.c_uint32 * (_PAGE // _WORD_BYTES)).from_buffer(self._map)
+        self._control: ctypes.c_uint64 | None = ctypes.c_uint64.from_buffer(self._map, _CONTROL)
+        self.address = ctypes.addressof(self._words)
+        """The page's host address, word 0's (page-aligned: the page is registered with CUDA whole)."""
 
     @classmethod
     def create(cls, path: Path) -> GateWord:
@@ -155,23 +185,44 @@ class GateWord:
             raise GateUnavailable(f"refusing the bubble gate {path}: {why}")
         return cls(path, fd)
 
-    def read(self) -> int:
-        assert self._word is not None, "read after close"
-        return int(self._word.value)
+    def read(self, slot: int = 0) -> int:
+        assert self._words is not None, "read after close"
+        return int(self._words[_offset(slot) // _WORD_BYTES])
 
-    def state(self) -> GateState:
-        return decode(self.read())
+    def state(self, slot: int = 0) -> GateState:
+        return decode(self.read(slot))
 
-    def write(self, value: int) -> None:
-        """Store ``value`` from the host (an aligned 32-bit store: the device sees it whole)."""
-        assert self._word is not None, "write after close"
-        self._word.value = value & 0xFFFFFFFF
+    def write(self, value: int, slot: int = 0) -> None:
+        """Store ``value`` in ``slot``'s word from the host (an aligned 32-bit store: the device sees it whole)."""
+        assert self._words is not None, "write after close"
+        self._words[_offset(slot) // _WORD_BYTES] = value & 0xFFFFFFFF
+
+    def release(self, slot: int = 0) -> None:
+        """Open ``slot``'s gate from the host: whatever waits there runs (the rank that would open it is gone)."""
+        self.write(encode(self.state(slot).seq, open=True, host=True), slot)
+
+    def shut(self, slot: int = 0) -> None:
+        """Close ``slot``'s gate from the host (nothing queued there runs until a stream opens it)."""
+        self.write(encode(self.state(slot).seq, open=False, host=True), slot)
+
+    def control(self) -> tuple[int, int]:
+        """(slot, shortest bubble in ns): the slot a training stream opens at a bubble expected to last at least
+        that long (slot 0: none). One aligned 64-bit load: the two never come from different writes."""
+        assert self._control is not None, "read after close"
+        value = int(self._control.value)
+        return value & ((1 << _HOLDER_BITS) - 1), value >> _HOLDER_BITS
+
+    def set_control(self, slot: int, min_open_ns: int = 0) -> None:
+        """Name the slot training streams open at bubbles expected to last at least ``min_open_ns`` (0: none)."""
+        assert self._control is not None, "write after close"
+        _offset(slot)
+        self._control.value = (max(0, min(min_open_ns, (1 << (64 - _HOLDER_BITS)) - 1)) << _HOLDER_BITS) | slot
 
     def close(self) -> None:
         """Unmap the page (idempotent); the file stays for the others that use it."""
-        if self._word is None:
+        if self._words is None:
             return
-        self._word = None  # the ctypes view holds the map's buffer: release it first
+        self._words = self._control = None  # the ctypes views hold the map's buffer: release them first
         self._map.close()
 
 
@@ -215,36 +266,43 @@ class BubbleGate:
         self.word = word
         self._ops = ops
         self._device_address = ops.map_host(word.address, _PAGE)
-        self._seq = word.state().seq
-        """Openings by this process's stream so far, continuing the word's count (a restarted rank)."""
+        self._seqs: dict[int, int] = {}
+        """Openings of each slot by this process's streams so far, continuing the word's count (a restarted rank)."""
         self._closed = False
 
     @property
     def seq(self) -> int:
-        """The sequence number of the latest opening queued by this process."""
-        return self._seq
+        """The sequence number of word 0's latest opening queued by this process."""
+        return self._seq(0)
 
-    def open_on(self, stream: Any) -> int:
-        """Queue the opening of the gate on ``stream`` (the training stream, at a bubble's start); its seq."""
-        self._seq = (self._seq + 1) & _SEQ_MASK
-        self._ops.write(stream_handle(stream), self._device_address, encode(self._seq, open=True))
-        return self._seq
+    def _seq(self, slot: int) -> int:
+        seq = self._seqs.get(slot)
+        return self.word.state(slot).seq if seq is None else seq
 
-    def close_on(self, stream: Any) -> None:
-        """Queue the closing of the gate on ``stream`` (the training stream, where the bubble ends)."""
-        self._ops.write(stream_handle(stream), self._device_address, encode(self._seq, open=False))
+    def _address(self, slot: int) -> int:
+        return self._device_address + _offset(slot)
 
-    def wait_on(self, stream: Any) -> None:
-        """Queue, on a side stream, a wait until the gate is open: the work queued after it starts then."""
-        self._ops.wait_any(stream_handle(stream), self._device_address, OPEN)
+    def open_on(self, stream: Any, slot: int = 0) -> int:
+        """Queue the opening of ``slot``'s gate on ``stream`` (the training stream, at a bubble's start); its seq."""
+        seq = self._seqs[slot] = (self._seq(slot) + 1) & _SEQ_MASK
+        self._ops.write(stream_handle(stream), self._address(slot), encode(seq, open=True))
+        return seq
 
-    def release(self) -> None:
-        """Open the gate from the host: whatever waits runs (the rank that would open it is gone)."""
-        self.word.write(encode(self.word.state().seq, open=True, host=True))
+    def close_on(self, stream: Any, slot: int = 0) -> None:
+        """Queue the closing of ``slot``'s gate on ``stream`` (the training stream, where the bubble ends)."""
+        self._ops.write(stream_handle(stream), self._address(slot), encode(self._seq(slot), open=False))
 
-    def shut(self) -> None:
-        """Close the gate from the host (a job starts: nothing runs until its first bubble)."""
-        self.word.write(encode(self.word.state().seq, open=False, host=True))
+    def wait_on(self, stream: Any, slot: int = 0) -> None:
+        """Queue, on a side stream, a wait until ``slot``'s gate is open: the work queued after it starts then."""
+        self._ops.wait_any(stream_handle(stream), self._address(slot), OPEN)
+
+    def release(self, slot: int = 0) -> None:
+        """:meth:`GateWord.release`."""
+        self.word.release(slot)
+
+    def shut(self, slot: int = 0) -> None:
+        """:meth:`GateWord.shut`."""
+        self.word.shut(slot)
 
     def close(self) -> None:
         """Unregister and unmap (idempotent). Work still queued behind a wait must be done first."""

@@ -16,13 +16,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["StreamSetup", "step_end_sync", "use_side_stream"]
+__all__ = ["DeviceEvent", "StreamSetup", "step_end_sync", "use_side_stream"]
 
 logger = logging.getLogger(__name__)
 
 _LEAST_URGENT = 1 << 16
+
+
+class DeviceEvent(Protocol):
+    """What is used of a ``torch.cuda.Event`` (tests pass stand-ins)."""
+
+    def record(self, stream: Any = None) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def elapsed_time(self, end_event: Any) -> float: ...
 
 
 class StreamSetup:

@@ -76,6 +76,9 @@ class Assign(Message, frozen=True, tag="assign"):
     """The device's typical bubble: half its bubble time lies in bubbles at least this long (0: not known yet).
 
     Tasks that size their own steps size them by it (``TaskContext.bubble_ns``)."""
+    gate_path: Text = ""
+    """The device's bubble gate page (``freeride serve --device-gate`` on a CUDA device; "" none): the worker
+    probes it and, where it works, queues an armed step ahead behind its slot (:mod:`freeride.worker.gated`)."""
 
 
 class Grant(Message, frozen=True, tag="grant"):
@@ -172,6 +175,12 @@ class Arm(Message, frozen=True, tag="arm"):
     harvest_share: _Share = 1.0
     """The share of the job's bubbles its slowdown budget lets be granted: a bubble it leaves out
     (:func:`freeride.holdback.granted`) is not the armed one."""
+    gate_slot: Small = 0
+    """The worker's slot of the device's bubble gate (0: none): it may queue its next step behind it now,
+    and the rank's stream opens the slot where the device reaches the armed bubble."""
+    gate_open_ns: Nanos = 0
+    """The rank opens the slot only at a bubble expected (as announced) to last at least this long: it is
+    not the armed one otherwise."""
 
 
 class Disarm(Message, frozen=True, tag="disarm"):
@@ -200,6 +209,8 @@ class WorkerReady(Message, frozen=True, tag="worker_ready"):
     """Steps already done (restored from a checkpoint)."""
     packs: bool = False
     """The task chooses smaller pieces for what is left of a bubble (``IterativeTask.fit_piece``)."""
+    gate: Text = ""
+    """Whether the device's bubble gate works for this worker: ``ready``, or why not ("": none assigned)."""
 
 
 GrantDoneReason = Literal["no_fit", "revoked", "expired", "finished", "stopping", "idle"]

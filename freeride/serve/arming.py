@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from freeride import protocol as p
 from freeride.holdback import granted
+from freeride.serve.gates import DeviceGate
 from freeride.serve.guard import InterferenceGuard
 from freeride.serve.ledger import DeviceLedger, GrantState
 from freeride.serve.tasks import TaskRecord
@@ -40,6 +41,9 @@ class Armed:
     """The guard's margin, prediction factor and shortest bubble the arm carries."""
     share: float = 1.0
     """The harvest share of the job's slowdown budget the arm carries."""
+    gate_open_ns: int = 0
+    """The arm's worker queued its step behind its slot of the device gate, which the rank opens only at a
+    bubble expected this long (0: not gated)."""
     early: p.GrantDone | None = None
     """The grant's report, if it came before its bubble's start did."""
 
@@ -54,10 +58,14 @@ class DeviceArming:
 
     Args:
         ledger: The device's ledger, which counts an arm that ran on a bubble never seen.
+        gate: The device's bubble gate (``serve --device-gate``; None: none). A task whose worker can use it
+            is armed with its slot, while the budget grants every bubble: its worker queues its step ahead and
+            the rank's stream releases it (see :mod:`freeride.serve.gates`).
     """
 
-    def __init__(self, ledger: DeviceLedger) -> None:
+    def __init__(self, ledger: DeviceLedger, gate: DeviceGate | None = None) -> None:
         self._ledger = ledger
+        self.gate = gate
         self._endpoint = ""
         self.armed: Armed | None = None
         self._last_start_ns = 0
@@ -110,6 +118,7 @@ class DeviceArming:
                 return None  # a probe or a program: only a Grant at a bubble's start serves it
             if probe_due(task.task_id):
                 return None  # due for a probe, which only a Grant gives
+            slot, gate_open_ns = self._name_slot(task, guard, harvest_share)
             arm = p.Arm(
                 grant_id=grant_id,
                 endpoint=self.endpoint,
@@ -119,12 +128,37 @@ class DeviceArming:
                 min_bubble_ns=guard.min_bubble_ns,
                 holdback=holdback(),
                 harvest_share=harvest_share,
+                gate_slot=slot,
+                gate_open_ns=gate_open_ns,
             )
             if not task.runner.arm(arm):
+                if slot and self.gate is not None:
+                    self.gate.name_none()
                 continue  # the worker's socket refused
-            self.armed = Armed(task=task, grant_id=grant_id, guard=_carried(guard), share=harvest_share)
+            self.armed = Armed(
+                task=task, grant_id=grant_id, guard=_carried(guard), share=harvest_share, gate_open_ns=gate_open_ns
+            )
             return k
         return None
+
+    def _name_slot(self, task: TaskRecord, guard: InterferenceGuard, harvest_share: float) -> tuple[int, int]:
+        """Name ``task``'s gate slot for the next bubble, where it can be used; (slot, bound) or (0, 0).
+
+        Only while the budget grants every bubble: the rank cannot tell which ones a smaller share leaves out.
+        """
+        gate = self.gate
+        if gate is None:
+            return 0, 0
+        if harvest_share < 1.0 or not gate.usable(task.task_id):
+            gate.name_none()
+            return 0, 0
+        return gate.name(
+            task.task_id,
+            estimate_ns=task.estimate_ns,
+            margin_ns=guard.margin_ns,
+            factor=guard.factor,
+            min_bubble_ns=guard.min_bubble_ns,
+        )
 
     def follows(self, task: TaskRecord) -> bool:
         """Whether ``task``'s worker has shown it hears this rank (it took an armed grant from its event)."""
@@ -136,14 +170,28 @@ class DeviceArming:
         return armed is not None and (armed.guard != _carried(guard) or armed.share != harvest_share)
 
     def takes(self, bubble: p.BubbleStarted) -> bool:
-        """Whether the armed worker starts on ``bubble`` by the harvest share it carries (False: none armed)."""
-        return self.armed is not None and granted(self.armed.share, bubble.step, bubble.index)
+        """Whether the armed worker starts on ``bubble`` by the harvest share it carries, and where its step waits
+        behind the device gate, whether the rank opened its slot there (False: none armed)."""
+        armed = self.armed
+        return (
+            armed is not None
+            and granted(armed.share, bubble.step, bubble.index)
+            and bubble.expected_ns >= armed.gate_open_ns
+        )
+
+    @property
+    def gated(self) -> TaskRecord | None:
+        """The task of the arm out, if its step waits behind its slot of the device gate."""
+        armed = self.armed
+        return armed.task if armed is not None and armed.gate_open_ns else None
 
     def disarm(self) -> None:
         """Withdraw the arm out, if any."""
         armed, self.armed = self.armed, None
         if armed is None:
             return
+        if armed.gate_open_ns and self.gate is not None:
+            self.gate.name_none()  # a step it queued waits for its next arm, or a Grant
         if armed.early is not None:  # ran on a bubble the scheduler never saw: its own account
             self._ledger.add_used(armed.early.busy_ns)
         elif armed.task.runner is not None:
@@ -157,6 +205,8 @@ class DeviceArming:
         """Forget the arm ``task`` holds: its worker was killed and never answers for it."""
         if self.holds(task):
             self.armed = None
+            if self.gate is not None:
+                self.gate.name_none()
         self._following = {k for k in self._following if k[0] != task.task_id}
 
     def hold_early(self, task: TaskRecord, done: p.GrantDone) -> bool:

@@ -45,6 +45,10 @@ class ServeConfig:
     """Interpreter for side-task worker processes."""
     mps: bool = False
     """Run side tasks as MPS clients with memory caps (GPU only)."""
+    device_gate: bool = False
+    """Let the devices release side work (GPU only, ipc endpoints): a gate page per CUDA device, which the
+    ranks' compute streams open at bubbles and armed workers queue their next step behind
+    (:mod:`freeride.serve.gates`). Off: every bubble reaches side work through the host."""
     trace: Path | None = None
     """Write a Chrome/Perfetto trace of bubbles and side-task work here."""
     own_process: bool = False

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import assert_never
 
 import msgspec
@@ -21,6 +22,7 @@ from freeride.observe.base import Observers
 from freeride.observe.stats import LatencyRecorder
 from freeride.serve.config import ServeConfig
 from freeride.serve.costs import TrainingCosts
+from freeride.serve.gates import GatePages
 from freeride.serve.nobubbles import waiting_on_device
 from freeride.serve.ranks import DeviceInfo, Ranks
 from freeride.serve.runners import SendFn
@@ -36,6 +38,14 @@ logger = logging.getLogger(__name__)
 GOODBYE_WAIT_NS = 500_000_000
 """How long a rank's goodbye waits for its last bubble end, which comes on another socket (the
 rank's publisher lingers up to 200 ms to send it); taken by :meth:`ManagerCore.finish_goodbyes`."""
+
+
+def _gate_directory(config: ServeConfig) -> Path | None:
+    """Where the devices' gate pages go: beside the manager's ipc sockets (None: no device gate)."""
+    events = config.endpoints.events
+    if not config.device_gate or not events.startswith("ipc://"):
+        return None  # off, or the ranks are remote: only a rank on this node can open a page here
+    return Path(events[6:]).parent
 
 
 def sampled(count: int) -> bool:
@@ -65,12 +75,15 @@ class ManagerCore:
         """The ranks' bubble publishers the core asked to answer (see :meth:`answer_hellos`)."""
         self._goodbyes: dict[int, tuple[p.Goodbye, int]] = {}
         """Goodbyes waiting for their rank's last bubble end, with the time they are taken regardless."""
+        self.gates = GatePages(_gate_directory(config))
+        """The devices' bubble gate pages (``serve --device-gate``)."""
         self.supervisor = Supervisor(
             config,
             devices=self.ranks.devices,
             schedulers=self.schedulers,
             send=send,
             observers=self.observers,
+            gates=self.gates,
         )
 
     @property
@@ -230,6 +243,7 @@ class ManagerCore:
             charge_stage_waits=self.config.side_priority == "same",
             observers=self.observers,
             costs=self.costs,
+            gate=self.gates.open(info.name),
         )
 
     def device_lost(self, name: str) -> None:
@@ -246,6 +260,7 @@ class ManagerCore:
 
     def device_removed(self, name: str) -> None:
         self.schedulers.pop(name, None)
+        self.gates.close(name)
 
     def event_refused(self, reason: str) -> None:
         self.rejected_frames += 1
@@ -315,12 +330,15 @@ class ManagerCore:
             pending_reason=idle or task.status().pending_reason,
         )
 
+    def _device_status(self, name: str, info: DeviceInfo) -> p.DeviceStatus:
+        status = self.schedulers[name].status(info, gpu_uuid=self.gpu_uuid(name))
+        gate = self.gates.get(name)
+        return status if gate is None else msgspec.structs.replace(status, gate=gate.describe())
+
     def status(self) -> p.StatusReply:
         p50, p99, worst = self.latency.summary()
         return p.StatusReply(
-            devices=[
-                self.schedulers[name].status(info, gpu_uuid=self.gpu_uuid(name)) for name, info in self.devices.items()
-            ],
+            devices=[self._device_status(name, info) for name, info in self.devices.items()],
             tasks=[self._task_status(t) for t in self.tasks.values()],
             latency=p.LatencySummary(count=self.latency.count, p50_ns=p50, p99_ns=p99, max_ns=worst),
             events=self.events,

@@ -182,6 +182,7 @@ class Manager(ManagerCore):
         self._closed = True
         self.supervisor.stop()
         await self.supervisor.stop_all()
+        self.gates.close_all()  # after the workers: none waits on a page that is gone
         self.ranks.close()
         self.observers.close()
         if self._mps is not None:

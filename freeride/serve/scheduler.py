@@ -40,6 +40,7 @@ from freeride.observe.base import Observers
 from freeride.observe.stats import LatencyRecorder
 from freeride.serve.arming import DeviceArming
 from freeride.serve.costs import TrainingCosts, Withheld
+from freeride.serve.gates import DeviceGate
 from freeride.serve.guard import DEFAULT_TARGET, GuardConfig, InterferenceGuard
 from freeride.serve.ledger import MIN_BUBBLES_SEEN, RECENT_BUBBLES, DeviceLedger, GrantState, LedgerView
 from freeride.serve.probes import PROBE_AFTER_BUBBLES, PROBE_BUBBLE_SHARE, Probes
@@ -74,6 +75,7 @@ class DeviceScheduler(LedgerView):
         observers: Told of grants and interference.
         costs: What the jobs' measured costs leave to side work: no bubble of a held-back step
             is granted, nor one the slowdown budget leaves out.
+        gate: The device's bubble gate (``serve --device-gate``; None: side work is released on the host).
         clock: Where the time comes from.
     """
 
@@ -87,9 +89,11 @@ class DeviceScheduler(LedgerView):
         charge_stage_waits: bool = True,
         observers: Observers | None = None,
         costs: TrainingCosts | None = None,
+        gate: DeviceGate | None = None,
         clock: Clock = MONOTONIC,
     ) -> None:
         self.device = device
+        self._gate = gate
         self._costs = costs
         self._charge_stage_waits = charge_stage_waits
         self.guard = InterferenceGuard(GuardConfig(target=interference_target, margin_ns=margin_ns))
@@ -100,7 +104,7 @@ class DeviceScheduler(LedgerView):
         self._clock = clock
         self.ledger = DeviceLedger(device, guard=self.guard, observers=observers, clock=clock)
         """What the bubbles here lasted, and what side work used and took (read on the scheduler: see LedgerView)."""
-        self._arming = DeviceArming(self.ledger)
+        self._arming = DeviceArming(self.ledger, gate)
         self._probes = Probes()
         # bubble state
         self._bubble: p.BubbleStarted | None = None
@@ -184,8 +188,10 @@ class DeviceScheduler(LedgerView):
         self.guard.unseen()
 
     def backend_lost(self) -> None:
-        """The rank training here is gone: stop handing out its bubble."""
+        """The rank training here is gone: stop handing out its bubble (and open the gate it would have opened)."""
         self._arming.disarm()
+        if self._gate is not None:
+            self._gate.release_all()
         self._arming.endpoint = ""
         self.ledger.rank_gone()
         if self._bubble is not None:
@@ -237,7 +243,10 @@ class DeviceScheduler(LedgerView):
         elif self._left_out:
             self.ledger.left_out += 1  # too short to be worth its risk (the guard's judgement): an armed task waits on
         elif self._arming.armed is not None and not self._arming.takes(ev):
-            self._arming.disarm()  # armed with a smaller share than now: its worker lets this bubble pass
+            if (gated := self._arming.gated) is not None:  # too short for the step it queued behind the gate:
+                self._tried.add(gated.task_id)  # the arm waits for the next bubble, the others may have this one
+            else:
+                self._arming.disarm()  # armed with a smaller share than now: its worker lets this bubble pass
             self._grant_next(fresh=True)
         elif not self._honour_arm():
             self._grant_next(fresh=True)
@@ -278,6 +287,8 @@ class DeviceScheduler(LedgerView):
         if task.device != self.device or task.terminal:
             if task in self.tasks:
                 self.tasks.remove(task)
+            if self._gate is not None:
+                self._gate.forget(task.task_id)
             self._probes.reset(task.task_id)
             holder = self._holder
             held = self._grants.get(holder) if holder is not None else None
@@ -364,6 +375,8 @@ class DeviceScheduler(LedgerView):
         """Drop the grants ``task`` holds: its worker was killed and never answers for them."""
         self.slow.release(task)
         self._arming.drop(task)
+        if self._gate is not None:  # a worker started again says anew whether the gate works for it
+            self._gate.forget(task.task_id)
         for grant_id, state in list(self._grants.items()):
             if state.task is task:
                 del self._grants[grant_id]
@@ -467,6 +480,8 @@ class DeviceScheduler(LedgerView):
                 probe=offer.probe,
                 margin_ns=margin,
             )
+            if self._gate is not None:
+                self._gate.release(task.task_id)  # a step it queued behind the device gate runs in this grant
             if task.runner is None or not task.runner.grant(grant):
                 continue
             self._turns.served(offer.turn, len(self.tasks))

@@ -26,6 +26,7 @@ from freeride.observe.base import Observers
 from freeride.serve.capacity import Settling, bubble_share, plan_moves
 from freeride.serve.config import ServeConfig
 from freeride.serve.declarations import gpu_views, last_lines, pending_reason, with_declarations
+from freeride.serve.gates import GatePages
 from freeride.serve.intake import check_spec
 from freeride.serve.liveness import Liveness
 from freeride.serve.placement import DeviceView, NoFit, place
@@ -58,9 +59,11 @@ class Supervisor:
         schedulers: dict[str, DeviceScheduler],
         send: SendFn,
         observers: Observers,
+        gates: GatePages | None = None,
         clock: Clock = MONOTONIC,
     ) -> None:
         self.config = config
+        self._gates = gates
         self.devices = devices
         """Read only: written by :class:`~freeride.serve.ranks.Ranks`."""
         self.schedulers = schedulers
@@ -123,6 +126,9 @@ class Supervisor:
                     return
                 self._send(task.ident, self._assignment(task))
             case p.WorkerReady():
+                gate = self._gates.get(task.device) if self._gates is not None and msg.gate else None
+                if gate is not None:  # before the scheduler hears the task is ready: it may be armed at once
+                    gate.ready[task.task_id] = msg.gate
                 task.ready(estimate_ns=msg.step_estimate_ns, steps=msg.steps, packs=msg.packs)
                 self.processes.tighten(task)
                 self._notify(task)
@@ -178,6 +184,11 @@ class Supervisor:
         scheduler = self.schedulers.get(device)
         return scheduler.typical_bubble_ns(self.devices[device]) if scheduler is not None else 0
 
+    def _gate_path(self, device: str) -> str:
+        """``device``'s bubble gate page, for its workers ("" none)."""
+        gate = self._gates.get(device) if self._gates is not None else None
+        return str(gate.path) if gate is not None else ""
+
     def _assignment(self, task: TaskRecord) -> p.Assign:
         workdir = self.processes.workdir(task)
         if not isinstance(task.spec, p.IterativeSpec):
@@ -199,6 +210,7 @@ class Supervisor:
             warm_up=not self.devices[task.device].alive,
             estimates_dir=str(self.config.estimates_dir.absolute()),  # the worker runs in its workdir
             bubble_ns=self._typical_bubble_ns(task.device),
+            gate_path=self._gate_path(task.device),
         )
 
     # -- submit and place ---------------------------------------------------------------
@@ -455,6 +467,9 @@ class Supervisor:
         scheduler = self.schedulers.get(task.device)
         if scheduler is not None:
             scheduler.slow.release(task)  # a frozen worker must read its Stop
+        gate = self._gates.get(task.device) if self._gates is not None else None
+        if gate is not None:
+            gate.release(task.task_id)  # and so must one whose step waits behind its slot of the device gate
         runner.stop(reason)
         await self.processes.terminate(task, runner)
 

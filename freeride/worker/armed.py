@@ -139,6 +139,8 @@ class Arming:
             return None  # held back to measure the job's cost: likewise granted to no one
         if not granted(arm.harvest_share, ev.step, ev.index):
             return None  # left out by the job's slowdown budget: likewise
+        if ev.expected_ns < arm.gate_open_ns:
+            return None  # shorter than the step queued behind the gate: the rank left the slot shut, the arm waits
         self.arm = None
         self._taken = p.Grant(
             grant_id=arm.grant_id,

@@ -19,7 +19,6 @@ and progress reports (:mod:`~freeride.worker.reports`).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
@@ -36,11 +35,12 @@ from freeride.worker.checkpoint import state_bytes as state_bytes_of
 from freeride.worker.checkpoint import write_checkpoint
 from freeride.worker.checkpointing import Checkpointer, SaveCheckpoint
 from freeride.worker.courtesy import Courtesy
+from freeride.worker.gated import GatedSteps, Queued, fits_gate, hear_grant
 from freeride.worker.ledger import GrantLedger
 from freeride.worker.pending import PendingStep
 from freeride.worker.reports import PROGRESS_EVERY_NS, ProgressReports
 from freeride.worker.snapshot import WriteState
-from freeride.worker.waiting import GateLink, race_link
+from freeride.worker.waiting import GateLink, IdleWaits
 
 __all__ = ["GateLink", "GrantGate", "RunDelay", "SaveCheckpoint", "ThreadRunDelay"]
 
@@ -81,6 +81,8 @@ class GrantGate:
             housekeeping that must not run inside a bubble (keeping estimates).
         courtesy: Lets the rank's thread block before a grant's first step takes the
             core it shares (see :mod:`freeride.worker.courtesy`); None: no such wait.
+        gated: Queues an armed step ahead behind the worker's slot of the device's bubble gate
+            (see :mod:`freeride.worker.gated`); None: every step waits on the host for its bubble.
     """
 
     def __init__(
@@ -100,8 +102,12 @@ class GrantGate:
         feed: BubbleFeed | None = None,
         idle: Callable[[], None] | None = None,
         courtesy: Courtesy | None = None,
+        gated: GatedSteps | None = None,
     ) -> None:
         self._link = link
+        self._gated = gated
+        self._queued: Queued | None = None
+        """The step queued behind the gate and not yet run (between its fit and its body)."""
         self._courtesy = courtesy
         self._idle = idle
         self._feed = feed
@@ -131,6 +137,13 @@ class GrantGate:
             log=logger,
         )
         self._reports = ProgressReports(assign, task, estimates, self._send)
+        self._waits = IdleWaits(
+            link,
+            on_message=self._idle_message,
+            waiting=self._waiting,
+            tick=lambda: self._reports.send(self._clock.now_ns(), self._steps),
+            period_s=PROGRESS_EVERY_NS / 1e9,
+        )
         self._resumed = False
         """``on_resume`` ran for the grant held: ``on_pause`` is owed when it goes."""
 
@@ -151,22 +164,6 @@ class GrantGate:
     @_assign.setter
     def _assign(self, assign: p.Assign) -> None:
         self._ledger.assign = self._checkpoints.assign = self._reports.assign = assign
-
-    @property
-    def _save(self) -> SaveCheckpoint:
-        return self._checkpoints.save
-
-    @_save.setter
-    def _save(self, save: SaveCheckpoint) -> None:
-        self._checkpoints.save = save
-
-    @property
-    def _state_bytes(self) -> Callable[[IterativeTask], int]:
-        return self._checkpoints.state_bytes
-
-    @_state_bytes.setter
-    def _state_bytes(self, state_bytes: Callable[[IterativeTask], int]) -> None:
-        self._checkpoints.state_bytes = state_bytes
 
     def _send(self, msg: p.WorkerToManager) -> None:
         self._link.send_nowait(msg)
@@ -281,38 +278,18 @@ class GrantGate:
         Raises:
             TaskStopped: The manager asked the task to stop while it waited.
         """
-        work: asyncio.Future[_T] = asyncio.ensure_future(awaitable)
-        try:
-            await asyncio.sleep(0)  # one pass: the awaitable runs up to its first real wait
-        except BaseException:
-            work.cancel()
-            raise
-        if work.done():
-            return work.result()
-        while (msg := self._link.recv_nowait()) is not None:
-            self._idle_message(msg)
-        self._give_back("idle")
-        self._reports.wait_started(self._clock.now_ns(), self._steps)
-        try:
-            return await race_link(
-                work,
-                self._link.recv,
-                self._idle_message,
-                tick=lambda: self._reports.send(self._clock.now_ns(), self._steps),
-                period_s=PROGRESS_EVERY_NS / 1e9,
-            )
-        finally:
-            self._reports.waiting = False
+        return await self._waits.wait_for(awaitable)
 
-    async def idle_until(self, source: AsyncIterable[_T]) -> AsyncIterator[_T]:
+    def idle_until(self, source: AsyncIterable[_T]) -> AsyncIterator[_T]:
         """Iterate ``source``, waiting for each item as :meth:`wait_for` does."""
-        items = aiter(source)
-        while True:
-            try:
-                item = await self.wait_for(anext(items))
-            except StopAsyncIteration:
-                return
-            yield item
+        return self._waits.idle_until(source)
+
+    def _waiting(self, waiting: bool) -> None:
+        if waiting:
+            self._give_back("idle")
+            self._reports.wait_started(self._clock.now_ns(), self._steps)
+        else:
+            self._reports.waiting = False
 
     def checkpoint(self) -> bool:
         """Save the task's state now; False if the write failed (reported, and retried later).
@@ -381,9 +358,46 @@ class GrantGate:
             if self._idle is not None and ledger.grant is None:
                 self._idle()
             if self._feed is not None and self._arming.arm is not None:
+                if not (due.bound or due.copying) and self._queue_gated(now):
+                    return  # the step goes ahead of its bubble, behind the gate the rank's stream opens
                 await self._feed.wait()  # a Grant or the armed bubble's start, whichever comes first
             else:
                 self._handle(await self._link.recv())
+
+    def _queue_gated(self, now: int) -> bool:
+        """Queue the pending step behind the armed gate slot, where :func:`~freeride.worker.gated.fits_gate` lets it."""
+        arm, gated = self._arming.arm, self._gated
+        if gated is None or arm is None or self._ledger.grant is not None or self.packs:
+            return False  # a packing task sizes its piece by the room left, which is not known ahead
+        margin = arm.margin_ns if arm.margin_ns >= 0 else self._assign.margin_ns
+        if not fits_gate(arm, self._pending.estimate_ns, margin):
+            return False
+        self._queued = gated.queue(arm.gate_slot, now)
+        return True
+
+    def _heard(self) -> bool:
+        """Read the rank's events and the manager's messages; whether the grant a gated step ran in is settled."""
+        self._read_feed()
+        self._take_armed()
+        while (msg := self._link.recv_nowait()) is not None:
+            self._handle(msg)  # a Grant: the manager released the step from the host in a bubble of its own
+        return self._ledger.grant is not None or self._arming.arm is None or self._feed is None
+
+    async def _ran_gated(self, queued: Queued) -> None:
+        """Account the step queued behind the gate, once the device has run it, in the grant it ran in."""
+        assert self._gated is not None
+        device_ns = self._gated.finish(queued)  # the thread sleeps until the device has run the step
+        await hear_grant(self._heard, self._feed.wait if self._feed is not None else None)
+        grant = self._ledger.grant
+        if grant is not None:
+            t0 = max(grant.bubble_t_ns, queued.queued_ns)
+            self._ledger.started(t0)
+            self._ledger.stepped(t0, t0 + device_ns, self._cpu_clock())
+        else:
+            logger.info("[worker] a step queued behind the device gate ran with no grant (a stop, or the rank left)")
+        self._pending.ran(device_ns)
+        self._steps += 1
+        self._checkpoints.stepped(device_ns)
 
     def _copy_slice(self, now: int) -> bool:
         """Copy the slice of a staged checkpoint that fits the open grant's room; False if none fits."""
@@ -430,6 +444,8 @@ class GrantGate:
         pending.kind = kind
         while True:
             await self._wait_for_fit()
+            if self._queued is not None:
+                break
             if self._ledger.steps == 0 and self._courtesy is not None:
                 self._courtesy.follow(self._arming.rank_thread)
                 self._courtesy.defer()
@@ -439,6 +455,14 @@ class GrantGate:
             # priority and may have been preempted since the fit was decided
             if pending.fits(t0):
                 break
+        queued, self._queued = self._queued, None
+        if queued is not None:  # the device starts it: the rank's stream opens its slot at the bubble
+            if not self._resumed:
+                self._resumed = True
+                self._task.on_resume()
+            yield
+            await self._ran_gated(queued)
+            return
         self._ledger.started(t0)
         if not self._resumed:
             self._resumed = True
@@ -457,20 +481,10 @@ class GrantGate:
         self._ledger.stepped(t0, t1, self._cpu_clock())
 
     def _log_overrun(self, kind: str, t0: int, t1: int, waited: int, expected: int) -> None:
-        """Name a step that ran well past its bubble's end: which kind, for how long, against what estimate."""
-        grant = self._ledger.grant
-        if grant is None or t1 - grant.deadline_ns <= _OVERRUN_LOG_NS:
-            return
-        logger.info(
-            "[worker] %r ran %.1f ms past its bubble's end: it took %.1f ms (%.1f ms of it waiting for the CPU) "
-            "against %s, and started %.1f ms before the deadline",
-            kind,
-            (t1 - grant.deadline_ns) / 1e6,
-            (t1 - t0) / 1e6,
-            waited / 1e6,
-            f"an estimate of {expected / 1e6:.1f} ms" if expected >= 0 else "no estimate yet",
-            (grant.deadline_ns - t0) / 1e6,
-        )
+        """Name a step that ran well past its bubble's end (see :meth:`GrantLedger.overrun_text`)."""
+        text = self._ledger.overrun_text(kind, t0, t1, waited, expected, at_least_ns=_OVERRUN_LOG_NS)
+        if text:
+            logger.info("[worker] %s", text)
 
     def checkpoint_at_stop(self) -> bool:
         """The checkpoint of a stopped task, if its state is consistent; else the last one is kept, and said so."""

@@ -114,6 +114,19 @@ class GrantLedger:
         if grant is not None and t1 > grant.deadline_ns:
             tally.overrun_ns = t1 - grant.deadline_ns
 
+    def overrun_text(self, kind: str, t0: int, t1: int, waited: int, expected: int, *, at_least_ns: int) -> str:
+        """What to say of a step of ``kind`` that ran from ``t0`` to ``t1`` (``waited`` of it for the CPU, against
+        an estimate of ``expected``), if it ended at least ``at_least_ns`` past the held grant's deadline; else ""."""
+        grant = self.grant
+        if grant is None or t1 - grant.deadline_ns <= at_least_ns:
+            return ""
+        estimate = f"an estimate of {expected / 1e6:.1f} ms" if expected >= 0 else "no estimate yet"
+        return (
+            f"{kind!r} ran {(t1 - grant.deadline_ns) / 1e6:.1f} ms past its bubble's end: it took {(t1 - t0) / 1e6:.1f}"
+            f" ms ({waited / 1e6:.1f} ms of it waiting for the CPU) against {estimate}, and started"
+            f" {(grant.deadline_ns - t0) / 1e6:.1f} ms before the deadline"
+        )
+
     def hand_back(self, reason: p.GrantDoneReason, *, estimate_ns: int, total_steps: int) -> p.GrantDone | None:
         """Give the grant held back: what was done in it, for ``reason``; None where none is held."""
         grant = self.grant

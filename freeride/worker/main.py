@@ -31,6 +31,7 @@ from freeride.worker.armed import RankFeed
 from freeride.worker.checkpoint import load_checkpoint, state_bytes, write_checkpoint
 from freeride.worker.courtesy import RankCourtesy
 from freeride.worker.gate import GrantGate
+from freeride.worker.gated import bind_gated_steps
 from freeride.worker.warmup import warm_up
 
 __all__ = ["load_target", "main"]
@@ -185,6 +186,9 @@ async def _serve(link: WorkerLink, assign: p.Assign, feed: RankFeed) -> int:
     _cap_torch_cuda_memory()
     # before the task builds anything: its kernels go to a lowest-priority stream
     stream = use_side_stream(_torch_device(assign.device))
+    gated, gate_state = bind_gated_steps(assign.gate_path, stream.stream if stream is not None else None)
+    if assign.gate_path and gated is None:
+        logger.warning("[worker] device gate not used (steps wait on the host for their bubbles): %s", gate_state)
     task: IterativeTask | None = None
     set_up = False
     store: EstimatesStore | None = None
@@ -220,6 +224,7 @@ async def _serve(link: WorkerLink, assign: p.Assign, feed: RankFeed) -> int:
             feed=feed,
             idle=None if store is None else lambda: store.save_if_due(running.estimates),
             courtesy=RankCourtesy(),
+            gated=gated,
         )
         if store is not None:
             store.seed(gate.estimates)
@@ -239,6 +244,7 @@ async def _serve(link: WorkerLink, assign: p.Assign, feed: RankFeed) -> int:
                 step_estimate_ns=gate.estimate_ns,
                 steps=steps,
                 packs=gate.packs,
+                gate=gate_state,
             )
         )
         try:
@@ -267,6 +273,8 @@ async def _serve(link: WorkerLink, assign: p.Assign, feed: RankFeed) -> int:
             store.save(gate.estimates)  # also after a failure: what was measured holds
         if task is not None:
             await task.teardown()
+        if gated is not None:
+            gated.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,3 +82,39 @@ def test_a_closed_gate_holds_later_pieces_and_the_host_releases_them(torch_cuda:
     gate.release()
     done.synchronize()
     assert x.item() == 1.0
+
+
+def test_a_workers_step_queued_behind_its_slot_runs_once_the_training_stream_opens_it(
+    tmp_path: Path, torch_cuda: Any
+) -> None:
+    """What a worker armed with a slot does (``freeride.worker.gated``), against a rank's opening of that slot:
+    the step queued ahead runs after the training stream's spin, and its device time comes from its events."""
+    from freeride.gpu.bubblegate import page_path
+    from freeride.worker.gated import bind_gated_steps
+
+    torch = torch_cuda
+    path = page_path(tmp_path, "cuda:0")
+    word = GateWord.create(path)
+    side = torch.cuda.Stream()
+    gated, state = bind_gated_steps(str(path), side)
+    assert gated is not None and state == "ready"
+    rank = BubbleGate(GateWord.attach(path), cuda_stream_ops())
+    try:
+        x = torch.zeros(1 << 20, device="cuda")
+        queued = gated.queue(3, 0)
+        with torch.cuda.stream(side):
+            for _ in range(10):
+                x.mul_(1.0001)  # the step's kernels, launched before the bubble
+        spin_end = torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(40_000_000)  # the training stream computes ~20 ms
+        spin_end.record()
+        rank.open_on(torch.cuda.current_stream(), 3)
+        device_ns = gated.finish(queued)  # sleeps until the device has run the step
+        assert spin_end.elapsed_time(queued.start) >= 0.0  # it started after the opening, not during the spin
+        assert 0 < device_ns < 20_000_000
+        assert word.state(3).open and not word.state(2).open  # slot 3 only
+    finally:
+        torch.cuda.synchronize()
+        gated.close()
+        rank.close()
+        word.close()

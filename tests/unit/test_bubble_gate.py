@@ -18,6 +18,7 @@ import pytest
 from _files import load
 
 from freeride.gpu.bubblegate import (
+    SLOTS,
     BubbleGate,
     GateUnavailable,
     GateWord,
@@ -173,6 +174,46 @@ def test_the_host_releases_work_left_waiting(word: GateWord, ops: Any) -> None:
     assert state.open and state.host
     gate.shut()
     assert not word.state().open and word.state().host
+
+
+def test_an_opening_releases_only_the_slot_it_opens(word: GateWord, ops: Any) -> None:
+    """Each side task of a device waits on a slot of its own: the task a bubble is meant for runs, no other."""
+    gate = BubbleGate(word, ops)
+    train, mine, other = ops.stream(), ops.stream(), ops.stream()
+    log = Log()
+    for stream, slot, piece in ((mine, 2, "task of slot 2"), (other, 1, "task of slot 1")):
+        gate.wait_on(stream, slot)
+        ops.launch(stream, log.kernel(piece))
+    assert gate.open_on(train, 2) == 1
+    ops.synchronize(train)
+    ops.synchronize(mine)
+    assert log.items == ["task of slot 2"] and ops.busy(other) == 2
+    assert word.state(2).open and not word.state(1).open and not word.state(0).open
+    gate.close_on(train, 2)
+    ops.synchronize(train)
+    gate.release(1)  # as the manager does from the host at a Grant to the task of slot 1
+    ops.synchronize(other)
+    assert log.items == ["task of slot 2", "task of slot 1"]
+    assert word.state(1).host and not word.state(2).open
+
+
+def test_the_control_word_names_a_slot_and_the_shortest_bubble_worth_opening_for(
+    tmp_path: Path, word: GateWord
+) -> None:
+    assert word.control() == (0, 0)  # a new page names no slot
+    word.set_control(3, 2_500_000)
+    other = GateWord.attach(word.path)  # what a rank of the device reads, in its own mapping
+    try:
+        assert other.control() == (3, 2_500_000)
+        word.set_control(0)
+        assert other.control() == (0, 0)
+    finally:
+        other.close()
+    with pytest.raises(ValueError, match="gate slot"):
+        word.set_control(SLOTS + 1)
+    with pytest.raises(ValueError, match="gate slot"):
+        word.write(1, slot=-1)
+    assert SLOTS >= 64
 
 
 def test_a_restarted_rank_continues_the_count_of_openings(word: GateWord, ops: Any) -> None:

@@ -19,6 +19,7 @@ from freeride.sidetask import IterativeTask
 from freeride.transport import BadFrame
 from freeride.worker.armed import Arming
 from freeride.worker.gate import GrantGate
+from freeride.worker.gated import GatedSteps
 
 MS = 1_000_000
 MARGIN = 1 * MS
@@ -134,7 +135,13 @@ class Courtesy:
 
 
 def make_gate(
-    tmp_path: Path, clock: ManualClock, wires: Wires, *, feed: bool = True, courtesy: Courtesy | None = None
+    tmp_path: Path,
+    clock: ManualClock,
+    wires: Wires,
+    *,
+    feed: bool = True,
+    courtesy: Courtesy | None = None,
+    gated: GatedSteps | None = None,
 ) -> GrantGate:
     assign = p.Assign(
         task_id=7,
@@ -155,6 +162,7 @@ def make_gate(
         run_delay=NoDelay(),
         feed=Feed(wires) if feed else None,
         courtesy=courtesy,
+        gated=gated,
     )
 
 

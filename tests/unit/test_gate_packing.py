@@ -75,7 +75,7 @@ async def test_a_checkpoint_is_fitted_on_its_last_time_scaled_by_how_the_state_g
     task = Growing()
     rig = make_rig(tmp_path, checkpoint_every_ns=100 * MS, save_ns=2 * MS, task=task)
     # the default reads tensors' nbytes; bytearrays stand in for tensors here
-    rig.gate._state_bytes = rig.saver.size = lambda t: sum(len(v) for v in t.state_dict().values())
+    rig.gate._checkpoints.state_bytes = rig.saver.size = lambda t: sum(len(v) for v in t.state_dict().values())
     rig.gate.checkpoint()  # before any bubble: 2 ms for 1000 bytes
     rig.link.push(rig.grant(1, STEP + MARGIN))
     await run_task_step(rig, task, STEP)  # the state is ten times larger now: a save takes ~20 ms

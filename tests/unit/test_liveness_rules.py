@@ -334,7 +334,7 @@ class FullDisk:
 async def test_a_failed_checkpoint_is_reported_the_task_goes_on_and_it_is_retried(tmp_path: Path) -> None:
     rig = bounded(make_rig(tmp_path, checkpoint_every_ns=100 * MS), max_loss_steps=2)
     disk = FullDisk(rig)
-    rig.gate._save = disk
+    rig.gate._checkpoints.save = disk
     assert rig.gate.checkpoint() is False
     [failed] = [m for m in rig.link.sent if isinstance(m, p.CheckpointFailed)]
     assert "basic_ios::clear" in failed.error and failed.steps == 0

@@ -36,6 +36,8 @@ class CheckConfig:
     controls: int
     """A/A pairs (the noise floor), run with the first workload measured and shown with every workload."""
     steps: int
+    releases: tuple[str, ...]
+    """How side work is released in (a): ``host`` and/or ``gate`` (``serve --device-gate``), each workload in turn."""
     budget_s: float
     """Sections of (a) that would start after this many seconds are skipped."""
     two_gpu: bool

@@ -58,6 +58,9 @@ GPU_STAGE = ("--device", "cuda", "--width", "4096", "--depth", "8", "--batch", "
 DRY_WORKLOADS = ("graph-sgd", "pagerank")
 """Two, so that the dry run takes the path of a later workload too (the A/A pairs of the first shown with it)."""
 CHECK = "tools/gpu/check.sh"
+RELEASE_ARGS = {"host": (), "gate": ("--device-gate",)}
+"""How side work is released in a run of (a): through the host, or by the device (``serve --device-gate``)."""
+RELEASE_TITLES = {"host": "", "gate": ", released by the device gate"}
 
 # ----------------------------------------------------------------------- (a)
 
@@ -97,9 +100,10 @@ def section_pipeline(config: CheckConfig, report: Report) -> str:
     try:
         profile = profile_job(Job(title="", script=STAGE, args=config.stage_args, profiles_itself=True), work)
         floor: list[RunResult] = []
-        for name in config.workloads:
+        for name, release in ((n, r) for n in config.workloads for r in config.releases):
+            label = name if release == "host" else f"{name} (gate)"
             if time.monotonic() - report.started > config.budget_s:
-                parts.append(f"{name}: skipped (time budget of {config.budget_s:.0f} s spent)")
+                parts.append(f"{label}: skipped (time budget of {config.budget_s:.0f} s spent)")
                 continue
             first = not floor
             options = BenchOptions(
@@ -107,7 +111,7 @@ def section_pipeline(config: CheckConfig, report: Report) -> str:
             )
             stats = Path(tempfile.mkdtemp(prefix="frcheck-stats-"))
             job = Job(
-                title=f"### {name} in the bubbles of an emulated-neighbour stage",
+                title=f"### {name} in the bubbles of an emulated-neighbour stage{RELEASE_TITLES[release]}",
                 script=STAGE,
                 args=(*config.stage_args, "--stats-out", str(stats)),
                 profiles_itself=True,
@@ -120,10 +124,10 @@ def section_pipeline(config: CheckConfig, report: Report) -> str:
                 task: SideTask = task,
                 options: BenchOptions = options,
                 shown: list[RunResult] = floor,
+                release: str = release,
             ) -> Benched:
-                return bench_runs(
-                    job, task, options, command=CHECK, serve_args=serve_args, profile_path=profile, shown=shown
-                )
+                args = (*serve_args, *RELEASE_ARGS[release])
+                return bench_runs(job, task, options, command=CHECK, serve_args=args, profile_path=profile, shown=shown)
 
             try:
                 try:
@@ -132,7 +136,7 @@ def section_pipeline(config: CheckConfig, report: Report) -> str:
                     if not serve_args:
                         raise
                     # the manager could not run with MPS: say why, and measure the bubbles without it
-                    report.failures.append(f"a. freeride serve --mps ({name})")
+                    report.failures.append(f"a. freeride serve --mps ({label})")
                     parts.append(
                         f"**`freeride serve --mps` FAILED**, the runs below are without MPS:\n\n```\n{exc}\n```"
                     )
@@ -141,7 +145,7 @@ def section_pipeline(config: CheckConfig, report: Report) -> str:
                         path.unlink()
                     benched = measure(serve_args)
             except Exception as exc:  # one workload that cannot run fails its own part; the others still run
-                report.failures.append(f"a. {name}")
+                report.failures.append(f"a. {label}")
                 parts.append(f"{job.title}\n\n**FAILED**: {type(exc).__name__}: {str(exc)[-3000:]}")
                 shutil.rmtree(stats, ignore_errors=True)
                 continue
@@ -154,7 +158,7 @@ def section_pipeline(config: CheckConfig, report: Report) -> str:
             b_alone, b_with = _median(alone, "backward_ms"), _median(launched, "backward_ms")
             timing = str(launched[0]["timing"]) if launched else "?"
             rows.append(
-                f"| {name} | {timing} | {_acc(launched, 'announced'):.0f} | {_acc(launched, 'lag_p50_ms'):.3f} / "
+                f"| {label} | {timing} | {_acc(launched, 'announced'):.0f} | {_acc(launched, 'lag_p50_ms'):.3f} / "
                 f"{_acc(launched, 'lag_p99_ms'):.3f} | {_acc(launched, 'abs_error_p50_ms'):.3f} | "
                 f"{f_alone:.3f} -> {f_with:.3f} | {b_alone:.3f} -> {b_with:.3f} |"
             )
@@ -314,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--controls", type=int, help="A/A pairs, run with the first workload and shown with each (default 2; dry run 1)"
     )
+    ap.add_argument(
+        "--release",
+        nargs="+",
+        choices=tuple(RELEASE_ARGS),
+        help="how side work is released in (a), each workload run once per choice (default host gate; dry run host)",
+    )
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting workloads after this long")
     ap.add_argument("--two-gpu", action="store_true", help="also the real DeepSpeed and Megatron pipelines")
     ns = ap.parse_args(argv)
@@ -325,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         workloads=tuple(ns.workloads or (DRY_WORKLOADS if dry else GPU_WORKLOADS)),
         pairs=ns.pairs or (1 if dry else 3),
         controls=(1 if dry else 2) if ns.controls is None else ns.controls,
+        releases=tuple(ns.release or (("host",) if dry else tuple(RELEASE_ARGS))),
         steps=ns.steps or (5 if dry else 15),
         budget_s=ns.budget_s,
         two_gpu=bool(ns.two_gpu),
