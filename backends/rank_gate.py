@@ -58,6 +58,9 @@ class RankGate:
         self._gate: BubbleGate | None = None
         """Set once on the helper thread, read on the training thread (one reference: no lock needed)."""
         self._looked_ns: int | None = None
+        self._inode = -1
+        self._retired: list[BubbleGate] = []
+        """Pages replaced by a new manager's: kept registered, as stream writes to them may still be queued."""
         self._broken = False
         self.opened = 0
         """Bubbles this rank opened a slot at."""
@@ -68,19 +71,33 @@ class RankGate:
 
     # ---------------------------------------------------------- helper thread
     def attach_due(self) -> None:
-        """Attach the page if it is there and it is time to look (the helper thread, where CUDA is current)."""
-        if self._gate is not None or self._broken:
+        """Attach the page if it is there and it is time to look (the helper thread, where CUDA is current).
+
+        A page attached before is checked at the same pace: one a manager started
+        since has replaced (another file at the path) is attached in its place.
+        """
+        if self._broken:
             return
         now = self._clock()
         if self._looked_ns is not None and now - self._looked_ns < _LOOK_EVERY_NS:
             return
         self._looked_ns = now
-        if not self.path.exists():
-            return
+        try:
+            inode = self.path.stat().st_ino
+        except OSError:
+            return  # no manager with --device-gate (yet); the page attached, if any, stays
+        if self._gate is not None:
+            if inode == self._inode:
+                return
+            # never unregistered: writes queued on the compute stream may still be on their way to it
+            self._retired.append(self._gate)
+            self._gate = None
+            logger.info("[bubble] device gate replaced by a new manager's: attaching it")
         word: GateWord | None = None
         try:
             word = GateWord.attach(self.path)
             self._gate = BubbleGate(word, self._ops())
+            self._inode = inode
         except (GateUnavailable, OSError) as exc:
             if word is not None:
                 word.close()
@@ -128,13 +145,14 @@ class RankGate:
         self._gate, self._broken = None, True
 
     def close(self) -> None:
-        """Unregister the page (idempotent)."""
-        gate, self._gate = self._gate, None
-        if gate is not None:
-            try:
-                gate.close()
-            except Exception:
-                logger.debug("[bubble] device gate: unregistering failed", exc_info=True)
+        """Unregister the pages (idempotent). Only once the compute stream has done what was queued on it."""
+        gates, self._gate, self._retired = [self._gate, *self._retired], None, []
+        for gate in gates:
+            if gate is not None:
+                try:
+                    gate.close()
+                except Exception:
+                    logger.debug("[bubble] device gate: unregistering failed", exc_info=True)
 
 
 def rank_gate_for(events_endpoint: str, device: str) -> RankGate | None:

@@ -71,6 +71,9 @@ class DeviceArming:
         self._last_start_ns = 0
         self._following: set[tuple[int, int]] = set()
         """(task id, worker pid) of the workers that took an armed grant from this rank's own event."""
+        self._late: set[int] = set()
+        """Tasks whose slot the host opened at a bubble's end with their grant still out: armed without a slot
+        until it is back, so that the step they may still have queued is not shut in again."""
 
     @property
     def endpoint(self) -> str:
@@ -149,7 +152,7 @@ class DeviceArming:
         gate = self.gate
         if gate is None:
             return 0, 0
-        if harvest_share < 1.0 or not gate.usable(task.task_id):
+        if harvest_share < 1.0 or not gate.usable(task.task_id) or task.task_id in self._late:
             gate.name_none()
             return 0, 0
         return gate.name(
@@ -208,6 +211,37 @@ class DeviceArming:
             if self.gate is not None:
                 self.gate.name_none()
         self._following = {k for k in self._following if k[0] != task.task_id}
+        self.forget_slot(task)  # a worker started again says anew whether the gate works for it
+
+    def forget_slot(self, task: TaskRecord) -> None:
+        """``task`` left the device, or its worker: its gate slot is opened and freed."""
+        self._late.discard(task.task_id)
+        if self.gate is not None:
+            self.gate.forget(task.task_id)
+
+    def rank_gone(self) -> None:
+        """The rank is gone: the arm is withdrawn, and every slot opened (no stream will open them)."""
+        self.disarm()
+        if self.gate is not None:
+            self.gate.release_all()
+
+    def bubble_ended(self, start_ns: int, grants: Iterable[GrantState]) -> None:
+        """Open the slots of the tasks whose grant of the bubble that started at ``start_ns`` is still out.
+
+        A step still running is not affected; one the rank's stream never
+        released (a rank that still maps the page of a manager before this
+        one) runs now, late, rather than never: its task is armed without a
+        slot until its grant is back (:meth:`returned`).
+        """
+        if self.gate is None:
+            return
+        late = {g.task.task_id for g in grants if g.bubble_t_ns == start_ns and not g.returned}
+        self.gate.release_all_of(late)
+        self._late |= late
+
+    def returned(self, task: TaskRecord) -> None:
+        """A grant of ``task`` came back: it may be armed with its slot again."""
+        self._late.discard(task.task_id)
 
     def hold_early(self, task: TaskRecord, done: p.GrantDone) -> bool:
         """Keep ``done`` if it is the armed grant's, back before its bubble's start was seen; whether it was."""

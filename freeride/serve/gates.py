@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable
 from pathlib import Path
 
 from freeride.gpu.bubblegate import SLOTS, GateWord, page_path
@@ -90,6 +91,17 @@ class DeviceGate:
         slot = self._slots.get(task_id)
         if slot:
             self.word.release(slot)
+
+    def release_all_of(self, task_ids: Iterable[int]) -> None:
+        """Open the slots of ``task_ids`` from the host: their grants are not back at their bubble's end.
+
+        A step still running is not affected, nor a task with nothing queued (its
+        next arm closes the slot first); a step the rank's stream never released
+        (a rank that still maps the page of a manager before this one) runs now,
+        late, rather than never.
+        """
+        for task_id in task_ids:
+            self.release(task_id)
 
     def release_all(self) -> None:
         """Open every slot from the host and name none: the rank that would open them is gone."""

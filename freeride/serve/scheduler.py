@@ -189,9 +189,7 @@ class DeviceScheduler(LedgerView):
 
     def backend_lost(self) -> None:
         """The rank training here is gone: stop handing out its bubble (and open the gate it would have opened)."""
-        self._arming.disarm()
-        if self._gate is not None:
-            self._gate.release_all()
+        self._arming.rank_gone()
         self._arming.endpoint = ""
         self.ledger.rank_gone()
         if self._bubble is not None:
@@ -262,6 +260,7 @@ class DeviceScheduler(LedgerView):
         waited = min(ev.waited_runnable_ns, ev.duration_ns) if self._charge_stage_waits else 0
         self.ledger.bubble_ended(ev, waited, self._grants.values())
         self._grants = {gid: s for gid, s in self._grants.items() if not s.returned}
+        self._arming.bubble_ended(ev.t_ns - ev.duration_ns, self._grants.values())
         self.slow.bubble_ended()
         for state in self._grants.values():
             if state.task.slow:  # found too slow before: every overrun of it is frozen at once
@@ -287,8 +286,7 @@ class DeviceScheduler(LedgerView):
         if task.device != self.device or task.terminal:
             if task in self.tasks:
                 self.tasks.remove(task)
-            if self._gate is not None:
-                self._gate.forget(task.task_id)
+            self._arming.forget_slot(task)
             self._probes.reset(task.task_id)
             holder = self._holder
             held = self._grants.get(holder) if holder is not None else None
@@ -329,6 +327,7 @@ class DeviceScheduler(LedgerView):
             st.task is task and not st.returned for gid, st in self._grants.items() if gid != done.grant_id
         ):
             self.slow.release(task)  # its step ended: it runs freely again
+        self._arming.returned(task)
         state = self._grants.get(done.grant_id)
         if state is None:  # a grant forgotten when its task left: all we know is its own account
             self.ledger.add_used(done.busy_ns)
@@ -375,8 +374,6 @@ class DeviceScheduler(LedgerView):
         """Drop the grants ``task`` holds: its worker was killed and never answers for them."""
         self.slow.release(task)
         self._arming.drop(task)
-        if self._gate is not None:  # a worker started again says anew whether the gate works for it
-            self._gate.forget(task.task_id)
         for grant_id, state in list(self._grants.items()):
             if state.task is task:
                 del self._grants[grant_id]

@@ -106,6 +106,33 @@ def test_the_page_is_looked_for_until_the_manager_has_made_it(tmp_path: Path, op
         word.close()
 
 
+def test_a_page_a_new_manager_made_is_attached_in_place_of_the_old_one(tmp_path: Path, ops: Any) -> None:
+    """A manager started again makes a new page at the same path: the rank opens slots in it from then on, and keeps
+    the old one registered (writes queued on its compute stream may still be on their way there)."""
+    now = [0]
+    path = page_path(tmp_path, "cuda:0")
+    old = GateWord.create(path)
+    gate = RankGate(path, ops=lambda: ops, clock=lambda: now[0])
+    gate.attach_due()
+    path.unlink()
+    new = GateWord.create(path)  # what the new manager made
+    try:
+        new.set_control(1, 0)
+        stream = ops.stream()
+        assert gate.open_at(stream, 0, MS, lambda step: False) == 0  # still the old page: it names no slot
+        now[0] += 5_000_000_000
+        gate.attach_due()
+        assert gate.open_at(stream, 1, MS, lambda step: False) == 1
+        ops.synchronize(stream)
+        assert new.state(1).open and not old.state(1).open
+        assert len(ops.mapped) == 2  # the old page is not unregistered
+    finally:
+        gate.close()
+        assert not ops.mapped
+        old.close()
+        new.close()
+
+
 def test_a_planted_page_is_refused_for_good(tmp_path: Path, ops: Any) -> None:
     path = page_path(tmp_path, "cuda:0")
     path.write_bytes(b"\0" * 4096)

@@ -69,6 +69,28 @@ def test_a_bubble_shorter_than_the_queued_step_keeps_the_arm_and_goes_to_the_oth
     h.report(t1, done(t1, arm.grant_id, reason="revoked", busy=4 * MS))
 
 
+def test_a_step_the_ranks_stream_never_released_is_released_at_its_bubbles_end(gate: DeviceGate) -> None:
+    """The rank opens the slot on a page the manager made; a rank that still maps the page of a manager before
+    this one opens nothing the worker waits on. The grant not back at its bubble's end has its slot opened."""
+    h = _gated(gate)
+    t1 = _ready(h, gate, 1, 2 * MS)
+    [(_, arm)] = h.arms()
+    bubble = h.started(10 * MS)  # the arm is honoured: the manager counts the task as the bubble's holder
+    assert not gate.word.state(1).open
+    h.ended(bubble, 10 * MS)  # and no report came: its step is still queued, or still running
+    state = gate.word.state(1)
+    assert state.open and state.host
+    [*_, (_, again)] = h.arms()  # armed again at once, but without its slot: that would shut its step in again
+    assert again.grant_id != arm.grant_id and again.gate_slot == 0 and gate.word.control() == (0, 0)
+    assert gate.word.state(1).open
+    h.report(t1, done(t1, arm.grant_id, reason="revoked", busy=2 * MS))  # the step ran, late
+    second = h.started(10 * MS)
+    h.report(t1, done(t1, again.grant_id, reason="revoked", busy=2 * MS, end=second.t_ns + 2 * MS))
+    h.ended(second, 10 * MS)
+    [*_, (_, third)] = h.arms()
+    assert third.gate_slot == 1 and not gate.word.state(1).open  # its grants are back: the slot is used again
+
+
 def test_a_grant_on_the_hosts_path_releases_the_tasks_slot(gate: DeviceGate) -> None:
     h = _gated(gate)
     gate.ready[3] = "ready"
