@@ -127,7 +127,9 @@ async def test_a_slow_step_is_not_hung_it_finishes_in_bubbles_and_the_task_goes_
 
 
 async def test_a_task_that_hangs_again_from_the_same_state_fails_instead_of_cycling(runtime_dir: Path) -> None:
-    async with serving(runtime_dir) as manager:
+    # no periodic checkpoint: with one every 0.2 s, whether the second run saved one before its hang depended on
+    # how long its four steps took (a loaded machine: three hangs, from steps 0, 3 and 3)
+    async with serving(runtime_dir, checkpoint_every_s=3600.0) as manager:
         declare(manager)
         reply = submit(manager, "_liveness_tasks:AlwaysHang", options={"step_ms": 1.0, "hang_at": 5}, max_restarts=10)
         task = manager.tasks[reply.task_id]
