@@ -35,8 +35,9 @@ def _standin() -> Any:
 FakeStreamOps: Any = _standin().FakeStreamOps
 
 
-@pytest.fixture
-def ops() -> Iterator[Any]:
+@pytest.fixture(name="ops")
+def fixture_ops() -> Iterator[Any]:
+    """The stand-in's streams (closed after the test)."""
     fake = FakeStreamOps()
     yield fake
     fake.close()

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import pytest
 from _files import load
+from test_bubble_gate import fixture_ops  # noqa: F401 - fixture
 from test_cuda_timing import MS, Recorder
 
 from freeride import protocol as p
@@ -25,15 +26,7 @@ from freeride.backends.session import BackendConfig, BackendSession
 from freeride.gpu.bubblegate import GateWord, decode, page_path
 from freeride.transport import EventEmitter
 
-FakeStreamOps: Any = load("tests/standins/fake_stream_ops.py", "fake_stream_ops").FakeStreamOps
 fake_cuda: Any = load("tests/standins/fake_cuda.py", "fake_cuda")
-
-
-@pytest.fixture
-def ops() -> Iterator[Any]:
-    fake = FakeStreamOps()
-    yield fake
-    fake.close()
 
 
 @pytest.fixture
