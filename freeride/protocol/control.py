@@ -96,12 +96,12 @@ class DeviceStatus(Message, frozen=True, tag="device_status"):
     """Half the bubble time lies in bubbles at least this long (0: not known yet); tasks size their steps by it."""
     held_back_ns: int = 0
     """Bubble time held back from side work to measure the training job's cost."""
-    gate: str = ""
-    """How side work is released here: "" on the host (no device gate); else the device gate's state in a line."""
     backed_off_ns: int = 0
     """Bubble time left out to keep the job's measured cost within the slowdown budget."""
     gpu_uuid: str = ""
     """NVML's ``GPU-...`` UUID of this device ("" on a CPU device or without NVML): joins it with other GPU metrics."""
+    gate: str = ""
+    """How side work is released here: "" on the host (no device gate); else the device gate's state in a line."""
 
     @property
     def offered_ns(self) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import msgspec
 import pytest
 from _benchfix import fixture_harness, fixture_mod, fixture_report  # noqa: F401 - fixtures
 from test_bench_harness import _lines
@@ -75,6 +76,21 @@ def test_with_figures_are_deltas(harness: ModuleType, report: ModuleType) -> Non
     assert (result.interference_ns, result.train_ns) == (30, 4000)
     assert result.task_steps == {"t1@cpu:0": 20, "t2@cpu:1": 4}
     assert result.flags == []
+
+
+def test_bubble_use_is_also_given_of_the_time_offered_to_side_work(harness: ModuleType, report: ModuleType) -> None:
+    """Held-back steps and the slowdown budget take part of the bubble time away from side work: the report gives
+    the share used of all of it (the goal's) and of what was offered."""
+    before = _reply([_device("cpu:0", bubble_ns=1000, used_ns=100)], [_task(1, "cpu:0", 10)])
+    after_device = _device("cpu:0", bubble_ns=3000, used_ns=1300)
+    after_device = msgspec.structs.replace(after_device, held_back_ns=300, backed_off_ns=200)
+    result = _run(report, "with", "b", 0, "with", 100.0, None)
+    harness.with_figures(result, before, _reply([after_device], [_task(1, "cpu:0", 20)]))
+    assert (result.bubble_ns, result.offered_ns, result.used_ns) == (2000, 1500, 1200)
+    text = report.render(_section(report, [_run(report, "alone", "a", 0, "with", 100.0, None), result]))
+    assert "| bubble time used by side-task steps | 60.0% of 0.00 s; 80.0% of the 0.00 s offered (the rest" in text
+    result.offered_ns = result.bubble_ns  # all of it offered: one figure
+    assert "s offered" not in report.render(_section(report, [result]))
 
 
 def test_side_task_steps_are_listed_by_device(report: ModuleType) -> None:

@@ -78,6 +78,7 @@ def with_figures(result: RunResult, before: p.StatusReply, after: p.StatusReply)
     for d in after.devices:
         o = old.get(d.device)
         result.bubble_ns += d.bubble_ns - (o.bubble_ns if o else 0)
+        result.offered_ns += d.offered_ns - (o.offered_ns if o else 0)
         result.used_ns += d.used_ns - (o.used_ns if o else 0)
         result.overruns += d.overruns - (o.overruns if o else 0)
         result.overrun_ns += d.overrun_ns - (o.overrun_ns if o else 0)
