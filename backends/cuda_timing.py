@@ -232,6 +232,8 @@ class _Begin:
     event: DeviceEvent
     announce: tuple[int, int, int | None] | None
     """(step, expected ns, spare memory) of a bubble to announce; None: only time the wait."""
+    device: Any = None
+    """The compute stream's device, on the first wait only: the helper thread makes it its own."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +284,7 @@ class DeviceTimeline:
         self._results: deque[tuple[object, int]] = deque()
         self._free: deque[DeviceEvent] = deque()
         self._open = False  # training thread: a wait began and has not finished
+        self._device_sent = False  # training thread: the compute stream's device went to the helper thread
         self._skipped = False  # training thread: the open wait went untimed
         self._closed = False
         self.accuracy = Accuracy()
@@ -315,7 +318,8 @@ class DeviceTimeline:
             self._gate_slot = self.gate.open_at(stream, announce[0], announce[1], self.session.held)
         event = self._event()
         event.record(stream)
-        self._put(_Begin(event, announce))
+        device, self._device_sent = (None if self._device_sent else getattr(stream, "device", None)), True
+        self._put(_Begin(event, announce, device))
 
     def wait_finished(self, ticket: object) -> None:
         """Mark the end of the wait begun last; its device duration comes back from :meth:`drain` with ``ticket``."""
@@ -399,6 +403,8 @@ class DeviceTimeline:
             try:
                 match item:
                     case _Begin(announce=announce):
+                        if item.device is not None:
+                            self._api.use_device(item.device)  # a new thread starts on device 0
                         begin, announced = item, False
                         if announce is not None:
                             announced = self._announce(item.event, announce)

@@ -35,6 +35,9 @@ class DeviceApi:
     """A new stream of the stage's device, for calibration only."""
     current_stream: Callable[[], Any]
     """The stream the training thread computes on now."""
+    use_device: Callable[[Any], None] = lambda device: None
+    """Make ``device`` (a stream's ``.device``) the calling thread's: a new thread starts on device 0, and its
+    calibration stream, events and the gate's registration must be on the stage's device."""
 
 
 def torch_device_api() -> DeviceApi:
@@ -46,6 +49,7 @@ def torch_device_api() -> DeviceApi:
         event=lambda: cuda.Event(enable_timing=True, blocking=True),
         stream=cuda.Stream,
         current_stream=cuda.current_stream,
+        use_device=cuda.set_device,
     )
 
 

@@ -7,6 +7,7 @@ thread of the timeline is real; the tests wait for what it sends, never sleep.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from types import ModuleType
 from typing import cast
@@ -207,3 +208,28 @@ def test_tracker_learns_device_waits_where_the_host_does_not_wait() -> None:
     # the step records (profile mode) get the device's waits once they are timed
     first = records[1].waits[0]
     assert first.key == "1F0" and first.duration_ns == pytest.approx(20 * MS, rel=0.02)
+
+
+def test_the_helper_thread_makes_the_stages_device_its_own_before_its_first_event() -> None:
+    """A new thread starts on device 0: a rank on another GPU of the node (``torch.cuda.set_device(local_rank)``,
+    every GPU visible) would have its calibration stream and events on device 0, whose times do not compare
+    with the compute stream's. The helper thread takes the compute stream's device from its first wait."""
+    gpu = fake_cuda.FakeGpu()
+    gpu.compute.device = "cuda:3"
+    used: list[tuple[object, str]] = []
+    api = dataclasses.replace(gpu.api(), use_device=lambda d: used.append((d, threading.current_thread().name)))
+    recorder = Recorder()
+    config = BackendConfig(
+        endpoint="ipc:///nonexistent", rank=0, stage=0, num_stages=2, device="cuda:3", framework="test"
+    )
+    timeline = DeviceTimeline(BackendSession(config, emitter=cast(EventEmitter, recorder)), api=api, clock=gpu.host_ns)
+    try:
+        for step in range(2):
+            timeline.wait_began((step, 20 * MS, None))
+            timeline.wait_finished(None)
+            gpu.reach(30.0 * step + 1)
+            gpu.reach(30.0 * step + 21)
+        recorder.wait_for(p.BubbleEnded, 2)
+        assert used == [("cuda:3", "freeride-device-timeline")]  # once, on the helper thread
+    finally:
+        timeline.close()
