@@ -318,7 +318,9 @@ class DeviceTimeline:
             self._gate_slot = self.gate.open_at(stream, announce[0], announce[1], self.session.held)
         event = self._event()
         event.record(stream)
-        device, self._device_sent = (None if self._device_sent else getattr(stream, "device", None)), True
+        device = None
+        if not self._device_sent:
+            device, self._device_sent = getattr(stream, "device", None), True
         self._put(_Begin(event, announce, device))
 
     def wait_finished(self, ticket: object) -> None:

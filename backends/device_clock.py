@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from freeride.gpu.streams import DeviceEvent
+from freeride.gpu.streams import DeviceEvent, timing_event
 
 __all__ = ["Calibration", "DeviceApi", "DeviceEvent", "calibrate", "torch_device_api"]
 
@@ -44,9 +44,9 @@ def torch_device_api() -> DeviceApi:
     """The real calls, through ``torch.cuda`` (blocking-sync events: the helper thread sleeps)."""
     import torch
 
-    cuda: Any = torch.cuda  # Event's constructor is untyped
+    cuda: Any = torch.cuda
     return DeviceApi(
-        event=lambda: cuda.Event(enable_timing=True, blocking=True),
+        event=timing_event,
         stream=cuda.Stream,
         current_stream=cuda.current_stream,
         use_device=cuda.set_device,

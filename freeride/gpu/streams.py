@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-__all__ = ["DeviceEvent", "StreamSetup", "step_end_sync", "use_side_stream"]
+__all__ = ["DeviceEvent", "StreamSetup", "step_end_sync", "timing_event", "use_side_stream"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,15 @@ class DeviceEvent(Protocol):
     def synchronize(self) -> None: ...
 
     def elapsed_time(self, end_event: Any) -> float: ...
+
+
+def timing_event() -> DeviceEvent:
+    """A new CUDA timing event that a thread waits for asleep (blocking sync), on the calling thread's device."""
+    import torch
+
+    cuda: Any = torch.cuda  # Event's constructor is untyped
+    event: DeviceEvent = cuda.Event(enable_timing=True, blocking=True)
+    return event
 
 
 class StreamSetup:

@@ -93,7 +93,6 @@ class DeviceScheduler(LedgerView):
         clock: Clock = MONOTONIC,
     ) -> None:
         self.device = device
-        self._gate = gate
         self._costs = costs
         self._charge_stage_waits = charge_stage_waits
         self.guard = InterferenceGuard(GuardConfig(target=interference_target, margin_ns=margin_ns))
@@ -477,8 +476,8 @@ class DeviceScheduler(LedgerView):
                 probe=offer.probe,
                 margin_ns=margin,
             )
-            if self._gate is not None:
-                self._gate.release(task.task_id)  # a step it queued behind the device gate runs in this grant
+            if (gate := self._arming.gate) is not None:
+                gate.release(task.task_id)  # a step it queued behind the device gate runs in this grant
             if task.runner is None or not task.runner.grant(grant):
                 continue
             self._turns.served(offer.turn, len(self.tasks))

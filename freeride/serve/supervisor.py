@@ -63,7 +63,7 @@ class Supervisor:
         clock: Clock = MONOTONIC,
     ) -> None:
         self.config = config
-        self._gates = gates
+        self._gates = gates if gates is not None else GatePages(None)
         self.devices = devices
         """Read only: written by :class:`~freeride.serve.ranks.Ranks`."""
         self.schedulers = schedulers
@@ -126,7 +126,7 @@ class Supervisor:
                     return
                 self._send(task.ident, self._assignment(task))
             case p.WorkerReady():
-                gate = self._gates.get(task.device) if self._gates is not None and msg.gate else None
+                gate = self._gates.get(task.device) if msg.gate else None
                 if gate is not None:  # before the scheduler hears the task is ready: it may be armed at once
                     gate.ready[task.task_id] = msg.gate
                 task.ready(estimate_ns=msg.step_estimate_ns, steps=msg.steps, packs=msg.packs)
@@ -186,7 +186,7 @@ class Supervisor:
 
     def _gate_path(self, device: str) -> str:
         """``device``'s bubble gate page, for its workers ("" none)."""
-        gate = self._gates.get(device) if self._gates is not None else None
+        gate = self._gates.get(device)
         return str(gate.path) if gate is not None else ""
 
     def _assignment(self, task: TaskRecord) -> p.Assign:
@@ -467,7 +467,7 @@ class Supervisor:
         scheduler = self.schedulers.get(task.device)
         if scheduler is not None:
             scheduler.slow.release(task)  # a frozen worker must read its Stop
-        gate = self._gates.get(task.device) if self._gates is not None else None
+        gate = self._gates.get(task.device)
         if gate is not None:
             gate.release(task.task_id)  # and so must one whose step waits behind its slot of the device gate
         runner.stop(reason)

@@ -456,18 +456,15 @@ class GrantGate:
             if pending.fits(t0):
                 break
         queued, self._queued = self._queued, None
-        if queued is not None:  # the device starts it: the rank's stream opens its slot at the bubble
-            if not self._resumed:
-                self._resumed = True
-                self._task.on_resume()
-            yield
-            await self._ran_gated(queued)
-            return
-        self._ledger.started(t0)
+        if queued is None:  # else the device starts it: the rank's stream opens its slot at the bubble
+            self._ledger.started(t0)
         if not self._resumed:
             self._resumed = True
             self._task.on_resume()
         yield
+        if queued is not None:
+            await self._ran_gated(queued)
+            return
         if self._device_sync is not None:
             self._device_sync()  # the step's kernels, not just their launches
         t1 = self._clock.now_ns()

@@ -31,7 +31,7 @@ from typing import Any
 
 from freeride import protocol as p
 from freeride.gpu.bubblegate import BubbleGate, GateUnavailable, GateWord, StreamOps, cuda_stream_ops, probe
-from freeride.gpu.streams import DeviceEvent
+from freeride.gpu.streams import DeviceEvent, timing_event
 
 __all__ = ["GatedSteps", "Queued", "bind_gated_steps", "fits_gate", "hear_grant"]
 
@@ -70,7 +70,6 @@ async def hear_grant(heard: Callable[[], bool], wait: Callable[[], Awaitable[Non
 class Queued:
     """A step queued behind a gate slot."""
 
-    slot: int
     queued_ns: int
     """When the host queued it (the worker's clock)."""
     start: DeviceEvent
@@ -96,7 +95,7 @@ class GatedSteps:
         self._gate.wait_on(self._stream, slot)
         start = self._event()
         start.record(self._stream)
-        return Queued(slot=slot, queued_ns=now_ns, start=start)
+        return Queued(queued_ns=now_ns, start=start)
 
     def finish(self, queued: Queued) -> int:
         """Wait (the thread sleeps) for the end of the step queued after ``queued``; its device time in ns."""
@@ -143,10 +142,5 @@ def bind_gated_steps(
         if word is not None:
             word.close()
         return None, str(exc)
-    if event is None:
-        import torch
-
-        cuda: Any = torch.cuda  # Event's constructor is untyped
-        event = lambda: cuda.Event(enable_timing=True, blocking=True)  # noqa: E731
     logger.info("[worker] device gate %s: armed steps are queued ahead behind it", gate_path)
-    return GatedSteps(gate, stream, event), "ready"
+    return GatedSteps(gate, stream, timing_event if event is None else event), "ready"
