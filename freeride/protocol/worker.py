@@ -248,6 +248,15 @@ class GrantDone(Message, frozen=True, tag="grant_done"):
     """The grant started from the rank's own event (an :class:`Arm`), not from the manager's Grant."""
     cpu_at_start_ns: NanosOrUnknown = -1
     """The process's CPU clock when it took an armed grant (the manager could not read it then); -1 unknown."""
+    last_step_start_ns: Nanos = 0
+    """When the last step inside the grant started (0 if none ran, or unknown)."""
+    cpu_at_last_step_ns: NanosOrUnknown = -1
+    """The process's CPU clock when that step started; -1 unknown.
+
+    Where the manager handled the bubble's end after this report, the step's
+    CPU time past the end is what it ran beyond the wall time it had inside the
+    bubble (see :meth:`freeride.serve.ledger.DeviceLedger.settle`).
+    """
 
 
 class Progress(Message, frozen=True, tag="progress"):

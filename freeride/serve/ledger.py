@@ -63,6 +63,9 @@ class GrantState:
     """The task's CPU clock when the bubble's end was handled, if the grant was still out then."""
     cpu_done: int = -1
     """The task's CPU clock at its last step in the grant, as reported."""
+    last_step_start_ns: int = 0
+    cpu_at_last_step: int = -1
+    """The task's CPU clock when its last step in the grant started, as reported (-1 unknown)."""
     overrun_ns: int = 0
     """What the worker reported as past the grant's deadline (used if the bubble's end is never seen)."""
     armed: bool = False
@@ -256,6 +259,7 @@ class DeviceLedger:
         state.last_step_end_ns = done.last_step_end_ns
         state.overrun_ns = done.overrun_ns
         state.cpu_done = done.cpu_ns
+        state.last_step_start_ns, state.cpu_at_last_step = done.last_step_start_ns, done.cpu_at_last_step_ns
 
     def settle(self, state: GrantState) -> None:
         """Account for a grant once its report and its bubble's end are both known.
@@ -265,8 +269,13 @@ class DeviceLedger:
         the task's steps inside it), so a task that waited for its core uses
         nothing. Interference is the compute that ran after the end: on a GPU,
         which does not preempt a running kernel, that time is taken from
-        training. Where the task's CPU clock could not be read (or the end was
-        handled after the task's report), wall times stand in.
+        training. Where the end was handled after the task's report (the
+        manager reads rank events in batches while no decision waits on them),
+        the clock was not read at the end: the last step's CPU time past the
+        end is what it ran beyond the wall time it had inside the bubble, the
+        core being the task's alone while the stage waited (see
+        :func:`_cpu_past_end`). Where the task's CPU clock could not be read,
+        wall times stand in.
         """
         end = state.bubble_end_ns
         late = max(0, state.last_step_end_ns - end if end and state.last_step_end_ns else state.overrun_ns)
@@ -286,7 +295,7 @@ class DeviceLedger:
         if state.cpu_done >= 0 and read_at_end:
             interference = max(0, state.cpu_done - state.cpu_at_end)
         elif late > 0 and state.cpu_done >= 0 and state.cpu_at_grant >= 0:
-            interference = min(late, max(0, state.cpu_done - state.cpu_at_grant))
+            interference = _cpu_past_end(state, late)
         else:
             interference = late
         interference += state.stage_waited_ns
@@ -321,6 +330,24 @@ class DeviceLedger:
             if state.bubble_end_ns == 0 and (not state.returned or state.last_step_end_ns > free_until_ns):
                 state.stage_waited_ns = waited_ns
                 return
+
+
+def _cpu_past_end(state: GrantState, late: int) -> int:
+    """The CPU time a returned grant's task ran past its bubble's end, where its clock was not read at the end.
+
+    At most the wall time past the end (``late``) and the grant's whole CPU
+    time. Where the last step's start and the CPU clock then are known, the
+    step ran on its core alone until the end (the stage was waiting: nothing
+    else of the job needs the core in a bubble), so what it ran past the end is
+    its CPU time less its wall time inside the bubble. On a shared core the
+    stage preempts the step once the bubble ends: the step's wall time past the
+    end then counts the stage's own compute, its CPU time does not.
+    """
+    bound = min(late, max(0, state.cpu_done - state.cpu_at_grant))
+    if state.cpu_at_last_step < 0 or not state.last_step_start_ns or not state.bubble_end_ns:
+        return bound
+    inside = max(0, state.bubble_end_ns - state.last_step_start_ns)
+    return min(bound, max(0, state.cpu_done - state.cpu_at_last_step - inside))
 
 
 class LedgerView:

@@ -407,16 +407,17 @@ class GrantGate:
         size = self._checkpoints.slice_bytes(self._ledger.room_ns(grant, now))
         if size <= 0:
             return False
+        cpu0 = self._cpu_clock()
         self._checkpoints.copy_slice(self._steps, size)
-        self._ledger.checkpointed(now, self._clock.now_ns(), self._cpu_clock())
+        self._ledger.checkpointed(now, self._clock.now_ns(), self._cpu_clock(), cpu_at_start_ns=cpu0)
         return True
 
     def _timed_checkpoint(self, expected: int) -> None:
         delay0 = self._run_delay.ns()
-        t0 = self._clock.now_ns()
+        t0, cpu0 = self._clock.now_ns(), self._cpu_clock()
         self.checkpoint()
         t1 = self._clock.now_ns()
-        self._ledger.checkpointed(t0, t1, self._cpu_clock())
+        self._ledger.checkpointed(t0, t1, self._cpu_clock(), cpu_at_start_ns=cpu0)
         self._log_overrun("checkpoint", t0, t1, self._run_delay.ns() - delay0, expected)
 
     @property
@@ -456,8 +457,10 @@ class GrantGate:
             if pending.fits(t0):
                 break
         queued, self._queued = self._queued, None
+        cpu0 = -1
         if queued is None:  # else the device starts it: the rank's stream opens its slot at the bubble
             self._ledger.started(t0)
+            cpu0 = self._cpu_clock()
         if not self._resumed:
             self._resumed = True
             self._task.on_resume()
@@ -475,7 +478,7 @@ class GrantGate:
         pending.ran(max(1, t1 - t0 - waited))
         self._steps += 1
         self._checkpoints.stepped(t1 - t0)
-        self._ledger.stepped(t0, t1, self._cpu_clock())
+        self._ledger.stepped(t0, t1, self._cpu_clock(), cpu_at_start_ns=cpu0)
 
     def _log_overrun(self, kind: str, t0: int, t1: int, waited: int, expected: int) -> None:
         """Name a step that ran well past its bubble's end (see :meth:`GrantLedger.overrun_text`)."""

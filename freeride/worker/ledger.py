@@ -33,6 +33,9 @@ class _Tally:
     armed: bool = False
     cpu_at_start_ns: int = -1
     """The process's CPU clock when it took an armed grant (-1: not armed)."""
+    last_start_ns: int = 0
+    cpu_at_last_start_ns: int = -1
+    """The process's CPU clock when the last piece of work started (-1: unknown)."""
 
 
 class GrantLedger:
@@ -97,19 +100,20 @@ class GrantLedger:
         if self._tally.steps == 0 and self.grant is not None:
             self._tally.first_ns = t0 - self.grant.bubble_t_ns
 
-    def stepped(self, t0: int, t1: int, cpu_ns: int) -> None:
-        """Note a step that ran from ``t0`` to ``t1``, and the CPU clock at its end."""
+    def stepped(self, t0: int, t1: int, cpu_ns: int, *, cpu_at_start_ns: int = -1) -> None:
+        """Note a step that ran from ``t0`` to ``t1``, and the CPU clock at its end (and start; -1 unread)."""
         self._tally.steps += 1
-        self._ran(t0, t1, cpu_ns)
+        self._ran(t0, t1, cpu_ns, cpu_at_start_ns)
 
-    def checkpointed(self, t0: int, t1: int, cpu_ns: int) -> None:
-        """Note a checkpoint that ran from ``t0`` to ``t1``, and the CPU clock at its end."""
-        self._ran(t0, t1, cpu_ns)
+    def checkpointed(self, t0: int, t1: int, cpu_ns: int, *, cpu_at_start_ns: int = -1) -> None:
+        """Note a checkpoint that ran from ``t0`` to ``t1``, and the CPU clock at its end (and start; -1 unread)."""
+        self._ran(t0, t1, cpu_ns, cpu_at_start_ns)
 
-    def _ran(self, t0: int, t1: int, cpu_ns: int) -> None:
+    def _ran(self, t0: int, t1: int, cpu_ns: int, cpu_at_start_ns: int) -> None:
         tally = self._tally
         tally.busy_ns += t1 - t0
         tally.last_end_ns, tally.cpu_ns = t1, cpu_ns
+        tally.last_start_ns, tally.cpu_at_last_start_ns = t0, cpu_at_start_ns
         grant = self.grant
         if grant is not None and t1 > grant.deadline_ns:
             tally.overrun_ns = t1 - grant.deadline_ns
@@ -166,4 +170,6 @@ class GrantLedger:
             cpu_ns=tally.cpu_ns,
             armed=tally.armed,
             cpu_at_start_ns=tally.cpu_at_start_ns,
+            last_step_start_ns=tally.last_start_ns,
+            cpu_at_last_step_ns=tally.cpu_at_last_start_ns,
         )

@@ -50,16 +50,21 @@ async def test_time_spent_waiting_for_a_cpu_is_not_learned_as_step_time(tmp_path
     assert done.step_estimate_ns == 6 * MS
 
 
-async def test_a_grant_reports_the_cpu_clock_at_its_last_step_end(tmp_path: Path) -> None:
+async def test_a_grant_reports_the_cpu_clock_at_its_last_steps_start_and_end(tmp_path: Path) -> None:
     """The manager subtracts its own reading at the bubble's end: what ran after it is interference."""
     rig = make_rig(tmp_path)
     rig.link.push(rig.grant(1, 10 * STEP))
     await rig.step()
+    rig.clock.advance(STEP)  # time passes between steps
+    start = rig.clock.now_ns()
     await rig.step()
     end = rig.clock.now_ns()
     rig.clock.advance(STEP)  # time passes with no step: not in the report
     rig.gate.finish("finished")
-    assert rig.link.done()[0].cpu_ns == end
+    (done,) = rig.link.done()
+    assert done.cpu_ns == end
+    # and the last step's start with the clock then: the manager's account of an end it reads late
+    assert (done.last_step_start_ns, done.cpu_at_last_step_ns) == (start, start)
 
 
 async def test_a_grant_without_a_step_reports_no_cpu_clock(tmp_path: Path) -> None:
