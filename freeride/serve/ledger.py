@@ -94,6 +94,9 @@ class DeviceLedger:
 
     def __init__(self, device: str, *, guard: InterferenceGuard, observers: Observers | None, clock: Clock) -> None:
         self.device = device
+        self._by_cpu_clock = not device.startswith("cuda")
+        """Side work here is measured by its task's CPU clock. On a CUDA device a worker sleeps in a
+        blocking sync at each step's end, so its CPU clock says nothing of the device's work: wall times."""
         self._guard = guard
         self._observers = observers
         self._clock = clock
@@ -220,7 +223,7 @@ class DeviceLedger:
                 state.bubble_end_ns = ev.t_ns
                 if state.returned:
                     self.settle(state)
-                elif state.task.runner is not None:
+                elif state.task.runner is not None and self._by_cpu_clock:
                     # What the task runs from here on is taken from training. Read before the
                     # scheduler's revoke, which freezes a program at once.
                     state.cpu_at_end = state.task.runner.cpu_ns()
@@ -275,7 +278,8 @@ class DeviceLedger:
         end is what it ran beyond the wall time it had inside the bubble, the
         core being the task's alone while the stage waited (see
         :func:`_cpu_past_end`). Where the task's CPU clock could not be read,
-        wall times stand in.
+        and on a CUDA device (the worker sleeps while its kernels run), wall
+        times stand in.
         """
         end = state.bubble_end_ns
         late = max(0, state.last_step_end_ns - end if end and state.last_step_end_ns else state.overrun_ns)
@@ -285,16 +289,17 @@ class DeviceLedger:
         # the side work that held the core while the stage waited for it was not used bubble time
         inside_wall = max(0, state.busy_ns - late - state.stage_waited_ns)
         used = inside_wall
-        if state.cpu_done >= 0 and state.cpu_at_grant >= 0:
+        clocked = self._by_cpu_clock and state.cpu_done >= 0
+        if clocked and state.cpu_at_grant >= 0:
             upto = state.cpu_done if state.cpu_at_end < 0 else min(state.cpu_done, state.cpu_at_end)
             used = min(max(0, upto - state.cpu_at_grant), inside_wall)
         self.used_ns = _sat(self.used_ns, used)
         # A clock read at the end's handling after the task's last step had ended (the end was read
-        # late, in a batch) is no reading at the end: wall times stand in, as for a report that came first.
+        # late, in a batch) is no reading at the end, as for a report that came first: estimated.
         read_at_end = state.cpu_at_end >= 0 and not (late > 0 and state.cpu_at_end >= state.cpu_done)
-        if state.cpu_done >= 0 and read_at_end:
+        if clocked and read_at_end:
             interference = max(0, state.cpu_done - state.cpu_at_end)
-        elif late > 0 and state.cpu_done >= 0 and state.cpu_at_grant >= 0:
+        elif late > 0 and clocked and state.cpu_at_grant >= 0:
             interference = _cpu_past_end(state, late)
         else:
             interference = late

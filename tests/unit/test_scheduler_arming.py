@@ -57,11 +57,12 @@ class ArmableRunner:
 
 
 class Harness:
-    def __init__(self, *, endpoint: str = ENDPOINT) -> None:
+    def __init__(self, *, endpoint: str = ENDPOINT, device: str = "cpu:0") -> None:
+        self.device = device
         self.clock = ManualClock()
         self.latency = LatencyRecorder()
         self.sent: list[tuple[int, p.ManagerToWorker]] = []
-        self.sched = DeviceScheduler("cpu:0", latency=self.latency, margin_ns=0, clock=self.clock)
+        self.sched = DeviceScheduler(device, latency=self.latency, margin_ns=0, clock=self.clock)
         self.sched.follow_rank(endpoint)
 
     def of(self, kind: type[p.Disarm] | type[p.Revoke]) -> list[tuple[int, object]]:
@@ -83,7 +84,7 @@ class Harness:
             name=f"t{task_id}",
             checkpoint_path=Path("/x"),
         )
-        t.place("cpu:0")
+        t.place(self.device)
         t.runner = ArmableRunner(task_id, self.sent, armable=armable)
         t.ready(estimate_ns=estimate_ns)
         self.sched.on_task_changed(t)
@@ -95,7 +96,13 @@ class Harness:
 
     def started(self, expected_ns: int, *, step: int = 0, index: int = 0) -> p.BubbleStarted:
         ev = p.BubbleStarted(
-            rank=0, stage=0, device="cpu:0", step=step, index=index, t_ns=self.clock.now_ns(), expected_ns=expected_ns
+            rank=0,
+            stage=0,
+            device=self.device,
+            step=step,
+            index=index,
+            t_ns=self.clock.now_ns(),
+            expected_ns=expected_ns,
         )
         self.sched.on_bubble_started(ev)
         return ev
@@ -106,7 +113,7 @@ class Harness:
             p.BubbleEnded(
                 rank=0,
                 stage=0,
-                device="cpu:0",
+                device=self.device,
                 step=start.step,
                 index=start.index,
                 t_ns=start.t_ns + duration_ns,
@@ -231,8 +238,8 @@ def test_a_lost_rank_disarms() -> None:
     assert h.sched.bubbles_endpoint == ""
 
 
-def _info() -> DeviceInfo:
-    return DeviceInfo(name="cpu:0", first_seen_ns=0)
+def _info(device: str = "cpu:0") -> DeviceInfo:
+    return DeviceInfo(name=device, first_seen_ns=0)
 
 
 def test_bubbles_held_by_armed_grants_count_as_used_for_the_guard() -> None:

@@ -67,3 +67,32 @@ def test_an_end_handled_after_the_report_counts_the_last_steps_cpu_past_the_end_
     h.clock.set(b.t_ns + 40 * MS)  # the end is handled in a batch, after the report: no clock read at the end
     h.ended(b, 20 * MS)
     assert h.sched.status(_info()).interference_ns == 1 * MS  # 5 ms of CPU less the 4 ms inside; 6 ms by wall
+
+
+def test_on_a_cuda_device_wall_times_count_not_the_cpu_clock_of_a_worker_asleep_in_its_sync() -> None:
+    """A worker on a GPU sleeps in a blocking sync while its step's kernels run: its CPU clock barely moves."""
+    h = Harness(device="cuda:0")
+    t1 = h.task(1, 2 * MS)
+    runner = t1.runner
+    assert isinstance(runner, ArmableRunner)
+    runner.cpu = 0
+    [(_, arm)] = h.arms()
+    b = h.started(20 * MS)
+    # steps for 22 ms of which 2 ms past the end, 1.1 ms of CPU in all (their launches)
+    h.report(
+        t1,
+        done(
+            t1,
+            arm.grant_id,
+            reason="revoked",
+            busy=22 * MS,
+            cpu_start=0,
+            cpu=1_100_000,
+            end=b.t_ns + 22 * MS,
+            last_start=b.t_ns + 17 * MS,
+            cpu_last_start=1_000_000,
+        ),
+    )
+    h.ended(b, 20 * MS)
+    status = h.sched.status(_info("cuda:0"))
+    assert (status.used_ns, status.interference_ns) == (20 * MS, 2 * MS)
