@@ -24,7 +24,7 @@ from freeride.backends.launch import ENV_MODE, ENV_PROFILE_DIR
 from freeride.backends.session import ENV_EVENTS
 from freeride.transport import BadFrame, new_async_context
 
-__all__ = ["SCRIPT", "TrainRun", "plain_env", "run_training", "train_cmd"]
+__all__ = ["SCRIPT", "TrainRun", "plain_env", "run_alone", "run_training", "train_cmd"]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "train" / "deepspeed_gpt.py"
@@ -44,13 +44,7 @@ class TrainRun:
     @property
     def records(self) -> list[dict[str, Any]]:
         """The per-step JSON lines of every rank."""
-        out = []
-        for line in self.stdout.splitlines():
-            if line.startswith("{"):
-                record = json.loads(line)
-                if "step" in record:
-                    out.append(record)
-        return out
+        return [record for record in _json_lines(self.stdout) if "step" in record]
 
     def steps(self, rank: int) -> list[dict[str, Any]]:
         return sorted((r for r in self.records if r["rank"] == rank), key=lambda r: r["step"])
@@ -65,7 +59,17 @@ class TrainRun:
         return [e for e in self.events if isinstance(e, kind) and (rank is None or e.rank == rank)]
 
     def explain(self) -> str:
-        return f"rc={self.returncode}\n--- stderr (tail) ---\n{self.stderr[-4000:]}"
+        """The exit code, how far each rank got (its last step, whether it finished), and the output's tails."""
+        got = {r["rank"]: r["step"] for r in self.records}
+        done = sorted(r["rank"] for r in _json_lines(self.stdout) if r.get("done"))
+        return (
+            f"rc={self.returncode}; last step of each rank: {got}; finished: {done}\n"
+            f"--- stdout (tail) ---\n{self.stdout[-1500:]}\n--- stderr (tail) ---\n{self.stderr[-4000:]}"
+        )
+
+
+def _json_lines(stdout: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
 def train_cmd(*args: str, ranks: int = 2) -> list[str]:
@@ -125,3 +129,18 @@ async def run_training(
 
 def _ranks(cmd: list[str]) -> int:
     return int(cmd[cmd.index("--spawn") + 1]) if "--spawn" in cmd else 1
+
+
+def run_alone(cmd: list[str]) -> TrainRun:
+    """The training ``cmd`` without FreeRide: the reference a test compares with.
+
+    Run once more where a rank died in a C++ abort (``std::terminate`` inside
+    torch's gloo, with no Python traceback: once in a CI run, in none of 60
+    runs by hand, loaded or not). Nothing of FreeRide runs in it; a run under
+    FreeRide is never repeated this way.
+    """
+    run = asyncio.run(run_training(cmd, env=plain_env()))
+    if run.returncode != 0 and "terminate called" in run.stderr:
+        print(f"the run without FreeRide aborted in C++; running it again. {run.explain()}", file=sys.stderr)
+        run = asyncio.run(run_training(cmd, env=plain_env()))
+    return run

@@ -29,7 +29,7 @@ import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from _deepspeed import TrainRun, plain_env, run_training, train_cmd
+from _deepspeed import TrainRun, run_alone, run_training, train_cmd
 from _quiet import OtherWork, quietest, require_quiet
 from conftest import freeride_cmd, serving, status, submit_spin_steps
 from deepspeed.runtime.pipe import schedule as ds_schedule
@@ -78,7 +78,7 @@ def runtime() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def alone() -> TrainRun:
-    run = asyncio.run(run_training(train_cmd(*TRAIN, "--steps", str(STEPS)), env=plain_env()))
+    run = run_alone(train_cmd(*TRAIN, "--steps", str(STEPS)))
     assert run.returncode == 0, run.explain()
     return run
 

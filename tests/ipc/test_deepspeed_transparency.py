@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _deepspeed import TrainRun, plain_env, run_training, train_cmd
+from _deepspeed import TrainRun, plain_env, run_alone, run_training, train_cmd
 
 from freeride import protocol as p
 from freeride.backends.launch import launch_env
@@ -58,7 +58,7 @@ def runtime() -> Iterator[Path]:
 def runs(runtime: Path) -> tuple[TrainRun, TrainRun]:
     """(without FreeRide, hooked with no manager), same seed and data."""
     cmd = train_cmd("--compute", "matmul", "--steps", str(STEPS), "--seed", "7")
-    alone = asyncio.run(run_training(cmd, env=plain_env()))
+    alone = run_alone(cmd)
     assert alone.returncode == 0, alone.explain()
     nobody = Endpoints.ipc(runtime / "nobody").events  # nothing is bound there
     hooked = asyncio.run(run_training(cmd, env=launch_env(plain_env(), events=nobody)))
