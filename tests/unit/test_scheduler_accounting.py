@@ -43,7 +43,7 @@ def test_a_task_that_never_overruns_interferes_with_nothing() -> None:
 
 
 def test_a_report_that_beats_the_bubble_end_is_charged_its_wall_time_past_the_end() -> None:
-    """The end was handled after the report: the CPU clock at the end is unknown, wall time stands in."""
+    """The end was handled after a report that does not say when its last step started: wall time stands in."""
     h = Harness()
     t = h.task(1, 5 * MS)
     runner = t.runner
