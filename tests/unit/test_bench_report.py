@@ -231,6 +231,19 @@ def test_render_shows_interference_as_seconds_and_share(report: ModuleType) -> N
     assert "the interval lies below the 0.5 % goal" in text
 
 
+def test_freeride_cpu_is_not_less_the_bubble_time_used_where_side_work_ran_on_gpus(report: ModuleType) -> None:
+    """On a GPU the bubble time used is device time: subtracting it from FreeRide's CPU time would say nothing."""
+    runs = _runs(report, 0.0)
+    for r in runs:
+        r.steps, r.freeride_cpu_ns, r.manager_cpu_ns, r.used_ns = 25, 50_000_000, 10_000_000, 25_000_000
+    on_cpu = report.render(_section(report, runs, final=_reply([_device("cpu:0")], [])))
+    assert "| FreeRide's CPU beyond bubble time used, per training step (manager 0.40 ms, workers 1.60 ms," in on_cpu
+    assert "less 1.00 ms of steps in bubbles) | 1.00 ms," in on_cpu
+    on_gpu = report.render(_section(report, runs, final=_reply([_device("cuda:0")], [])))
+    assert "| FreeRide's host CPU per training step (manager 0.40 ms, workers 1.60 ms; side work on GPUs" in on_gpu
+    assert "| 2.00 ms, " in on_gpu and "less 1.00 ms" not in on_gpu
+
+
 def test_render_without_training_time_says_the_share_is_unknown(report: ModuleType) -> None:
     runs = _runs(report, 0.0)
     for r in runs:

@@ -287,16 +287,26 @@ def _offered(used_ns: int, with_runs: Sequence[RunResult]) -> str:
     )
 
 
-def _outside_row(with_runs: Sequence[RunResult]) -> str:
+def _outside_row(with_runs: Sequence[RunResult], *, on_gpu: bool) -> str:
     """FreeRide's CPU time beyond what side-task steps used in bubbles, per training step: what it may take from
-    training where no core is spare (the manager's wake-ups, the workers' own work between steps)."""
+    training where no core is spare (the manager's wake-ups, the workers' own work between steps).
+
+    With side work on GPUs the bubble time used is device time, not CPU time: the row gives FreeRide's host
+    CPU per training step, nothing subtracted.
+    """
     steps = sum(r.steps for r in with_runs)
     if not steps or not any(r.freeride_cpu_ns for r in with_runs):
         return "| FreeRide's CPU beyond bubble time used, per training step | not measured | |"
     total = sum(r.freeride_cpu_ns for r in with_runs) / steps / 1e6
     manager = sum(r.manager_cpu_ns for r in with_runs) / steps / 1e6
-    used = sum(r.used_ns for r in with_runs) / steps / 1e6
     step = statistics.median(r.step_ms for r in with_runs)
+    if on_gpu:
+        return (
+            f"| FreeRide's host CPU per training step (manager {manager:.2f} ms, workers {total - manager:.2f} ms;"
+            f" side work on GPUs: their device time is not in it) | {total:.2f} ms, {total / step:.2%} of a"
+            f" {step:.1f} ms step | |"
+        )
+    used = sum(r.used_ns for r in with_runs) / steps / 1e6
     return (
         f"| FreeRide's CPU beyond bubble time used, per training step (manager {manager:.2f} ms, workers"
         f" {total - manager:.2f} ms, less {used:.2f} ms of steps in bubbles) | {total - used:.2f} ms,"
@@ -398,7 +408,7 @@ def render(section: Section) -> str:
         if bubble
         else "| bubble time used by side-task steps | no bubbles seen | >= 85 % |",
         f"| side-task steps past a bubble's end | {overrun / 1e9:.2f} s in all | |",
-        _outside_row(with_runs),
+        _outside_row(with_runs, on_gpu=any(d.device.startswith("cuda") for d in section.final.devices)),
         f"| side-task throughput | {sum(steps_by_task.values()) / train_s:.1f} steps/s "
         f"({', '.join(f'{d}: {n / train_s:.1f}' for d, n in sorted(steps_by_task.items(), key=_by_device))}) | |"
         if train_s > 0
