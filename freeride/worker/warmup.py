@@ -76,7 +76,7 @@ class WarmUp(UnboundedGate):
         run of each kind let one outlier set the estimate (D42).
         """
         for kind, took in self.measured:
-            estimates.observe(kind, took)
+            estimates.observe(kind, took, rehearsal=True)
 
     def close(self) -> None:
         """Release the CPU wait counter."""
