@@ -9,10 +9,18 @@ next piece by the room left first.
 
 from __future__ import annotations
 
+import logging
+
 from freeride.sidetask import IterativeTask, StepEstimates
+from freeride.sidetask.estimates import TRUSTED_RUNS
 from freeride.worker.ledger import GrantLedger
 
 __all__ = ["PendingStep"]
+
+logger = logging.getLogger(__name__)
+
+_LOG_CHANGE = 1.1
+"""The scale of little-measured kinds' estimates is logged when it moves by this factor."""
 
 
 class PendingStep:
@@ -32,6 +40,7 @@ class PendingStep:
         """The kind of the step waiting to start (or of the next one)."""
         self.packs = type(task).fit_piece is not IterativeTask.fit_piece
         """The task chooses its pieces by the room left (packing)."""
+        self._scale_logged = 1.0
 
     @property
     def estimate_ns(self) -> int:
@@ -85,3 +94,12 @@ class PendingStep:
         """
         self.estimates.observe(self.kind, took_ns)
         self.kind = self._task.step_kind()
+        scale = self.estimates.calibration.factor
+        if not self._scale_logged / _LOG_CHANGE < scale < self._scale_logged * _LOG_CHANGE:
+            self._scale_logged = scale
+            logger.info(
+                "[worker] estimates of kinds run in bubbles fewer than %d times are scaled x%.2f:"
+                " such steps took that much over their estimate (90th percentile of the last ones)",
+                TRUSTED_RUNS,
+                scale,
+            )
