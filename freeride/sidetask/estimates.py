@@ -67,7 +67,7 @@ class Calibration:
     the last ``window`` ratios, once ``least`` are known, and never scaled down.
     """
 
-    def __init__(self, *, window: int = 32, least: int = 8) -> None:
+    def __init__(self, *, window: int = 128, least: int = 16) -> None:
         self._ratios: deque[float] = deque(maxlen=window)
         self._least = least
         self.factor = 1.0

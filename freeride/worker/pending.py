@@ -10,6 +10,7 @@ next piece by the room left first.
 from __future__ import annotations
 
 import logging
+import time
 
 from freeride.sidetask import IterativeTask, StepEstimates
 from freeride.sidetask.estimates import TRUSTED_RUNS
@@ -20,7 +21,9 @@ __all__ = ["PendingStep"]
 logger = logging.getLogger(__name__)
 
 _LOG_CHANGE = 1.1
-"""The scale of little-measured kinds' estimates is logged when it moves by this factor."""
+"""The scale of little-measured kinds' estimates is logged when it moves by this factor ..."""
+_LOG_EVERY_NS = 60_000_000_000
+"""... at most once a minute after the first time."""
 
 
 class PendingStep:
@@ -41,6 +44,7 @@ class PendingStep:
         self.packs = type(task).fit_piece is not IterativeTask.fit_piece
         """The task chooses its pieces by the room left (packing)."""
         self._scale_logged = 1.0
+        self._scale_logged_at = -_LOG_EVERY_NS
 
     @property
     def estimate_ns(self) -> int:
@@ -94,9 +98,15 @@ class PendingStep:
         """
         self.estimates.observe(self.kind, took_ns)
         self.kind = self._task.step_kind()
-        scale = self.estimates.calibration.factor
-        if not self._scale_logged / _LOG_CHANGE < scale < self._scale_logged * _LOG_CHANGE:
-            self._scale_logged = scale
+        self._log_scale()
+
+    def _log_scale(self) -> None:
+        scale, logged = self.estimates.calibration.factor, self._scale_logged
+        if scale == logged or logged / _LOG_CHANGE < scale < logged * _LOG_CHANGE:
+            return
+        now = time.monotonic_ns()
+        if now - self._scale_logged_at >= _LOG_EVERY_NS:
+            self._scale_logged, self._scale_logged_at = scale, now
             logger.info(
                 "[worker] estimates of kinds run in bubbles fewer than %d times are scaled x%.2f:"
                 " such steps took that much over their estimate (90th percentile of the last ones)",

@@ -18,20 +18,20 @@ def _rehearsed(estimates: StepEstimates, kinds: list[str], took_ns: int = 2 * MS
 def test_kinds_that_run_slower_in_bubbles_than_rehearsed_raise_the_estimates_of_little_measured_kinds() -> None:
     """Rehearsed at 2 ms, each kind's steps in bubbles take 2.2-3.0 ms: the 90th percentile ratio scales the rest."""
     estimates = StepEstimates()
-    kinds = [f"u{i}" for i in range(12)]
+    kinds = [f"u{i}" for i in range(24)]
     _rehearsed(estimates, kinds)
-    assert estimates.estimate_ns("u11") == 2 * MS  # before any step in a bubble: the rehearsed time
-    for i, kind in enumerate(kinds[:10]):
-        estimates.observe(kind, (22 + i) * MS // 10)  # ratios 1.10 .. 1.55
-    assert abs(estimates.calibration.factor - 1.5) < 1e-9  # the 9th of 10, nearest rank
-    assert estimates.estimate_ns("u11") == 3 * MS
-    assert estimates.known_ns("u11") == estimates.estimate_ns("u11")  # what the manager fits is scaled too
+    assert estimates.estimate_ns("u23") == 2 * MS  # before any step in a bubble: the rehearsed time
+    for i, kind in enumerate(kinds[:20]):
+        estimates.observe(kind, 2 * MS + i * MS // 10)  # ratios 1.00 .. 1.95
+    assert abs(estimates.calibration.factor - 1.85) < 1e-9  # the 18th of 20, nearest rank
+    assert estimates.estimate_ns("u23") == 3_700_000
+    assert estimates.known_ns("u23") == estimates.estimate_ns("u23")  # what the manager fits is scaled too
 
 
 def test_a_kind_measured_often_in_bubbles_stands_on_its_own_percentile() -> None:
     estimates = StepEstimates()
-    _rehearsed(estimates, [f"k{i}" for i in range(10)])
-    for i in range(10):
+    _rehearsed(estimates, [f"k{i}" for i in range(20)])
+    for i in range(20):
         estimates.observe(f"k{i}", 3 * MS)  # every kind 1.5x its rehearsal
     assert estimates.calibration.factor == 1.5
     for _ in range(TRUSTED_RUNS - 1):
@@ -43,36 +43,36 @@ def test_a_kind_measured_often_in_bubbles_stands_on_its_own_percentile() -> None
 
 def test_rehearsals_teach_nothing_and_faster_steps_never_scale_an_estimate_down() -> None:
     estimates = StepEstimates()
-    kinds = [f"k{i}" for i in range(12)]
+    kinds = [f"k{i}" for i in range(24)]
     _rehearsed(estimates, kinds, took_ns=4 * MS)
     for kind in kinds:
         estimates.observe(kind, 9 * MS, rehearsal=True)  # a rehearsed outlier: not a step in a bubble
     assert estimates.calibration.factor == 1.0
-    for kind in kinds[:10]:
+    for kind in kinds[:20]:
         estimates.observe(kind, 1 * MS)  # faster in bubbles
     assert estimates.calibration.factor == 1.0
-    assert estimates.estimate_ns("k11") == 4 * MS
+    assert estimates.estimate_ns("k23") == 4 * MS
 
 
 def test_the_first_step_of_a_kind_seeded_from_an_earlier_run_is_a_warm_up_and_teaches_nothing() -> None:
     estimates = StepEstimates()
-    for i in range(10):
+    for i in range(20):
         estimates.seed(f"k{i}", [2 * MS] * 3, first_ns=40 * MS)
-    for i in range(10):
+    for i in range(20):
         estimates.observe(f"k{i}", 40 * MS)  # the fresh process's first step of each kind pays its warm-up
     assert estimates.calibration.factor == 1.0
-    for i in range(10):
+    for i in range(20):
         estimates.observe(f"k{i}", 3 * MS)  # the second is a step like any other
     assert estimates.calibration.factor > 1.0
 
 
 def test_the_warm_up_seeds_its_steps_as_rehearsals() -> None:
     record = WarmUp(max_steps=10, max_ns=10**9)
-    record.measured = [(f"k{i}", 2 * MS) for i in range(10)] * 2
+    record.measured = [(f"k{i}", 2 * MS) for i in range(20)] * 2
     estimates = StepEstimates()
     record.seed(estimates)
     record.close()
-    for i in range(10):
+    for i in range(20):
         estimates.observe(f"k{i}", 3 * MS)  # the first step in a bubble of each rehearsed kind teaches
     assert estimates.calibration.factor == 1.5
 
