@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-from freeride.sidetask import StepEstimates
+import logging
+
+import pytest
+
+from freeride import protocol as p
+from freeride.sidetask import IterativeTask, StepEstimates
 from freeride.sidetask.estimates import TRUSTED_RUNS, Calibration
+from freeride.worker import pending as pending_module
+from freeride.worker.ledger import GrantLedger
+from freeride.worker.pending import PendingStep
 from freeride.worker.warmup import WarmUp
 
 MS = 1_000_000
@@ -87,3 +95,40 @@ def test_too_few_ratios_scale_nothing() -> None:
     calibration.add(5 * MS, -1)  # nothing known to compare with
     calibration.add(5 * MS, 0)
     assert calibration.factor == 5.0
+
+
+def test_the_worker_logs_the_scale_when_it_moves_and_then_at_most_once_a_minute(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Pieces(IterativeTask):
+        def step(self) -> None:
+            pass
+
+    estimates = StepEstimates()
+    _rehearsed(estimates, [f"k{i}" for i in range(40)])
+    assign = p.Assign(
+        task_id=1,
+        spec=p.IterativeSpec(target="x:Y"),
+        device="cpu:0",
+        checkpoint_path="",
+        margin_ns=0,
+        checkpoint_every_ns=1 << 62,
+    )
+    pending = PendingStep(Pieces(), estimates, GrantLedger(assign))
+    now = [10**12]
+    monkeypatch.setattr(pending_module.time, "monotonic_ns", lambda: now[0])
+
+    def run(first: int, last: int, took_ns: int) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="freeride.worker.pending"):
+            for i in range(first, last):
+                pending.kind = f"k{i}"
+                pending.ran(took_ns)
+        return [r.getMessage() for r in caplog.records]
+
+    logged = run(0, 20, 3 * MS)  # 1.5x the rehearsal: the scale is set once 16 ratios are known
+    assert len(logged) == 1 and "scaled x1.50" in logged[0]
+    assert run(20, 30, 6 * MS) == []  # the scale doubles within the minute: not logged again
+    now[0] += 61 * 10**9
+    logged = run(30, 31, 6 * MS)
+    assert len(logged) == 1 and "scaled x3.00" in logged[0]
