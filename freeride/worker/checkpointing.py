@@ -5,7 +5,10 @@ would leave more unsaved than the assigned loss bound (steps or step time).
 A state of :data:`STAGED_FROM_BYTES` or more is staged: copied to host memory a
 slice per grant (no step runs until the copy is whole) and written by a
 thread while the steps go on (:mod:`~freeride.worker.snapshot`); its size never
-holds a bubble past its end. A smaller state is saved at once: the gate fits
+holds a bubble past its end. A periodic staged checkpoint also waits until the steps
+since the last one took :data:`STEPS_PER_COPY` times the grant time its copy
+took, so copies take at most a tenth of the task's bubble time (a VGG-19's
+1.7 GB took every bubble of whole 20 s runs on a 30 s period). A smaller state is saved at once: the gate fits
 it into a grant on the last save's time, scaled by how the state grew; a
 forced one that fits no bubble runs at a grant's start. So does a periodic one
 kept out of every grant for :data:`OVERDUE_PERIODS` periods: one slow save (the
@@ -27,7 +30,7 @@ from freeride.sidetask import IterativeTask
 from freeride.worker.checkpoint import write_checkpoint
 from freeride.worker.snapshot import StateCopy, StateWriter, WriteState
 
-__all__ = ["OVERDUE_PERIODS", "STAGED_FROM_BYTES", "CheckpointDue", "Checkpointer", "SaveCheckpoint"]
+__all__ = ["OVERDUE_PERIODS", "STAGED_FROM_BYTES", "STEPS_PER_COPY", "CheckpointDue", "Checkpointer", "SaveCheckpoint"]
 
 _RETRY_MAX_NS = 5_000_000_000
 """A failed checkpoint is tried again after the checkpoint period, or this, whichever is shorter."""
@@ -37,6 +40,10 @@ OVERDUE_PERIODS = 3
 
 STAGED_FROM_BYTES = 32 << 20
 """A state this large (tensor and array bytes) is staged: written at once, it would take tens of ms."""
+
+STEPS_PER_COPY = 9
+"""A periodic staged checkpoint waits for this many times its last copy's grant time in steps (the loss bound
+does not)."""
 
 _PROBE_BYTES = 1 << 20
 """The first slice of a staged copy, before the copy's speed is known."""
@@ -115,6 +122,10 @@ class Checkpointer:
         self._copy: StateCopy | None = None
         """A staged checkpoint's copy under way (its step count and start beside it)."""
         self._copy_steps = self._copy_began_ns = 0
+        self._copy_spent_ns = 0
+        """Grant time the copy under way has taken so far."""
+        self._copy_cost_ns = 0
+        """Grant time the last whole copy took (0: none yet)."""
         self._writer: StateWriter | None = None
         """A staged checkpoint being written."""
         self._unsaved_at_copy_ns = 0
@@ -179,7 +190,7 @@ class Checkpointer:
         try:
             if self._copy is None:
                 self._copy = StateCopy(self._task.state_dict())
-                self._copy_steps, self._copy_began_ns = steps, t0
+                self._copy_steps, self._copy_began_ns, self._copy_spent_ns = steps, t0, 0
             copied = self._copy.copy(max_bytes)
         except Exception as exc:  # no host memory for the copy (a cap): save at once from now on
             self._copy, self._staging_failed = None, True  # a save at once may follow now: no retry delay
@@ -188,12 +199,14 @@ class Checkpointer:
             self._send(p.CheckpointFailed(task_id=self.assign.task_id, steps=steps, error=error))
             return
         took = self._clock.now_ns() - t0
+        self._copy_spent_ns += took
         if copied >= _MIN_SLICE_BYTES and took > 0:
             measured = took / copied  # learned upward at once, downward slowly: a slice must not overrun
             old = self._ns_per_byte
             self._ns_per_byte = measured if old < 0 else max(measured, 0.7 * old + 0.3 * measured)
         if self._copy.done:
             copied_state, self._copy = self._copy, None
+            self._copy_cost_ns, self._copy_spent_ns = self._copy_spent_ns, 0
             if copied_state.total == 0 and not copied_state.state:
                 self._last_ns, self._sized = self._copy_began_ns, -1  # no state: nothing to save
                 return
@@ -309,6 +322,8 @@ class Checkpointer:
         periodic = retry and now - self._last_ns >= self.assign.checkpoint_every_ns
         bound = retry and self._loss_bound_reached(steps, step_ns)
         if (periodic or bound) and self._stages():
-            return CheckpointDue(need_ns=-1, bound=bound, copying=True)
+            if bound or self._unsaved_ns >= STEPS_PER_COPY * self._copy_cost_ns:
+                return CheckpointDue(need_ns=-1, bound=bound, copying=True)
+            return CheckpointDue(need_ns=-1, bound=False)  # the steps since the last are not yet worth a copy
         overdue = periodic and now - self._last_ns >= OVERDUE_PERIODS * self.assign.checkpoint_every_ns
         return CheckpointDue(need_ns=self.estimate_ns() if periodic or bound else -1, bound=bound, overdue=overdue)

@@ -185,3 +185,31 @@ async def test_a_copy_that_cannot_have_its_memory_falls_back_to_saving_at_once(
     [failed] = [m for m in rig.link.sent if isinstance(m, p.CheckpointFailed)]
     assert "staged copy failed, saving at once from now on: MemoryError" in failed.error
     assert rig.saver.saved_at_steps == [1] and not writes.states
+
+
+def test_a_periodic_staged_checkpoint_waits_for_steps_worth_nine_times_its_last_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    task, writes = Big(), Writes()
+    rig = staged_rig(tmp_path, monkeypatch, task, writes)
+    rig.gate.checkpoint_first()
+    checkpoints = rig.gate._checkpoints
+
+    def copying() -> bool:
+        return checkpoints.due(rig.clock.now_ns(), 1, lambda: STEP).copying
+
+    rig.clock.advance(200 * MS)  # a period passed: the first copy, its cost not known yet
+    checkpoints.stepped(STEP)
+    for _ in range(100):
+        if not copying():
+            break
+        checkpoints.copy_slice(1, 4 << 20)
+    checkpoints.settle()
+    assert [s for s, _ in writes.states] == [1]
+    copy_ns = int(task.w.nbytes * NS_PER_BYTE)  # the grant time the copy took: 20 ms
+
+    rig.clock.advance(200 * MS)  # two periods later, with steps of 5 copies' time since
+    checkpoints.stepped(5 * copy_ns)
+    assert not copying()
+    checkpoints.stepped(4 * copy_ns)  # 9 copies' time: worth the next one
+    assert copying()
