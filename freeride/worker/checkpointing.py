@@ -5,12 +5,12 @@ would leave more unsaved than the assigned loss bound (steps or step time).
 A state of :data:`STAGED_FROM_BYTES` or more is staged: copied to host memory a
 slice per grant (no step runs until the copy is whole) and written by a
 thread while the steps go on (:mod:`~freeride.worker.snapshot`); its size never
-holds a bubble past its end. A periodic staged checkpoint also waits until the steps
-since the last one took :data:`STEPS_PER_COPY` times the grant time its copy
-took, so copies take at most a tenth of the task's bubble time (a VGG-19's
-1.7 GB took every bubble of whole 20 s runs on a 30 s period). A smaller state is saved at once: the gate fits
-it into a grant on the last save's time, scaled by how the state grew; a
-forced one that fits no bubble runs at a grant's start. So does a periodic one
+holds a bubble past its end. A periodic staged checkpoint also waits until the
+steps since the last one took :data:`STEPS_PER_COPY` times the grant time its
+copy took, so copies take at most a tenth of the task's bubble time (D71). A
+smaller state is saved at once: the gate fits it into a grant on the last
+save's time, scaled by how the state grew; a forced one that fits no bubble
+runs at a grant's start. So does a periodic one
 kept out of every grant for :data:`OVERDUE_PERIODS` periods: one slow save (the
 first of a process, a disk busy just then) would otherwise keep every later one
 out until the loss bound, and this one measures the time again. A failed save
@@ -123,7 +123,7 @@ class Checkpointer:
         """A staged checkpoint's copy under way (its step count and start beside it)."""
         self._copy_steps = self._copy_began_ns = 0
         self._copy_spent_ns = 0
-        """Grant time the copy under way has taken so far."""
+        """Grant time the copy under way (or the last one) has taken so far."""
         self._copy_cost_ns = 0
         """Grant time the last whole copy took (0: none yet)."""
         self._writer: StateWriter | None = None
@@ -206,7 +206,7 @@ class Checkpointer:
             self._ns_per_byte = measured if old < 0 else max(measured, 0.7 * old + 0.3 * measured)
         if self._copy.done:
             copied_state, self._copy = self._copy, None
-            self._copy_cost_ns, self._copy_spent_ns = self._copy_spent_ns, 0
+            self._copy_cost_ns = self._copy_spent_ns
             if copied_state.total == 0 and not copied_state.state:
                 self._last_ns, self._sized = self._copy_began_ns, -1  # no state: nothing to save
                 return

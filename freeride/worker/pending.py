@@ -102,7 +102,7 @@ class PendingStep:
 
     def _log_scale(self) -> None:
         scale, logged = self.estimates.calibration.factor, self._scale_logged
-        if scale == logged or logged / _LOG_CHANGE < scale < logged * _LOG_CHANGE:
+        if logged / _LOG_CHANGE < scale < logged * _LOG_CHANGE:
             return
         now = time.monotonic_ns()
         if now - self._scale_logged_at >= _LOG_EVERY_NS:
